@@ -1,0 +1,240 @@
+"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sluice.config import Config, load_config
+from sluice.errors import SluiceError
+
+log = logging.getLogger("sluice")
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("py4j", "uvicorn.access", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _load(path: str) -> Config:
+    try:
+        return load_config(path)
+    except SluiceError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _fail(e: Exception) -> click.ClickException:
+    return click.ClickException(str(e))
+
+
+config_option = click.option(
+    "-c", "--config", "config_path", required=True, type=click.Path(dir_okay=False),
+    help="path to sluice.yaml",
+)  # fmt: skip
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="debug logging")
+@click.version_option(package_name="sluice")
+def main(verbose: bool) -> None:
+    """Sluice: real-time per-entity metrics over any window."""
+    setup_logging(verbose)
+
+
+@main.command()
+@config_option
+def run(config_path: str) -> None:
+    """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
+    from sluice.pipeline.job import Pipeline
+    from sluice.pipeline.spark import build_spark
+    from sluice.redis.connection import open_redis
+
+    cfg = _load(config_path)
+    try:
+        handle = open_redis(cfg.redis, cfg.state_dir)
+    except SluiceError as e:
+        raise _fail(e) from None
+    with handle:
+        spark = build_spark(cfg)
+        try:
+            pipeline = Pipeline(cfg, handle, spark)
+        except SluiceError as e:
+            raise _fail(e) from None
+
+        def on_signal(signum: int, _: Any) -> None:
+            log.info("signal %s: stopping after the batch in flight", signal.Signals(signum).name)
+            pipeline.request_stop()
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        log.info("pipeline running; redis=%s checkpoint=%s", _redact(handle.url), pipeline.ckpt)
+        pipeline.run_forever()
+        spark.stop()
+    log.info("stopped")
+
+
+def _redact(url: str) -> str:
+    from sluice.redis.connection import redact
+
+    return redact(url)
+
+
+@main.command()
+@config_option
+@click.option("--host", default=None, help="bind address (default: server.host)")
+@click.option("--port", default=None, type=int, help="port (default: server.port)")
+def serve(config_path: str, host: str | None, port: int | None) -> None:
+    """Serve the HTTP API and the dashboard."""
+    import uvicorn
+
+    from sluice.query.app import create_app
+    from sluice.redis.connection import open_redis
+
+    cfg = _load(config_path)
+    try:
+        handle = open_redis(cfg.redis, cfg.state_dir)
+    except SluiceError as e:
+        raise _fail(e) from None
+    with handle:
+        app = create_app(cfg, handle.client)
+        uvicorn.run(
+            app,
+            host=host or cfg.server.host,
+            port=port if port is not None else cfg.server.port,
+            log_level="warning",
+        )
+
+
+@main.command()
+@config_option
+@click.option("--rate", type=float, required=True, help="events per second (base rate)")
+@click.option("--duration", type=float, required=True, help="seconds to produce for")
+@click.option("--profile", type=click.Choice(["steady", "burst"]), default="steady")
+@click.option("--seed", type=int, default=0, help="RNG seed for keys and values")
+def produce(config_path: str, rate: float, duration: float, profile: str, seed: int) -> None:
+    """Produce synthetic events (Zipf keys) into the input streams."""
+    from sluice.redis.connection import open_redis
+    from sluice.source.loadgen import Profile, run_load
+
+    if rate <= 0 or duration <= 0:
+        raise click.ClickException("`--rate` and `--duration` must be positive")
+    cfg = _load(config_path)
+    try:
+        handle = open_redis(cfg.redis, cfg.state_dir)
+    except SluiceError as e:
+        raise _fail(e) from None
+
+    def progress(p: dict[str, Any]) -> None:
+        click.echo(
+            f"produced {p['events']:,} events in {p['seconds']:.0f}s ({p['rate']:,.0f}/s)", err=True
+        )
+
+    with handle:
+        out = run_load(
+            cfg, handle.client, rate, duration, Profile(profile), seed, progress=progress
+        )
+    click.echo(json.dumps(out))
+
+
+@main.command()
+@config_option
+@click.argument("metric")
+@click.option(
+    "--key", "keys", multiple=True, required=True, help="key value (repeat for multi-field keys)"
+)
+@click.option("--window", required=True, help="window length, e.g. 15m")
+@click.option("--end", type=int, default=None, help="window end in epoch ms (default now)")
+def query(
+    config_path: str, metric: str, keys: tuple[str, ...], window: str, end: int | None
+) -> None:
+    """Query METRIC for a key over the last WINDOW."""
+    from sluice.query.engine import QueryEngine
+    from sluice.redis.connection import open_redis
+
+    cfg = _load(config_path)
+    try:
+        with open_redis(cfg.redis, cfg.state_dir) as handle:
+            out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
+    except SluiceError as e:
+        raise _fail(e) from None
+    click.echo(json.dumps(out))
+
+
+@main.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def status(config_path: str, as_json: bool) -> None:
+    """Show backlog, rates, freshness and counters."""
+    from sluice.clock import SYSTEM_CLOCK
+    from sluice.pipeline.status import read_status
+    from sluice.redis.connection import open_redis
+
+    cfg = _load(config_path)
+    try:
+        with open_redis(cfg.redis, cfg.state_dir) as handle:
+            st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms())
+    except SluiceError as e:
+        raise _fail(e) from None
+    if as_json:
+        click.echo(json.dumps(st))
+        return
+    click.echo(format_status(st))
+
+
+def format_status(st: dict[str, Any]) -> str:
+    c = st["counters"]
+    f = st["freshness_ms"]
+    rows = [
+        ("backlog (entries)", f"{st['backlog']['entries']:,}"),
+        ("processed events/s", f"{st['processed_events_per_s']:,.0f}"),
+        ("freshness p50 / p99", f"{_ms(f['p50'])} / {_ms(f['p99'])}"),
+        (
+            "last batch",
+            _ms(st["last_batch_age_ms"]) + " ago"
+            if st["last_batch_age_ms"] is not None
+            else "none yet",
+        ),
+        ("events in", f"{c.get('events_in', 0):,}"),
+        ("  aggregated", f"{c.get('events_aggregated', 0):,}"),
+        ("  dead-lettered", f"{c.get('dead_letters', 0):,}"),
+        ("batches", f"{c.get('batches', 0):,}"),
+    ]
+    for k in sorted(c):
+        if k.startswith("dead_") and k != "dead_letters":
+            rows.append((f"    {k[5:]}", f"{c[k]:,}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:,.0f} ms"
+
+
+@main.command()
+@click.option("--duration", type=float, default=None, help="stop after this many seconds")
+@click.option("--rate", type=float, default=2000.0, help="base event rate (bursts are 10x)")
+@click.option("--port", type=int, default=8000, help="API port (0 = any free port)")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=".sluice/demo")
+def demo(duration: float | None, rate: float, port: int, state_dir: str) -> None:
+    """Everything embedded: Redis, the Spark pipeline, the API and bursty synthetic load."""
+    from sluice.demo import run_demo
+
+    try:
+        run_demo(Path(state_dir), duration, rate, port)
+    except SluiceError as e:
+        raise _fail(e) from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,337 @@
+"""`sluice.yaml`: typed, validated configuration (DESIGN §3).
+
+Two levels of checking:
+- `load_config` checks everything that needs no engine: types, names, units, that every slice
+  divides its retention, that key and value fields exist, that derived formulas name known
+  metrics. A failure raises `ConfigError` naming the field path, e.g. `metrics[1].value`.
+- Spark SQL snippets (`filter`, `value` expressions) are checked against the schema when the
+  pipeline starts (`sluice.pipeline.plan.check_expressions`), because only Spark can parse them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from sluice.errors import ConfigError
+from sluice.units import parse_duration_ms, parse_size_bytes
+
+DurationMs = Annotated[int, BeforeValidator(parse_duration_ms)]
+SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes)]
+
+AGGS = ("count", "sum", "min", "max", "avg")
+PLANNED_AGGS = ("distinct", "quantile", "last", "stddev", "variance")
+FIELD_TYPES = ("string", "long", "int", "double", "float", "boolean")
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FieldType(_Model):
+    """One schema field: `long`, or `string?` for a field that may be missing."""
+
+    type: str
+    nullable: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> FieldType:
+        nullable = spec.endswith("?")
+        base = spec[:-1] if nullable else spec
+        if base not in FIELD_TYPES:
+            raise ValueError(
+                f"unknown field type {spec!r}; expected one of {', '.join(FIELD_TYPES)}"
+                " (add '?' for a field that may be missing)"
+            )
+        return cls(type=base, nullable=nullable)
+
+
+class SourceConfig(_Model):
+    stream: str = "events"
+    shards: int = Field(1, ge=1, le=1024)
+    format: Literal["fields", "jsonl"] = "fields"
+    schema_: dict[str, str] = Field(
+        default_factory=lambda: {"ts": "long", "key": "string", "value": "double"},
+        alias="schema",
+    )
+    time_field: str | None = "ts"
+    max_events_per_batch: int | None = Field(
+        1_000_000,
+        ge=1,
+        description="default admission limit per micro-batch (ReadMaxRows); null = no limit",
+    )
+    max_future: DurationMs = Field(3_600_000, description="events further ahead are dead-lettered")
+    dead_letter_maxlen: int = Field(100_000, ge=100)
+    max_string_bytes: int = Field(4096, ge=16, description="longer string values are rejected")
+
+    @field_validator("stream")
+    @classmethod
+    def _stream_name(cls, v: str) -> str:
+        if not v or any(c in v for c in "{}\n ") or len(v) > 200:
+            raise ValueError(
+                f"stream name {v!r} must be non-empty, <=200 chars, no spaces or braces"
+            )
+        return v
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("schema must name at least one field")
+        for name, spec in v.items():
+            if not NAME_RE.match(name):
+                raise ValueError(f"field name {name!r} must match {NAME_RE.pattern}")
+            if name.startswith("_"):
+                raise ValueError(f"field name {name!r} must not start with '_' (reserved)")
+            FieldType.parse(str(spec))
+        return {k: str(s) for k, s in v.items()}
+
+    @model_validator(mode="after")
+    def _time_field(self) -> SourceConfig:
+        if self.time_field is not None:
+            spec = self.schema_.get(self.time_field)
+            if spec is None:
+                raise ValueError(f"time_field {self.time_field!r} is not in the schema")
+            if FieldType.parse(spec).type not in ("long", "int"):
+                raise ValueError(
+                    f"time_field {self.time_field!r} must be a long (epoch ms), not {spec}"
+                )
+        return self
+
+    def field_types(self) -> dict[str, FieldType]:
+        out = {name: FieldType.parse(spec) for name, spec in self.schema_.items()}
+        if self.time_field is not None:
+            # A missing time field falls back to the entry id's time, so it may be absent.
+            out[self.time_field] = FieldType(type=out[self.time_field].type, nullable=True)
+        return out
+
+    def shard_keys(self) -> list[str]:
+        """Redis keys of the input streams, in shard order."""
+        if self.shards == 1:
+            return [self.stream]
+        return [f"{self.stream}:{i}" for i in range(self.shards)]
+
+    @property
+    def dead_letter_stream(self) -> str:
+        from sluice.redis.keys import dead_letter_stream_key
+
+        return dead_letter_stream_key(self.stream)
+
+
+class MetricConfig(_Model):
+    name: str
+    key: list[str] = Field(min_length=1)
+    agg: str
+    value: str | None = None
+    filter: str | None = None
+    slice: DurationMs = 60_000
+    retention: DurationMs = 7 * 86_400_000
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"metric name {v!r} must match {NAME_RE.pattern}")
+        return v
+
+    @field_validator("agg")
+    @classmethod
+    def _agg(cls, v: str) -> str:
+        if v in PLANNED_AGGS:
+            raise ValueError(f"agg {v!r} is not supported yet; use one of {', '.join(AGGS)}")
+        if v not in AGGS:
+            raise ValueError(f"unknown agg {v!r}; expected one of {', '.join(AGGS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> MetricConfig:
+        if self.agg != "count" and not self.value:
+            raise ValueError(f"agg {self.agg!r} needs `value` (a field or a Spark SQL expression)")
+        if self.slice < 1000:
+            raise ValueError(f"slice {self.slice}ms is shorter than the 1s minimum")
+        if self.retention < self.slice:
+            raise ValueError(f"retention {self.retention}ms is shorter than the slice")
+        if self.retention % self.slice != 0:
+            raise ValueError(
+                f"slice ({self.slice}ms) does not divide retention ({self.retention}ms);"
+                " choose a retention that is a whole number of slices"
+            )
+        if len(set(self.key)) != len(self.key):
+            raise ValueError(f"key fields {self.key} repeat a field")
+        return self
+
+
+class DerivedConfig(_Model):
+    name: str
+    expr: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"derived metric name {v!r} must match {NAME_RE.pattern}")
+        return v
+
+
+class SparkConfig(_Model):
+    master: str = "local[2]"
+    trigger: DurationMs = 500
+    shuffle_partitions: int = Field(2, ge=1)
+    conf: dict[str, str] = Field(default_factory=dict)
+
+
+class BackpressureConfig(_Model):
+    controller: Literal["stepwise", "aimd", "pid", "fixed", "none"] = "stepwise"
+    high_watermark: SizeBytes = 50_000_000
+    low_watermark: SizeBytes = 500_000
+    sensitivity: DurationMs = 2000
+    step: float = Field(0.5, gt=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _marks(self) -> BackpressureConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark} B) must be below"
+                f" high_watermark ({self.high_watermark} B)"
+            )
+        return self
+
+
+class ServerConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    token: str | None = None
+    workers: int = Field(1, ge=1, le=16)
+
+
+class Config(_Model):
+    redis: str | None = None
+    state_dir: Path = Path(".sluice")
+    source: SourceConfig = Field(default_factory=SourceConfig)
+    metrics: list[MetricConfig] = Field(min_length=1)
+    derived: list[DerivedConfig] = Field(default_factory=list)
+    spark: SparkConfig = Field(default_factory=SparkConfig)
+    backpressure: BackpressureConfig = Field(default_factory=BackpressureConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @field_validator("redis")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis URL {v!r} must start with redis://, rediss:// or unix://")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> Config:
+        fields = self.source.schema_
+        seen: set[str] = set()
+        for i, m in enumerate(self.metrics):
+            if m.name in seen:
+                raise _at(f"metrics[{i}].name", f"metric name {m.name!r} is used twice")
+            seen.add(m.name)
+            for k in m.key:
+                if k not in fields:
+                    raise _at(
+                        f"metrics[{i}].key",
+                        f"key field {k!r} is not in source.schema ({', '.join(fields)})",
+                    )
+        for i, d in enumerate(self.derived):
+            if d.name in seen:
+                raise _at(f"derived[{i}].name", f"name {d.name!r} is already a metric")
+            seen.add(d.name)
+            # Imported here: the formula module imports this one for the metric types.
+            from sluice.query.formula import check_derived
+
+            try:
+                check_derived(d.expr, {m.name: m for m in self.metrics})
+            except ValueError as e:
+                raise _at(f"derived[{i}].expr", str(e)) from None
+        return self
+
+    def metric(self, name: str) -> MetricConfig | None:
+        for m in self.metrics:
+            if m.name == name:
+                return m
+        return None
+
+    def derived_metric(self, name: str) -> DerivedConfig | None:
+        for d in self.derived:
+            if d.name == name:
+                return d
+        return None
+
+
+class _PathError(ValueError):
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+
+def _at(path: str, message: str) -> _PathError:
+    return _PathError(path, message)
+
+
+def _loc_to_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            name = "schema" if part == "schema_" else str(part)
+            out += f".{name}" if out else name
+    return out
+
+
+def config_from_dict(data: Any, base_dir: Path | None = None) -> Config:
+    """Validate a parsed YAML document. `state_dir` is made relative to `base_dir` if given."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping, got {type(data).__name__}")
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _PathError):
+            raise ConfigError(str(ctx_err), ctx_err.path) from None
+        msg = str(ctx_err) if ctx_err is not None else err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; check its spelling against DESIGN §3"
+        elif err["type"] == "missing":
+            msg = "field required"
+        path = _loc_to_path(tuple(err["loc"]))
+        more = len(e.errors()) - 1
+        if more:
+            msg += f" (and {more} more error{'s' if more > 1 else ''})"
+        raise ConfigError(msg, path) from None
+    if base_dir is not None and not cfg.state_dir.is_absolute():
+        cfg = cfg.model_copy(update={"state_dir": (base_dir / cfg.state_dir).resolve()})
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate `sluice.yaml`. Raises ConfigError (never a bare YAML or pydantic error)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} not found") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    return config_from_dict(data, base_dir=p.resolve().parent)

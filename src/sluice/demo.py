@@ -1,0 +1,144 @@
+"""`sluice demo`: embedded Redis, the Spark pipeline, the API and bursty load, in one process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from sluice.clock import SYSTEM_CLOCK
+from sluice.config import Config, config_from_dict
+from sluice.redis.connection import open_redis
+
+log = logging.getLogger(__name__)
+
+DEMO_CONFIG: dict[str, Any] = {
+    "source": {
+        "stream": "events",
+        "shards": 2,
+        "format": "jsonl",
+        "schema": {"ts": "long", "card": "string", "merchant": "string", "amount": "double"},
+        "time_field": "ts",
+    },
+    "metrics": [
+        {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1h"},
+        {"name": "card_max_amount", "key": ["card"], "agg": "max", "value": "amount",
+         "slice": "10s", "retention": "1h"},
+        {"name": "merchant_txn", "key": ["merchant"], "agg": "count", "slice": "10s",
+         "retention": "1h"},
+        {"name": "amount_sum", "key": ["merchant"], "agg": "sum", "value": "amount",
+         "filter": "amount > 0", "slice": "10s", "retention": "1h"},
+        {"name": "avg_amount", "key": ["merchant"], "agg": "avg", "value": "amount",
+         "slice": "10s", "retention": "1h"},
+    ],
+    "derived": [{"name": "avg_ticket", "expr": "amount_sum / merchant_txn"}],
+    "spark": {"master": "local[2]", "trigger": "500ms"},
+}  # fmt: skip
+
+
+def demo_config(state_dir: Path) -> Config:
+    return config_from_dict({**DEMO_CONFIG, "state_dir": str(state_dir.resolve())})
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) -> None:
+    from sluice.pipeline.job import Pipeline
+    from sluice.pipeline.spark import build_spark
+    from sluice.pipeline.status import read_status
+    from sluice.query.app import create_app
+    from sluice.source.loadgen import Profile, run_load
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    cfg = demo_config(state_dir)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    if port and not _port_free(port):
+        print(f"port {port} is busy; using a free port instead", file=sys.stderr)
+        port = 0
+    with open_redis(None, cfg.state_dir) as handle:
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(cfg, handle.client), host="127.0.0.1", port=port,
+                           log_level="warning")
+        )  # fmt: skip
+        api = threading.Thread(target=server.run, name="api", daemon=True)
+        api.start()
+        while not server.started and api.is_alive():
+            time.sleep(0.05)
+        bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+        print(f"Sluice demo: dashboard and API at http://127.0.0.1:{bound}/", flush=True)
+        print("starting Spark (takes a few seconds)...", flush=True)
+        spark = build_spark(cfg, app_name="sluice-demo")
+        pipeline = Pipeline(cfg, handle, spark)
+        pipeline.start()
+        load = threading.Thread(
+            target=run_load,
+            kwargs={
+                "cfg": cfg, "client": handle.client, "rate": rate,
+                "duration_s": duration_s if duration_s is not None else 10**9,
+                "profile": Profile("burst"), "stop": stop.is_set,
+            },
+            name="load", daemon=True,
+        )  # fmt: skip
+        load.start()
+        example = f"http://127.0.0.1:{bound}/v1/metrics/txn_count?key=card-0&window=5m"
+        print(f"example: curl '{example}'", flush=True)
+        started = time.monotonic()
+        tty = sys.stdout.isatty()
+        prev_in: tuple[float, int] | None = None
+        try:
+            while not stop.is_set():
+                if duration_s is not None and time.monotonic() - started >= duration_s:
+                    break
+                stop.wait(1.0 if tty else 2.0)
+                st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms(), window_s=5)
+                events_in = st["counters"].get("events_in", 0)
+                now = time.monotonic()
+                backlog_ev = st["backlog"]["entries"]
+                # Input rate = processed + growth of the backlog (entries x events per entry).
+                in_rate = st["processed_events_per_s"]
+                if prev_in is not None and now > prev_in[0]:
+                    in_rate = (events_in - prev_in[1]) / (now - prev_in[0])
+                prev_in = (now, events_in)
+                f = st["freshness_ms"]
+                line = (
+                    f"in {in_rate:>9,.0f} ev/s | processed {st['processed_events_per_s']:>9,.0f}"
+                    f" ev/s | backlog {backlog_ev:>6,} entries | freshness p50"
+                    f" {_fmt(f['p50'])} p99 {_fmt(f['p99'])} | total {events_in:,}"
+                )
+                print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+                q = pipeline.query
+                if q is not None and q.exception() is not None:
+                    print(f"\npipeline failed: {q.exception()}", file=sys.stderr)
+                    break
+        finally:
+            stop.set()
+            print("\nstopping...", flush=True)
+            load.join(timeout=10)
+            pipeline.stop()
+            spark.stop()
+            server.should_exit = True
+            api.join(timeout=10)
+
+
+def _fmt(ms: float | None) -> str:
+    return "   –  " if ms is None else f"{ms:>5,.0f}ms"

@@ -1,0 +1,68 @@
+"""The one error hierarchy of Sluice.
+
+    SluiceError
+     ├── ConfigError            a sluice.yaml that does not validate (names the field path)
+     ├── RedisUnavailable       the Redis server cannot be reached or started
+     ├── QueryError             a query that cannot be answered
+     │    ├── UnknownMetric     (HTTP 404)
+     │    └── BadQuery          malformed window, end or key (HTTP 400 / 422)
+     ├── BackpressureError      the input is over its high watermark; carries `retry_after_s`
+     └── PipelineError          the streaming job failed to start or stopped with an error
+
+Messages say what was wrong, which value caused it, and what to do.
+"""
+
+from __future__ import annotations
+
+
+class SluiceError(Exception):
+    """Root of every error Sluice raises on purpose."""
+
+
+class ConfigError(SluiceError):
+    """The configuration is invalid. `path` is the dotted field path, e.g. `metrics[0].agg`."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        self.path = path
+        super().__init__(f"config error at `{path}`: {message}" if path else message)
+
+
+class RedisUnavailable(SluiceError):
+    """The Redis server could not be reached (or the embedded one could not start)."""
+
+
+class QueryError(SluiceError):
+    """A query that cannot be answered. `status` is the HTTP status it maps to."""
+
+    status = 400
+    code = "bad_query"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class UnknownMetric(QueryError):
+    status = 404
+    code = "unknown_metric"
+
+
+class BadQuery(QueryError):
+    """Malformed parameter (400), or well-formed but unanswerable (422, e.g. window > retention)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message, param)
+        self.status = status
+        self.code = "bad_request" if status == 400 else "unprocessable"
+
+
+class BackpressureError(SluiceError):
+    """Raised while the input is backpressured. Retry after `retry_after_s` seconds."""
+
+    def __init__(self, retry_after_s: float, message: str = "") -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message or f"backpressured; retry after {retry_after_s:.1f}s")
+
+
+class PipelineError(SluiceError):
+    """The streaming job could not start, or stopped with an error."""

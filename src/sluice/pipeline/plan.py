@@ -1,0 +1,235 @@
+"""The Spark plan that folds one micro-batch of events into slice updates.
+
+    events ─▶ reason (bad / expired / future) ─▶ one row per (event, metric group it touches)
+                                               + one row per dead-lettered event
+           ─▶ GROUP BY (g, k, s) ─▶ per-metric aggregates, as columns
+
+A *metric group* is the set of metrics that share key fields and slice length: they fold into
+the same (key, slice) cells, so one exploded row carries all of them, each metric's value being
+null where its filter does not match. The number of rows entering the aggregation is then the
+number of groups an event touches, not the number of metrics. Group 0's row is emitted for every
+good event, so the sum of its `cnt` is the number of good events in the batch.
+
+All of it is Spark expressions: no Python UDF touches an event, and the input is read and
+decoded once per batch however many metrics there are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import DataType, IntegralType, NumericType
+
+from sluice.config import Config
+from sluice.errors import ConfigError
+from sluice.redis.keys import ESCAPES, KEY_SEP
+from sluice.source.decode import spark_schema_ddl
+from sluice.source.options import SourceOptions
+
+DEAD_G = -1
+# The aggregate columns each agg needs, beyond the per-metric count `n{i}`.
+AGG_COLUMNS = {
+    "count": (),
+    "sum": ("sum",),
+    "min": ("min",),
+    "max": ("max",),
+    "avg": ("sum",),
+}
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """What the executor-side writer needs to know about a metric: plain, picklable values."""
+
+    index: int
+    name: str
+    agg: str
+    slice_ms: int
+    retention_ms: int
+    integral: bool  # the value is an integer type: sums stay exact integers
+    group: int = 0
+
+
+def _escaped(col: Column) -> Column:
+    out = col.cast("string")
+    for raw, esc in ESCAPES:
+        out = F.replace(out, F.lit(raw), F.lit(esc))
+    return out
+
+
+def key_column(fields: list[str]) -> Column:
+    parts = [_escaped(F.col(f"`{f}`")) for f in fields]
+    return parts[0] if len(parts) == 1 else F.concat_ws(KEY_SEP, *parts)
+
+
+def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | None]:
+    """Analyse every `filter` and `value` against the schema. Returns each metric's value type.
+
+    Raises ConfigError naming the field path, e.g. `metrics[2].filter`, with Spark's reason.
+    """
+    from pyspark.errors import AnalysisException, ParseException
+
+    opts = SourceOptions.from_config(cfg, url="redis://unused")
+    empty = spark.createDataFrame([], spark_schema_ddl(opts))
+    types: dict[str, DataType | None] = {}
+    for i, m in enumerate(cfg.metrics):
+        for attr in ("filter", "value"):
+            text = getattr(m, attr)
+            if text is None:
+                continue
+            try:
+                field = empty.select(F.expr(text).alias("x")).schema["x"]
+            except (AnalysisException, ParseException) as e:
+                reason = str(e).strip().splitlines()[0]
+                raise ConfigError(
+                    f"invalid Spark SQL {attr} {text!r}: {reason}", f"metrics[{i}].{attr}"
+                ) from None
+            if attr == "filter" and field.dataType.typeName() != "boolean":
+                raise ConfigError(
+                    f"filter {text!r} is of type {field.dataType.simpleString()}, not boolean",
+                    f"metrics[{i}].filter",
+                )
+            if attr == "value":
+                if m.agg != "count" and not isinstance(field.dataType, NumericType):
+                    raise ConfigError(
+                        f"value {text!r} is of type {field.dataType.simpleString()};"
+                        f" agg {m.agg!r} needs a number",
+                        f"metrics[{i}].value",
+                    )
+                types[m.name] = field.dataType
+        types.setdefault(m.name, None)
+    return types
+
+
+def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[MetricSpec]:
+    groups: dict[tuple[tuple[str, ...], int], int] = {}
+    out = []
+    for i, m in enumerate(cfg.metrics):
+        g = groups.setdefault((tuple(m.key), m.slice), len(groups))
+        out.append(
+            MetricSpec(
+                index=i,
+                name=m.name,
+                agg=m.agg,
+                slice_ms=m.slice,
+                retention_ms=m.retention,
+                integral=isinstance(value_types.get(m.name), IntegralType),
+                group=g,
+            )
+        )
+    return out
+
+
+def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
+    """Metric `spec`'s value for this event, or null when the event does not count for it."""
+    m = cfg.metrics[spec.index]
+    ts = F.col("_ts")
+    s = ts - F.pmod(ts, F.lit(m.slice))
+    cond = good & (s + F.lit(m.slice) > F.col("_ref") - F.lit(m.retention))
+    for k in m.key:
+        cond = cond & F.col(f"`{k}`").isNotNull()
+    if m.filter:
+        cond = cond & F.coalesce(F.expr(m.filter), F.lit(False))
+    value = F.expr(m.value) if m.value else F.lit(1)
+    value = value.cast("long") if spec.integral or m.agg == "count" else value.cast("double")
+    return F.when(cond, value)
+
+
+def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
+    """Decoded events -> one row per (event, metric group it touches) + one per bad event.
+
+    Stateless, so it is applied once to the streaming DataFrame; the per-batch work is then only
+    `fold_updates`, and no expression tree is rebuilt (over py4j) for every micro-batch.
+    Output columns: g, k, s, ems, and v{i} for every metric i.
+    """
+    ts, ref = F.col("_ts"), F.col("_ref")
+    max_ret = max(m.retention for m in cfg.metrics)
+    reason = F.coalesce(
+        F.col("_err"),
+        F.when(ts > ref + F.lit(cfg.source.max_future), F.lit("future")),
+        F.when(ts <= ref - F.lit(max_ret), F.lit("expired")),
+    )
+    flagged = events.withColumn("_reason", reason)
+    good = F.col("_reason").isNull()
+    values = {sp.index: _value_column(cfg, sp, good) for sp in specs}
+    n_groups = max(sp.group for sp in specs) + 1
+    rows: list[Column] = []
+    for g in range(n_groups):
+        members = [sp for sp in specs if sp.group == g]
+        first = cfg.metrics[members[0].index]
+        ts_s = ts - F.pmod(ts, F.lit(first.slice))
+        cols = [
+            F.lit(g).alias("g"),
+            key_column(first.key).alias("k"),
+            ts_s.alias("s"),
+            F.col("_ems").alias("ems"),
+        ]
+        for sp in specs:
+            v = values[sp.index] if sp.group == g else F.lit(None)
+            cols.append(
+                v.cast("long" if sp.integral or sp.agg == "count" else "double").alias(
+                    f"v{sp.index}"
+                )
+            )
+        touched = good if g == 0 else F.greatest(*[values[sp.index].isNotNull() for sp in members])
+        rows.append(F.when(touched, F.struct(*cols)))
+    dead = F.to_json(
+        F.struct(
+            F.coalesce(F.col("_eid"), F.lit("")).alias("id"),
+            F.col("_idx").alias("idx"),
+            F.col("_reason").alias("reason"),
+            F.col("_field").alias("field"),
+            F.coalesce(
+                F.col("_raw"), F.to_json(F.struct(*[F.col(f"`{n}`") for n in cfg.source.schema_]))
+            ).alias("raw"),
+            F.col("_ts").alias("ts"),
+        )
+    )
+    dead_cols = [
+        F.lit(DEAD_G).alias("g"),
+        dead.alias("k"),
+        F.col("_ems").alias("s"),
+        F.col("_ems").alias("ems"),
+    ]
+    dead_cols += [
+        F.lit(None)
+        .cast("long" if sp.integral or sp.agg == "count" else "double")
+        .alias(f"v{sp.index}")
+        for sp in specs
+    ]
+    rows.append(F.when(~good, F.struct(*dead_cols)))
+    exploded = flagged.select(F.explode(F.array(*rows)).alias("u")).where(F.col("u").isNotNull())
+    return exploded.select("u.*")
+
+
+def fold_columns(specs: list[MetricSpec]) -> list[Column]:
+    """The aggregate columns of `fold_updates`; build once and reuse for every batch."""
+    aggs = [
+        F.count(F.lit(1)).alias("cnt"),
+        F.min("ems").alias("min_ems"),
+        F.max("ems").alias("max_ems"),
+    ]
+    for sp in specs:
+        v = F.col(f"v{sp.index}")
+        aggs.append(F.count(v).alias(f"n{sp.index}"))
+        for kind in AGG_COLUMNS[sp.agg]:
+            fn = {"sum": F.sum, "min": F.min, "max": F.max}[kind]
+            aggs.append(fn(v).alias(f"{kind}{sp.index}"))
+    return aggs
+
+
+def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:
+    """One micro-batch of exploded updates -> one row per (g, k, s) with every metric's state.
+
+    Output columns: g, k, s, cnt, min_ems, max_ems, and per metric i: n{i} (values folded),
+    plus sum{i} / min{i} / max{i} as its agg needs (see AGG_COLUMNS). For DEAD_G rows, k is
+    the dead-letter record as JSON, one row per bad event.
+    """
+    return exploded.groupBy("g", "k", "s").agg(*aggs)
+
+
+def slice_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
+    """`explode_updates` then `fold_updates`, for a batch DataFrame of decoded events."""
+    return fold_updates(explode_updates(events, cfg, specs), fold_columns(specs))

@@ -1,0 +1,86 @@
+"""Pipeline state as seen from Redis: backlog, counters, rates and freshness.
+
+Everything here reads Redis only, so `sluice status`, the API and the demo line can show it from
+any process. The backlog is the number of input entries not yet committed: the input is trimmed
+at the last committed id (which itself stays, as the resume point), so it is the stream length,
+less one when the first entry is that resume point.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from sluice.config import Config
+from sluice.redis.keys import BATCHES_KEY, OFFSETS_KEY, STATS_KEY
+
+
+def backlog(client: Any, cfg: Config) -> tuple[int, dict[str, int]]:
+    shards = cfg.source.shard_keys()
+    pipe = client.pipeline(transaction=False)
+    for s in shards:
+        pipe.xlen(s)
+        pipe.execute_command("XRANGE", s, "-", "+", "COUNT", 1)
+    pipe.hgetall(OFFSETS_KEY)
+    res = pipe.execute()
+    committed = {k.decode(): v.decode() for k, v in res[-1].items()}
+    per: dict[str, int] = {}
+    for i, s in enumerate(shards):
+        length, first = int(res[2 * i]), res[2 * i + 1]
+        first_id = _first_id(first)
+        per[s] = max(
+            0, length - (1 if first_id is not None and first_id == committed.get(s) else 0)
+        )
+    return sum(per.values()), per
+
+
+def _first_id(reply: Any) -> str | None:
+    if not reply:
+        return None
+    entry = reply[0]
+    eid = entry[0]
+    return eid.decode() if isinstance(eid, bytes) else str(eid)
+
+
+def recent_batches(client: Any, n: int = 60) -> list[dict[str, Any]]:
+    return [orjson.loads(b) for b in client.lrange(BATCHES_KEY, 0, n - 1)]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    vs = sorted(values)
+    k = min(len(vs) - 1, max(0, round(q * (len(vs) - 1))))
+    return vs[k]
+
+
+def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -> dict[str, Any]:
+    """A JSON-ready snapshot: backlog, totals, processed rate and freshness over `window_s`."""
+    total, per_shard = backlog(client, cfg)
+    raw = client.hgetall(STATS_KEY)
+    stats = {k.decode(): v.decode() for k, v in raw.items()}
+    counters = {k: int(v) for k, v in stats.items() if k not in ("last_token", "last_batch")}
+    batches = recent_batches(client)
+    horizon = now_ms - int(window_s * 1000)
+    recent = [b for b in batches if b["done_ms"] >= horizon]
+    events = sum(b["events"] for b in recent)
+    span_s = window_s
+    if recent:
+        span_s = max(0.5, min(window_s, (now_ms - min(b["started_ms"] for b in recent)) / 1000))
+    # Freshness of a batch: how long its oldest and newest events waited to become queryable.
+    oldest = [b["done_ms"] - b["min_ems"] for b in recent if b.get("min_ems") is not None]
+    newest = [b["done_ms"] - b["max_ems"] for b in recent if b.get("max_ems") is not None]
+    last = orjson.loads(stats["last_batch"]) if "last_batch" in stats else None
+    return {
+        "backlog": {"entries": total, "shards": per_shard},
+        "processed_events_per_s": events / span_s if recent else 0.0,
+        "freshness_ms": {
+            "p50": _percentile(newest + oldest, 0.5),
+            "p99": _percentile(oldest, 0.99),
+            "max": max(oldest) if oldest else None,
+        },
+        "counters": counters,
+        "last_batch": last,
+        "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
+    }

@@ -1,0 +1,194 @@
+"""The HTTP API (DESIGN §3). JSON in and out; every error is {"error": {"code", "message"}}."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+import redis
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+
+from sluice.clock import SYSTEM_CLOCK, Clock
+from sluice.config import Config
+from sluice.errors import BackpressureError, QueryError, SluiceError
+from sluice.pipeline.status import read_status
+from sluice.query.engine import QueryEngine
+from sluice.source.producer import Producer
+
+MAX_BODY_BYTES = 10 * 1024 * 1024
+MAX_EVENTS_PER_REQUEST = 100_000
+
+
+class ORJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    return ORJSONResponse({"error": {"code": code, "message": message}}, status, headers=headers)
+
+
+class _Guard(BaseHTTPMiddleware):
+    """Bearer token on /v1/* (when configured) and a cap on request body size."""
+
+    def __init__(self, app: Any, token: str | None) -> None:
+        super().__init__(app)
+        self.token = token
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if self.token is not None and request.url.path.startswith("/v1/"):
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+                return error(401, "unauthorized", "missing or wrong bearer token")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
+        return await call_next(request)
+
+
+def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+    engine = QueryEngine(cfg, client, clock)
+    app = FastAPI(
+        title="Sluice",
+        version="0.1.0",
+        description="Per-entity metrics over any window, merged from time slices.",
+        default_response_class=ORJSONResponse,
+    )
+    app.add_middleware(_Guard, token=cfg.server.token)
+    app.state.engine = engine
+
+    @app.exception_handler(QueryError)
+    async def _query_error(_: Request, e: QueryError) -> Response:
+        return error(e.status, e.code, str(e))
+
+    @app.exception_handler(BackpressureError)
+    async def _bp(_: Request, e: BackpressureError) -> Response:
+        retry = max(1, round(e.retry_after_s))
+        return error(429, "backpressure", str(e), headers={"Retry-After": str(retry)})
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> Response:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path"))
+        return error(400, "bad_request", f"`{where}`: {err.get('msg', 'invalid')}")
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_down(_: Request, e: redis.RedisError) -> Response:
+        return error(503, "unavailable", f"the slice store is unavailable: {e}")
+
+    @app.get("/v1/metrics")
+    def list_metrics() -> dict[str, Any]:
+        """The metric definitions (and derived formulas) this server answers for."""
+        return {"metrics": engine.definitions()}
+
+    @app.get("/v1/metrics/{name}")
+    def get_metric(
+        name: str,
+        key: list[str] = Query(default=[], description="key value(s), one per key field"),  # noqa: B008
+        window: str = Query(default="", description="window length, e.g. 15m"),
+        end: str | None = Query(default=None, description="window end, epoch ms; default now"),
+    ) -> dict[str, Any]:
+        """Metric `name` for `key` over (end - window, end]."""
+        return engine.query(name, key, window, end)
+
+    @app.post("/v1/query")
+    async def batch_query(request: Request) -> dict[str, Any]:
+        """Many lookups in one round trip: {"queries": [{"metric", "key", "window", "end"?}]}."""
+        body = await _json_body(request)
+        queries = body.get("queries") if isinstance(body, dict) else None
+        if not isinstance(queries, list):
+            raise QueryError('body must be {"queries": [...]}', "queries")
+        lookups = []
+        for i, q in enumerate(queries):
+            if not isinstance(q, dict):
+                raise QueryError(f"`queries[{i}]` must be an object", "queries")
+            try:
+                metric = q.get("metric")
+                lookups.append(engine.lookup(metric, q.get("key"), q.get("window"), q.get("end")))
+            except QueryError as e:
+                e.args = (f"queries[{i}]: {e}",)
+                raise
+        return {"results": engine.run(lookups)}
+
+    @app.post("/v1/events", status_code=202)
+    async def ingest(request: Request) -> dict[str, Any]:
+        """Ingest a JSON array of events, or NDJSON. Answers 202 with the count accepted."""
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise QueryError(f"request body is over {MAX_BODY_BYTES} bytes", "body")
+        events = _parse_events(raw)
+        producer = Producer.from_config(cfg, client)
+        producer.send_many(events)
+        producer.flush()
+        return {"accepted": len(events)}
+
+    @app.get("/v1/status")
+    def status() -> dict[str, Any]:
+        """Backlog, processed rate, freshness and the audit counters."""
+        return read_status(client, cfg, clock.now_ms())
+
+    @app.get("/healthz")
+    def healthz() -> Response:
+        try:
+            client.ping()
+        except redis.RedisError as e:
+            return error(503, "unavailable", f"redis: {e}")
+        return ORJSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def prometheus() -> Response:
+        from sluice.query.prom import exposition
+
+        body, ctype = exposition(read_status(client, cfg, clock.now_ms()))
+        return Response(body, media_type=ctype)
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard() -> Response:
+        from sluice.web.page import dashboard_html
+
+        return HTMLResponse(dashboard_html())
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise QueryError(f"body is not valid JSON: {e}", "body") from None
+
+
+def _parse_events(raw: bytes) -> list[dict[str, Any]]:
+    """A JSON array of objects, or NDJSON (one object per line). Raises QueryError (400)."""
+    text = raw.strip()
+    if not text:
+        raise QueryError("body is empty; send a JSON array of events or NDJSON", "body")
+    events: Any
+    if text[:1] == b"[":
+        try:
+            events = orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            raise QueryError(f"body is not a valid JSON array: {e}", "body") from None
+    else:
+        events = []
+        for n, line in enumerate(text.split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                events.append(orjson.loads(line))
+            except orjson.JSONDecodeError as e:
+                raise QueryError(f"NDJSON line {n} is not valid JSON: {e}", "body") from None
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise QueryError(f"event {i} is not a JSON object", "body")
+    if len(events) > MAX_EVENTS_PER_REQUEST:
+        raise QueryError(f"at most {MAX_EVENTS_PER_REQUEST} events per request", "body")
+    return list(events)
+
+
+__all__ = ["SluiceError", "create_app"]

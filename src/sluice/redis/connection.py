@@ -1,0 +1,85 @@
+"""Connections: a configured URL (redis://, rediss://, unix://, with password), or the embedded
+server under `state_dir`. `open_redis` returns a handle that owns the embedded server, if any.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from sluice.errors import RedisUnavailable
+from sluice.redis.embedded import EmbeddedRedis
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by `***`, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{netloc}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def client_for(url: str, timeout_s: float = 10.0) -> redis.Redis:
+    """A client (bytes replies) for `url`. Does not connect until first used."""
+    return redis.Redis.from_url(
+        url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        health_check_interval=30,
+    )
+
+
+def check_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """PING the server; raise RedisUnavailable with a readable reason if it does not answer."""
+    try:
+        with redis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        ) as c:
+            c.ping()
+    except redis.AuthenticationError as e:
+        raise RedisUnavailable(f"redis at {redact(url)} refused the credentials: {e}") from None
+    except redis.ResponseError as e:
+        raise RedisUnavailable(f"redis at {redact(url)} answered with an error: {e}") from None
+    except (redis.RedisError, OSError) as e:
+        raise RedisUnavailable(
+            f"cannot reach redis at {redact(url)}: {e}. Is the server running? Check `redis:` in"
+            " sluice.yaml, or omit it to use the embedded server."
+        ) from None
+
+
+class RedisHandle:
+    """The Redis a Sluice process uses: `url` for executors, `client` for this process."""
+
+    def __init__(self, url: str, embedded: EmbeddedRedis | None = None) -> None:
+        self.url = url
+        self.embedded = embedded
+        self.client = client_for(url)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.embedded is not None:
+            self.embedded.stop()
+
+    def __enter__(self) -> RedisHandle:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def open_redis(url: str | None, state_dir: Path) -> RedisHandle:
+    """Connect to `url`, or start/join the embedded server under `state_dir/redis` if it is None."""
+    if url is None:
+        server = EmbeddedRedis(Path(state_dir) / "redis").start()
+        return RedisHandle(server.url, server)
+    check_reachable(url)
+    return RedisHandle(url)

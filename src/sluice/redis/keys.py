@@ -1,0 +1,83 @@
+"""Key layout in Redis, and Redis Cluster slot arithmetic.
+
+Every key of one (metric, key) shares the hash tag `{metric|key}`, so the slice hash and anything
+written with it atomically live in one cluster slot. Key values are percent-escaped so that a
+value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with another key.
+
+    sluice:s:{txn_count|card-17}   hash: field <slice_start_ms> -> "<writer token>:<a>[:<b>]",
+                                         plus `_m` = "<newest slice start>:<oldest kept>"
+    sluice:{stats}                 hash: pipeline counters and the last batch record
+    sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
+    sluice:{stats}:offsets         hash: shard -> last committed entry id
+    sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
+    sluice:dead:{<stream>}         stream: dead letters, bounded
+    sluice:dlm:{<stream>}:<token>:<digest>  marker: these dead letters are already written
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PREFIX = "sluice"
+SLICE_PREFIX = f"{PREFIX}:s:"
+STATS_KEY = f"{PREFIX}:{{stats}}"
+BATCHES_KEY = f"{PREFIX}:{{stats}}:batches"
+OFFSETS_KEY = f"{PREFIX}:{{stats}}:offsets"
+EPOCH_KEY = f"{PREFIX}:epoch"
+KEY_SEP = "|"
+# Order matters: '%' first, so that the escapes themselves are not escaped again.
+ESCAPES = (("%", "%25"), ("|", "%7C"), ("{", "%7B"), ("}", "%7D"))
+
+
+def escape_part(value: str) -> str:
+    for raw, esc in ESCAPES:
+        value = value.replace(raw, esc)
+    return value
+
+
+def unescape_part(value: str) -> str:
+    for raw, esc in reversed(ESCAPES):
+        value = value.replace(esc, raw)
+    return value
+
+
+def encode_key(parts: Sequence[str]) -> str:
+    """The stored form of a metric key (one or more field values)."""
+    return KEY_SEP.join(escape_part(p) for p in parts)
+
+
+def decode_key(encoded: str) -> list[str]:
+    return [unescape_part(p) for p in encoded.split(KEY_SEP)]
+
+
+def slice_hash_key(metric: str, encoded_key: str) -> str:
+    return f"{SLICE_PREFIX}{{{metric}{KEY_SEP}{encoded_key}}}"
+
+
+def dead_letter_stream_key(stream: str) -> str:
+    return f"{PREFIX}:dead:{{{stream}}}"
+
+
+def dead_letter_marker_key(stream: str, token: int, digest: str) -> str:
+    return f"{PREFIX}:dlm:{{{stream}}}:{token}:{digest}"
+
+
+def _crc16_xmodem(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def key_slot(key: str | bytes) -> int:
+    """Redis Cluster slot: CRC16-XMODEM of the key, or of its non-empty `{...}` tag, mod 16384."""
+    raw = key.encode() if isinstance(key, str) else key
+    start = raw.find(b"{")
+    if start != -1:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1 : end]
+    return _crc16_xmodem(raw) % 16384

@@ -1,0 +1,144 @@
+"""Synthetic load for `sluice produce` and `sluice demo`: Zipf keys, seeded, steady or bursty.
+
+Events follow the configured schema: the time field is "now" (a `late_fraction` of events are
+up to `max_late_ms` late), string fields are Zipf-distributed ids (`card-17`), numbers are
+log-normal amounts in cents precision or small integers, booleans are fair coins. The RNG is
+seeded, so the same seed gives the same keys and values in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sluice.clock import SYSTEM_CLOCK, Clock
+from sluice.config import Config
+from sluice.source.producer import Producer, shard_of
+
+TICK_S = 0.05
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Rate over time. `burst`: `burst_factor` x the base rate for `burst_s` of every `period_s`."""
+
+    name: str = "steady"
+    burst_factor: float = 10.0
+    burst_s: float = 3.0
+    period_s: float = 20.0
+
+    def rate_at(self, base: float, t_s: float) -> float:
+        if self.name == "burst" and (t_s % self.period_s) >= self.period_s - self.burst_s:
+            return base * self.burst_factor
+        return base
+
+
+class EventGenerator:
+    def __init__(
+        self,
+        cfg: Config,
+        seed: int = 0,
+        n_keys: int = 10_000,
+        zipf_a: float = 1.3,
+        late_fraction: float = 0.01,
+        max_late_ms: int = 300_000,
+    ) -> None:
+        self.cfg = cfg
+        self.rng = np.random.default_rng(seed)
+        self.n_keys = n_keys
+        self.zipf_a = zipf_a
+        self.late_fraction = late_fraction
+        self.max_late_ms = max_late_ms
+        self.types = cfg.source.field_types()
+
+    def _zipf(self, n: int) -> np.ndarray:
+        return (self.rng.zipf(self.zipf_a, n) - 1) % self.n_keys
+
+    def frame(self, n: int, now_ms: int) -> pd.DataFrame:
+        cols: dict[str, Any] = {}
+        for name, ft in self.types.items():
+            if name == self.cfg.source.time_field:
+                late = self.rng.random(n) < self.late_fraction
+                lag = self.rng.integers(0, self.max_late_ms, n)
+                cols[name] = np.where(late, now_ms - lag, now_ms).astype(np.int64)
+            elif ft.type == "string":
+                cols[name] = pd.Series(self._zipf(n)).map(lambda i, p=name: f"{p}-{i}")
+            elif ft.type in ("long", "int"):
+                cols[name] = self.rng.integers(0, 1000, n)
+            elif ft.type in ("double", "float"):
+                cols[name] = np.round(self.rng.lognormal(3.0, 1.0, n), 2)
+            else:
+                cols[name] = self.rng.random(n) < 0.5
+        return pd.DataFrame(cols)
+
+
+def produce_frame(producer: Producer, df: pd.DataFrame, shard_by: str | None) -> int:
+    """Send a frame of events through `producer`, sharded by `shard_by`. Returns events sent."""
+    if producer.format == "fields":
+        producer.send_many({str(k): v for k, v in r.items()} for r in df.to_dict("records"))
+        return producer.flush()
+    text = df.to_json(orient="records", lines=True)
+    lines = [ln.encode() for ln in text.split("\n") if ln]
+    n_shards = len(producer.keys)
+    if n_shards == 1 or shard_by is None:
+        producer.send_lines(0, lines)
+    else:
+        cache: dict[Any, int] = {}
+        shards = [cache.setdefault(v, shard_of(v, n_shards)) for v in df[shard_by].tolist()]
+        per: list[list[bytes]] = [[] for _ in range(n_shards)]
+        for s, ln in zip(shards, lines, strict=True):
+            per[s].append(ln)
+        for s, part in enumerate(per):
+            producer.send_lines(s, part)
+    return producer.flush()
+
+
+def run_load(
+    cfg: Config,
+    client: Any,
+    rate: float,
+    duration_s: float,
+    profile: Profile = Profile(),
+    seed: int = 0,
+    clock: Clock = SYSTEM_CLOCK,
+    stop: Callable[[], bool] = lambda: False,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Produce for `duration_s` at `rate` events/s (shaped by `profile`). Blocks; bounded in time.
+
+    Returns {"events", "seconds", "rate"}; `progress` is called about once a second.
+    """
+    gen = EventGenerator(cfg, seed=seed)
+    producer = Producer.from_config(cfg, client)
+    shard_by = producer.shard_by
+    t0 = time.monotonic()
+    sent = 0
+    owed = 0.0
+    last_report = last_tick = t0
+    while not stop():
+        tick = time.monotonic()
+        elapsed = tick - t0
+        if elapsed >= duration_s:
+            break
+        # Owe events for the real time that passed, so a slow tick is made up by the next ones
+        # (at most a second's worth at once).
+        owed = min(owed + profile.rate_at(rate, elapsed) * (tick - last_tick), rate * 10)
+        last_tick = tick
+        n = math.floor(owed)
+        if n > 0:
+            owed -= n
+            sent += produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
+        now = time.monotonic()
+        if progress is not None and now - last_report >= 1.0:
+            progress({"events": sent, "seconds": now - t0, "rate": sent / (now - t0)})
+            last_report = now
+        next_tick = t0 + (math.floor(elapsed / TICK_S) + 1) * TICK_S
+        time.sleep(max(0.0, next_tick - time.monotonic()))
+    seconds = time.monotonic() - t0
+    return {"events": sent, "seconds": seconds, "rate": sent / seconds if seconds else 0.0}

@@ -1,0 +1,61 @@
+"""Parsing of human durations (`500ms`, `1m`, `7d`) and sizes (`50MB`, `500KB`)."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+_SIZE_BYTES = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
+
+
+def parse_duration_ms(value: str | int | float) -> int:
+    """`"1m"` -> 60000. A bare number is taken as milliseconds. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '500ms' or '1m', got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"duration must not be negative, got {value!r}")
+        return int(value)
+    m = _DURATION_RE.match(value)
+    if not m:
+        raise ValueError(
+            f"expected a duration such as '500ms', '2s', '1m', '1h' or '7d', got {value!r}"
+        )
+    ms = float(m.group(1)) * _DURATION_MS[m.group(2)]
+    if ms != int(ms):
+        raise ValueError(f"duration {value!r} is not a whole number of milliseconds")
+    return int(ms)
+
+
+def parse_size_bytes(value: str | int) -> int:
+    """`"50MB"` -> 50_000_000 (KB/MB/GB are decimal, KiB/MiB/GiB binary). Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as '500KB' or '50MB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value!r}")
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"expected a size such as '500KB', '50MB' or '1GiB', got {value!r}")
+    unit = (m.group(2) or "b").lower()
+    return int(float(m.group(1)) * _SIZE_BYTES[unit])
+
+
+def format_duration_ms(ms: int) -> str:
+    """The shortest exact spelling: 60000 -> '1m', 1500 -> '1500ms'."""
+    for unit in ("w", "d", "h", "m", "s"):
+        size = _DURATION_MS[unit]
+        if ms >= size and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
