@@ -16,6 +16,7 @@ decoded once per batch however many metrics there are.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -173,7 +174,11 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
                     f"v{sp.index}"
                 )
             )
-        touched = good if g == 0 else F.greatest(*[values[sp.index].isNotNull() for sp in members])
+        touched = good
+        if g != 0:
+            touched = functools.reduce(
+                Column.__or__, [values[sp.index].isNotNull() for sp in members]
+            )
         rows.append(F.when(touched, F.struct(*cols)))
     dead = F.to_json(
         F.struct(

@@ -18,6 +18,10 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     # Executors must run the same interpreter (and so see the same installed `sluice`).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    local = cfg.spark.master.startswith("local")
+    if local:
+        # Keep a local Spark on loopback: nothing of it should listen on other interfaces.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
         SparkSession.builder.appName(app_name)
         .master(cfg.spark.master)
@@ -30,6 +34,10 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
     )
+    if local:
+        builder = builder.config("spark.driver.host", "127.0.0.1").config(
+            "spark.driver.bindAddress", "127.0.0.1"
+        )
     for k, v in cfg.spark.conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()

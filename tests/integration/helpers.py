@@ -1,0 +1,41 @@
+"""Helpers for tests that drive the real plan and writer without a streaming query."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import redis
+
+from sluice.config import Config
+from sluice.source.decode import output_schema
+from sluice.source.options import SourceOptions
+
+
+def decoded_table(cfg: Config, events: Sequence[dict[str, Any]], ref_ms: int) -> pa.Table:
+    """Events as the source would decode them: schema fields plus the meta columns.
+
+    An event may carry `_err` (a dead-letter reason) and `_ems` (its entry time).
+    """
+    opts = SourceOptions.from_config(cfg, "redis://unused")
+    schema = output_schema(opts)
+    cols: dict[str, list[Any]] = {f.name: [] for f in schema}
+    for i, ev in enumerate(events):
+        for name, _, _ in opts.fields:
+            cols[name].append(ev.get(name))
+        ems = ev.get("_ems", ev.get("ts", ref_ms))
+        cols["_ts"].append(ev.get("ts", ems))
+        cols["_ems"].append(ems)
+        cols["_ref"].append(ref_ms)
+        cols["_err"].append(ev.get("_err"))
+        cols["_field"].append(ev.get("_field"))
+        cols["_eid"].append(f"{ems}-{i}" if ev.get("_err") else None)
+        cols["_idx"].append(0)
+        cols["_raw"].append("{}" if ev.get("_err") else None)
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+def slice_snapshot(client: redis.Redis) -> dict[bytes, dict[bytes, bytes]]:
+    """Every slice hash and its fields, for before/after comparisons."""
+    return {k: client.hgetall(k) for k in sorted(client.scan_iter(match="sluice:s:*"))}
