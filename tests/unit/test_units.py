@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from sluice.units import format_duration_ms, parse_duration_ms, parse_size_bytes
 
-FAST = settings(max_examples=200, deadline=None, database=None)
+FAST = settings(max_examples=100, deadline=None, database=None)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,9 @@ def test_parse_duration_bare_number_is_milliseconds(value: float, ms: int) -> No
     assert isinstance(result, int)
 
 
-@pytest.mark.parametrize("text", ["", "ms", "10", "1 minute", "1M", "1S", "-1s", "1sec", "5mb", "1m2s"])
+@pytest.mark.parametrize(
+    "text", ["", "ms", "10", "1 minute", "1M", "1S", "-1s", "1sec", "5mb", "1m2s"]
+)
 def test_parse_duration_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError, match=r"expected a duration such as '500ms'"):
         parse_duration_ms(text)

@@ -1,0 +1,214 @@
+"""The Redis Streams source: offsets, admission limits, deterministic replay, both formats,
+partition splitting and dead-lettering. Real Redis; the streaming tests run a real Spark query."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pytest
+import redis
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+from sluice.pipeline.job import Pipeline
+from sluice.query.engine import QueryEngine
+from sluice.redis.connection import RedisHandle
+from sluice.source.options import SourceOptions
+from sluice.source.producer import Producer
+from sluice.source.reader import FORMAT, RedisStreamReader
+from tests.conftest import make_config
+
+NOW = time.time_ns() // 1_000_000
+
+
+def _reader(cfg: Any, url: str, **kw: Any) -> RedisStreamReader:
+    opts = dataclasses.replace(SourceOptions.from_config(cfg, url), **kw)
+    return RedisStreamReader(opts)
+
+
+def _read_all(reader: RedisStreamReader, start: dict[str, Any], end: dict[str, Any]) -> pa.Table:
+    batches = [b for p in reader.partitions(start, end) for b in reader.read(p)]
+    return pa.Table.from_batches(batches) if batches else pa.table({})
+
+
+def _jsonl_entries(r: redis.Redis, stream: str, n_entries: int, per_entry: int, t0: int) -> None:
+    for e in range(n_entries):
+        lines = [
+            orjson.dumps({"ts": t0 + e, "card": f"c{i}", "merchant": "m", "amount": 1.0, "qty": i})
+            for i in range(per_entry)
+        ]
+        r.xadd(stream, {"d": b"\n".join(lines), "n": per_entry})
+
+
+def test_offsets_and_event_budget(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    cfg = make_config(redis_url, tmp_path)
+    reader = _reader(cfg, redis_url)
+    start = reader.initialOffset()
+    assert start["ids"] == {"events:0": "0-0", "events:1": "0-0"}
+    assert reader.latestOffset(start, ReadAllAvailable()) is start  # nothing yet
+    for shard in ("events:0", "events:1"):
+        _jsonl_entries(r, shard, 10, 100, NOW)
+    # 250 events over 2 shards = 125 each: one 100-event entry fits, the second would not.
+    end = reader.latestOffset(start, ReadMaxRows(250))
+    assert _read_all(reader, start, end).num_rows == 200
+    # The first entry is admitted even when it alone is over the budget (no stall).
+    small = reader.latestOffset(start, ReadMaxRows(2))
+    assert _read_all(reader, start, small).num_rows == 200
+    everything = reader.latestOffset(start, ReadAllAvailable())
+    assert _read_all(reader, start, everything).num_rows == 2000
+    following = reader.latestOffset(end, ReadMaxRows(1000))
+    assert _read_all(reader, end, following).num_rows == 1000
+    assert reader.getDefaultReadLimit() == ReadMaxRows(cfg.source.max_events_per_batch)
+
+
+def test_replay_of_a_range_is_deterministic(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    cfg = make_config(redis_url, tmp_path)
+    reader = _reader(cfg, redis_url, partition_events=1)
+    _jsonl_entries(r, "events:0", 50, 20, NOW)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadAllAvailable())
+    first = _read_all(reader, start, end)
+    _jsonl_entries(r, "events:0", 30, 20, NOW + 100)  # new data beyond `end`
+    again = _read_all(reader, start, end)
+    assert first.num_rows == 1000
+    assert first.equals(again)
+
+
+def test_large_ranges_split_into_parallel_partitions(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = make_config(redis_url, tmp_path, source={"shards": 1, "format": "fields"})
+    reader = _reader(cfg, redis_url, partition_events=100, max_partitions_per_shard=4)
+    producer = Producer(r, "events", 1, "fields")
+    for i in range(2000):
+        producer.send({"ts": NOW, "card": f"c{i}", "merchant": "m", "amount": 1.0, "qty": i})
+        if i % 100 == 0:
+            producer.flush()
+            time.sleep(0.002)  # spread entry ids over several milliseconds
+    producer.flush()
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadAllAvailable())
+    parts = reader.partitions(start, end)
+    assert len(parts) == 4
+    table = _read_all(reader, start, end)
+    assert sorted(table.column("qty").to_pylist()) == list(range(2000))
+
+
+def test_plain_xadd_in_fields_format(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    cfg = make_config(redis_url, tmp_path, source={"shards": 1, "format": "fields"})
+    reader = _reader(cfg, redis_url)
+    r.xadd("events", {"ts": NOW, "card": "c1", "merchant": "m1", "amount": "12.5", "qty": 3})
+    r.xadd("events", {"card": "c2", "merchant": "m1", "amount": "1", "qty": "4", "extra": "x"})
+    r.xadd("events", {"ts": "soon", "card": "c3", "merchant": "m1", "amount": "1", "qty": 1})
+    start = reader.initialOffset()
+    t = _read_all(reader, start, reader.latestOffset(start, ReadAllAvailable())).to_pylist()
+    assert [(x["card"], x["amount"], x["qty"], x["_err"]) for x in t[:2]] == [
+        ("c1", 12.5, 3, None),
+        ("c2", 1.0, 4, None),
+    ]
+    assert t[0]["_ts"] == NOW
+    assert t[1]["_ts"] == t[1]["_ems"]  # no time field: the entry id's time
+    assert (t[2]["_err"], t[2]["_field"]) == ("bad_type", "ts")
+    assert t[2]["_eid"] and "soon" in t[2]["_raw"]
+
+
+def test_commit_trims_only_up_to_the_committed_id(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = make_config(redis_url, tmp_path, source={"shards": 1})
+    reader = _reader(cfg, redis_url)
+    _jsonl_entries(r, "events", 10, 5, NOW)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadMaxRows(20))  # 4 entries
+    _jsonl_entries(r, "events", 3, 5, NOW)
+    reader.commit(end)
+    assert r.xlen("events") == 10 - 4 + 1 + 3  # the committed id itself stays
+    assert _read_all(reader, end, reader.latestOffset(end, ReadAllAvailable())).num_rows == 45
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("fmt", ["jsonl", "fields"])
+def test_streaming_query_reads_every_event_within_the_admission_limit(
+    fmt: str, spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = make_config(redis_url, tmp_path, source={"format": fmt, "max_events_per_batch": 300})
+    opts = SourceOptions.from_config(cfg, redis_url)
+    producer = Producer.from_config(cfg, r, batch_events=50)
+    for i in range(1500):
+        producer.send(
+            {"ts": NOW + i, "card": f"c{i % 7}", "merchant": "m", "amount": 0.5, "qty": i}
+        )
+    producer.flush()
+    name = f"source_{fmt}"
+    q = (
+        spark.readStream.format(FORMAT)
+        .options(**opts.to_spark())
+        .load()
+        .writeStream.format("memory")
+        .queryName(name)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="100 milliseconds")
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if spark.table(name).count() >= 1500:
+                break
+            time.sleep(0.2)
+        q.processAllAvailable()
+        rows = spark.table(name).select("qty", "_err").collect()
+        sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+    finally:
+        q.stop()
+    assert sorted(x["qty"] for x in rows) == list(range(1500))
+    assert all(x["_err"] is None for x in rows)
+    assert len(sizes) >= 5 and max(sizes) <= 300
+
+
+@pytest.mark.spark
+def test_malformed_entries_are_dead_lettered_and_the_batch_goes_on(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = make_config(redis_url, tmp_path, source={"shards": 1, "format": "jsonl"})
+    good = [orjson.dumps({"ts": NOW, "card": "c1", "merchant": "m1", "amount": 2.0, "qty": 1})] * 3
+    r.xadd("events", {"d": b"\n".join(good), "n": 3})
+    r.xadd("events", {"d": b'{"ts": 1, "card": "c1"}\nnot json\n[1,2]', "n": 3})
+    r.xadd(
+        "events",
+        {"d": b'{"ts":' + str(NOW).encode() + b',"card":"\xff","merchant":"m","amount":1,"qty":1}'},
+    )
+    r.xadd("events", {"other": "x"})
+    r.xadd(
+        "events",
+        {
+            "d": orjson.dumps(
+                {"ts": NOW, "card": "c1", "merchant": "m1", "amount": "lots", "qty": 1}
+            )
+        },
+    )
+    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline.start()
+    try:
+        assert pipeline.wait_idle(120)
+    finally:
+        pipeline.stop()
+    dead = r.xrange(cfg.source.dead_letter_stream)
+    got = sorted((f[b"reason"].decode(), f[b"field"].decode()) for _, f in dead)
+    assert got == sorted(
+        [
+            ("missing_field", "merchant"),
+            ("bad_json", ""),
+            ("not_object", ""),
+            ("invalid_utf8", ""),
+            ("missing_field", "d"),
+            ("bad_type", "amount"),
+        ]
+    )
+    assert all(f[b"id"] and f[b"raw"] for _, f in dead)
+    assert QueryEngine(cfg, r).query("txn_count", "c1", "1m", NOW)["value"] == 3
+    assert r.xlen("events") == 1  # trimmed up to the committed entry
