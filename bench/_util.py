@@ -359,17 +359,29 @@ class StepVerdict:
     reason: str
 
 
-def judge_backlog(
-    samples: Sequence[tuple[float, int]], rate_per_s: float, max_lag_s: float
+def judge_step(
+    samples: Sequence[tuple[float, int]],
+    rate_per_s: float,
+    max_lag_s: float,
+    batch_events: Sequence[int],
+    cap_events: int,
 ) -> StepVerdict:
-    """Did the backlog (samples of (t_s, events)) stay bounded during a fixed-rate step?
+    """Did the pipeline keep up with a fixed-rate step? `samples` are (t_s, backlog events)
+    over the step, `batch_events` the sizes of the batches admitted in its last two thirds.
 
-    Bounded iff the peak of the last third is at most 1.25 x the peak of the middle third plus
-    0.5 s of input (a batch-sized sawtooth is fine, a rising trend is not), and the final backlog
-    is under `max_lag_s` seconds of input. The first third is the transient and is ignored.
+    Bounded iff all of: (1) no such batch was filled to the admission cap (95 %): a full batch
+    means input was left waiting behind it; (2) the backlog's peak in the last third is at most
+    1.25 x its peak in the middle third plus 0.5 s of input (a batch-sized sawtooth is fine, a
+    rising trend is not); (3) the final backlog is under `max_lag_s` seconds of input. The first
+    third is the transient and is ignored.
     """
     if len(samples) < 6:
         return StepVerdict(False, "too few samples")
+    if not batch_events:
+        return StepVerdict(False, "no batch started in the last two thirds of the step")
+    full = sum(1 for e in batch_events if e >= 0.95 * cap_events)
+    if full:
+        return StepVerdict(False, f"{full} of {len(batch_events)} batches hit the admission cap")
     n = len(samples)
     mid = [b for _, b in samples[n // 3 : 2 * n // 3]]
     last = [b for _, b in samples[2 * n // 3 :]]
@@ -378,7 +390,9 @@ def judge_backlog(
         return StepVerdict(False, f"final backlog {final_lag_s:.1f} s of input")
     if max(last) > 1.25 * max(mid) + 0.5 * rate_per_s:
         return StepVerdict(False, f"backlog rising: peak {max(mid):,} -> {max(last):,} events")
-    return StepVerdict(True, f"peak backlog {max(mid + last):,} events")
+    return StepVerdict(
+        True, f"peak backlog {max(mid + last):,} events, largest batch {max(batch_events):,}"
+    )
 
 
 @dataclass

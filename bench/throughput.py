@@ -52,7 +52,7 @@ from _util import (
     batch_rate,
     bench_config,
     build_pool,
-    judge_backlog,
+    judge_step,
     log,
     percentile,
     prefill,
@@ -111,6 +111,7 @@ class Plan:
     freshness_s: float
     bare_batches: int
     drain_timeout_s: float
+    bare_reserve_s: float  # time kept back for the bare-engine run
     budget_s: float
     seed: int
 
@@ -119,11 +120,11 @@ def make_plan(quick: bool, formats: Sequence[str], budget_s: float | None, seed:
     if quick:
         sizes = {"jsonl": FormatPlan("jsonl", 100_000, 400_000, 100_000),
                  "fields": FormatPlan("fields", 20_000, 80_000, 40_000)}  # fmt: skip
-        return Plan(True, tuple(sizes[f] for f in formats), 8.0, 2, 10.0, 4, 120.0,
-                    budget_s or 180.0, seed)  # fmt: skip
+        return Plan(True, tuple(sizes[f] for f in formats), 10.0, 2, 8.0, 3, 120.0, 25.0,
+                    budget_s or 240.0, seed)  # fmt: skip
     sizes = {"jsonl": FormatPlan("jsonl", 1_000_000, 5_000_000, 200_000),
              "fields": FormatPlan("fields", 200_000, 1_000_000, 100_000)}  # fmt: skip
-    return Plan(False, tuple(sizes[f] for f in formats), 30.0, 4, 30.0, 6, 300.0,
+    return Plan(False, tuple(sizes[f] for f in formats), 30.0, 4, 30.0, 6, 300.0, 60.0,
                 budget_s or 900.0, seed)  # fmt: skip
 
 
@@ -260,41 +261,50 @@ def wait_idle_logged(
     return False
 
 
-# -- 1. drain -------------------------------------------------------------------------------------
+# -- 1. drain, 2. sustained, 3. freshness: one pipeline per format ------------------------------
 
 
-def measure_drain(spark: SparkSession, plan: Plan, fp: FormatPlan, ws: Workspace) -> DrainResult:
-    """Pre-fill `fp.drain_events`, then run the pipeline until idle."""
-    cfg = bench_config(fp.fmt, ws.state_dir(f"{fp.fmt}-drain"), fp.batch_events)
-    pool = build_pool(cfg, fp.pool_events, plan.seed, now_ms())
+def measure_pipeline(
+    spark: SparkSession, plan: Plan, fp: FormatPlan, ws: Workspace, deadline: Deadline
+) -> tuple[DrainResult, SustainedResult | None]:
+    """Drain, then (on the same, now idle pipeline) the rate ladder and freshness."""
+    cfg = bench_config(fp.fmt, ws.state_dir(f"{fp.fmt}-pipeline"), fp.batch_events)
     with pipeline_run(spark, cfg) as (pipeline, handle):
-        t0 = time.monotonic()
-        sent = prefill(handle.url, pool, fp.drain_events)
-        prefill_s = time.monotonic() - t0
-        log(f"{fp.fmt} drain: pre-filled {sent:,} events in {prefill_s:.1f} s; starting pipeline")
-        pipeline.start()
-        idle = wait_idle_logged(
-            pipeline, handle.client, cfg, plan.drain_timeout_s, f"{fp.fmt} drain"
-        )
-        records = recent_batches(handle.client, BATCH_HISTORY)
-        result = DrainResult(
-            prefilled_events=sent,
-            prefill_s=prefill_s,
-            idle=idle,
-            events_in=stat_counter(handle.client, "events_in"),
-            dead_letters=stat_counter(handle.client, "dead_letters"),
-            records=records,
-            rate=batch_rate(records),
-        )
+        drain = run_drain(pipeline, handle, cfg, plan, fp)
+        if drain.rate is None or not drain.idle:
+            log(f"{fp.fmt}: no drain rate, skipping the sustained and freshness runs")
+            return drain, None
+        sustained = run_sustained(pipeline, handle, cfg, plan, fp, drain.rate.wall_per_s, deadline)
+    return drain, sustained
+
+
+def run_drain(
+    pipeline: Pipeline, handle: RedisHandle, cfg: Config, plan: Plan, fp: FormatPlan
+) -> DrainResult:
+    """Pre-fill `fp.drain_events`, then start the pipeline and wait until it is idle."""
+    pool = build_pool(cfg, fp.pool_events, plan.seed, now_ms())
+    t0 = time.monotonic()
+    sent = prefill(handle.url, pool, fp.drain_events)
+    prefill_s = time.monotonic() - t0
+    log(f"{fp.fmt} drain: pre-filled {sent:,} events in {prefill_s:.1f} s; starting pipeline")
+    pipeline.start()
+    idle = wait_idle_logged(pipeline, handle.client, cfg, plan.drain_timeout_s, f"{fp.fmt} drain")
+    records = recent_batches(handle.client, BATCH_HISTORY)
+    result = DrainResult(
+        prefilled_events=sent,
+        prefill_s=prefill_s,
+        idle=idle,
+        events_in=stat_counter(handle.client, "events_in"),
+        dead_letters=stat_counter(handle.client, "dead_letters"),
+        records=records,
+        rate=batch_rate(records),
+    )
     r = result.rate
     log(
         f"{fp.fmt} drain: {len(records)} batches, "
         + (f"{r.wall_per_s:,.0f} events/s (warm-up excluded)" if r else "too few batches")
     )
     return result
-
-
-# -- 2. sustained, 3. freshness -------------------------------------------------------------------
 
 
 class ProbePoller(threading.Thread):
@@ -350,6 +360,28 @@ class ProbePoller(threading.Thread):
                         self.wrong[card] = ans["value"]
 
 
+def sample_until_idle(
+    pipeline: Pipeline,
+    handle: RedisHandle,
+    cfg: Config,
+    pool: LoadPool,
+    sustained: SustainedResult,
+    timeout_s: float,
+) -> bool:
+    """Wait until the pipeline is idle (False after `timeout_s`), sampling the backlog."""
+    deadline = time.monotonic() + timeout_s
+    next_log = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if pipeline.wait_idle(timeout_s=SAMPLE_EVERY_S):
+            return True
+        b = backlog_events(handle.client, cfg, pool)
+        sustained.samples.append(((now_ms() - sustained.t0_ms) / 1000, b))
+        if time.monotonic() >= next_log:
+            log(f"draining after the step: {b:,} events left")
+            next_log += 5.0
+    return False
+
+
 def run_step(
     pipeline: Pipeline,
     handle: RedisHandle,
@@ -360,12 +392,12 @@ def run_step(
     sustained: SustainedResult,
 ) -> StepResult:
     """Produce at `rate_per_s` for `plan.step_s` beside the running pipeline, sampling the
-    backlog; then let the pipeline drain. The step is cut short if the backlog passes
-    ABORT_LAG_S of input."""
+    backlog; then let the pipeline drain and judge the step (`_util.judge_step`). The step is
+    cut short if the backlog passes ABORT_LAG_S of input."""
     t0_ms = sustained.t0_ms
     events_before = stat_counter(handle.client, "events_in")
     producer = PacedProducer(handle.url, pool, rate_per_s, plan.step_s)
-    t_start = (now_ms() - t0_ms) / 1000
+    start_ms = now_ms()
     producer.start()
     samples: list[tuple[float, int]] = []
     aborted = False
@@ -378,28 +410,43 @@ def run_step(
             producer.stop()
     if producer.error is not None:
         raise RuntimeError(f"the load producer failed: {producer.error}")
-    t_end = (now_ms() - t0_ms) / 1000
+    end_ms = now_ms()
     processed_per_s = (stat_counter(handle.client, "events_in") - events_before) / max(
         producer.elapsed_s, 1e-9
     )
     achieved = producer.achieved_per_s()
-    verdict = judge_backlog(samples, achieved, MAX_LAG_S)
-    if aborted:
-        verdict = StepVerdict(False, f"cut short: backlog over {ABORT_LAG_S:.0f} s of input")
     sustained.samples += samples
     t = time.monotonic()
     drain_timeout_s = min(120.0, 20.0 + samples[-1][1] / max(processed_per_s, 1.0) * 2)
-    drained = wait_idle_logged(pipeline, handle.client, cfg, drain_timeout_s, "drain after step")
+    drained = sample_until_idle(pipeline, handle, cfg, pool, sustained, drain_timeout_s)
+    # Batches admitted in the last two thirds of the step (all done now that it drained).
+    judged_from_ms = start_ms + (end_ms - start_ms) / 3
+    batch_events = [
+        r["events"]
+        for r in recent_batches(handle.client, BATCH_HISTORY)
+        if judged_from_ms <= r["started_ms"] <= end_ms
+    ]
+    verdict = judge_step(samples, achieved, MAX_LAG_S, batch_events, fp_cap(cfg))
+    if aborted:
+        verdict = StepVerdict(False, f"cut short: backlog over {ABORT_LAG_S:.0f} s of input")
     return StepResult(
         target_per_s=rate_per_s,
         achieved_per_s=achieved,
         processed_per_s=processed_per_s,
         verdict=verdict,
-        t_start_s=t_start,
-        t_end_s=t_end,
+        t_start_s=(start_ms - t0_ms) / 1000,
+        t_end_s=(end_ms - t0_ms) / 1000,
         drained=drained,
         drain_s=time.monotonic() - t,
     )
+
+
+def fp_cap(cfg: Config) -> int:
+    """The admission cap per batch, in events."""
+    cap = cfg.source.max_events_per_batch
+    if cap is None:
+        raise ValueError("the benchmark needs source.max_events_per_batch")
+    return cap
 
 
 def next_factor(factor: float, steps: Sequence[StepResult], went_up: bool) -> float | None:
@@ -414,53 +461,47 @@ def next_factor(factor: float, steps: Sequence[StepResult], went_up: bool) -> fl
     return factor * 0.7
 
 
-def measure_sustained(
-    spark: SparkSession,
+def run_sustained(
+    pipeline: Pipeline,
+    handle: RedisHandle,
+    cfg: Config,
     plan: Plan,
     fp: FormatPlan,
-    ws: Workspace,
     drain_per_s: float,
-    format_deadline: Deadline,
+    deadline: Deadline,
 ) -> SustainedResult:
-    """The rate ladder, then freshness at about half the best bounded rate, on one pipeline."""
-    cfg = bench_config(fp.fmt, ws.state_dir(f"{fp.fmt}-sustained"), fp.batch_events)
-    result = SustainedResult()
-    with pipeline_run(spark, cfg) as (pipeline, handle):
-        pipeline.start()
-        warm = build_pool(cfg, min(fp.pool_events, fp.batch_events), plan.seed + 1, now_ms())
-        prefill(handle.url, warm, warm.total_events)
-        wait_idle_logged(pipeline, handle.client, cfg, 120.0, f"{fp.fmt} warm-up")
-        result.t0_ms = now_ms()
-        factor, went_up = 0.9, False
-        reserve_s = plan.step_s + plan.freshness_s + 60.0
-        for i in range(plan.max_steps):
-            if format_deadline.left_s() < reserve_s:
-                log(f"{fp.fmt} sustained: time budget reached, skipping further steps")
-                break
-            rate = factor * drain_per_s
-            pool = build_pool(cfg, fp.pool_events, plan.seed + 10 + i, now_ms())
-            log(f"{fp.fmt} sustained: step {i + 1}, {rate:,.0f} events/s for {plan.step_s:.0f} s")
-            step = run_step(pipeline, handle, cfg, plan, pool, rate, result)
-            result.steps.append(step)
-            log(
-                f"{fp.fmt} sustained: achieved {step.achieved_per_s:,.0f}/s, processed"
-                f" {step.processed_per_s:,.0f}/s, bounded={step.verdict.bounded}"
-                f" ({step.verdict.reason})"
-            )
-            if not step.drained:
-                log(f"{fp.fmt} sustained: backlog did not drain; stopping the ladder")
-                break
-            nxt = next_factor(factor, result.steps, went_up)
-            if nxt is None:
-                break
-            went_up = went_up or nxt > factor
-            factor = nxt
-        steps_ok = all(s.drained for s in result.steps)
-        if result.steps and steps_ok:
-            best = result.best()
-            base = best.achieved_per_s if best else min(s.achieved_per_s for s in result.steps)
-            result.freshness = measure_freshness(handle, cfg, plan, fp, base / 2, result)
-        result.records = recent_batches(handle.client, BATCH_HISTORY)
+    """The rate ladder, then freshness at about half the best bounded rate (half the lowest rate
+    tried if none was bounded). The pipeline must be running and idle."""
+    result = SustainedResult(t0_ms=now_ms())
+    factor, went_up = 0.9, False
+    reserve_s = plan.step_s + plan.freshness_s + plan.bare_reserve_s
+    for i in range(plan.max_steps):
+        if deadline.left_s() < reserve_s:
+            log(f"{fp.fmt} sustained: time budget reached, skipping further steps")
+            break
+        rate = factor * drain_per_s
+        pool = build_pool(cfg, fp.pool_events, plan.seed + 10 + i, now_ms())
+        log(f"{fp.fmt} sustained: step {i + 1}, {rate:,.0f} events/s for {plan.step_s:.0f} s")
+        step = run_step(pipeline, handle, cfg, plan, pool, rate, result)
+        result.steps.append(step)
+        log(
+            f"{fp.fmt} sustained: produced {step.achieved_per_s:,.0f}/s, processed"
+            f" {step.processed_per_s:,.0f}/s during the step, bounded={step.verdict.bounded}"
+            f" ({step.verdict.reason})"
+        )
+        if not step.drained:
+            log(f"{fp.fmt} sustained: backlog did not drain; stopping the ladder")
+            break
+        nxt = next_factor(factor, result.steps, went_up)
+        if nxt is None:
+            break
+        went_up = went_up or nxt > factor
+        factor = nxt
+    if result.steps and all(s.drained for s in result.steps):
+        best = result.best()
+        base = best.achieved_per_s if best else min(s.achieved_per_s for s in result.steps)
+        result.freshness = measure_freshness(handle, cfg, plan, fp, base / 2, result)
+    result.records = recent_batches(handle.client, BATCH_HISTORY)
     return result
 
 
@@ -659,23 +700,28 @@ def _rate(v: float | None) -> str:
 
 
 def display_path(p: str) -> str:
+    """`p` relative to the repository root when inside it (symlinks not followed)."""
     try:
-        return str(Path(p).resolve().relative_to(ROOT))
+        return str(Path(os.path.abspath(p)).relative_to(ROOT))
     except ValueError:
         return p
 
 
-def machine_note() -> str:
+def load_average() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def machine_note(load_start: float | None, load_end: float | None) -> str:
     model = ""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    loads = "n/a" if load_start is None else f"{load_start:.2f} at start, {load_end:.2f} at end"
     return (
         f"{os.cpu_count()} cores{f' ({model})' if model else ''}, {platform.system()}; shared"
-        f" with other work, so noisy (1-min load average {load:.2f} at start)"
+        f" with other work, so noisy (1-min load average {loads})"
     )
 
 
@@ -733,9 +779,9 @@ def format_section(res: FormatResult, plan: Plan) -> list[str]:
     ]
     if s is not None and s.steps:
         out += [
-            "Sustained-rate steps"
-            f" ({plan.step_s:.0f} s each; bounded = backlog not trending up, final backlog"
-            f" < {MAX_LAG_S:.0f} s of input):",
+            f"Sustained-rate steps ({plan.step_s:.0f} s each; bounded = no batch in the last two"
+            " thirds of the step filled to the admission cap, backlog peaks not rising, final"
+            f" backlog < {MAX_LAG_S:.0f} s of input):",
             "",
             "| target events/s | produced events/s | processed events/s | bounded | detail |",
             "|---:|---:|---:|---|---|",
@@ -776,16 +822,26 @@ def freshness_table(results: Sequence[FormatResult]) -> list[str]:
     return out
 
 
+@dataclass
+class RunInfo:
+    command: str
+    started: str
+    load_start: float | None
+    load_end: float | None = None
+    duration_s: float = 0.0
+
+
 def render_markdown(
-    results: Sequence[FormatResult], plan: Plan, command: str, started: str, png: Path, md: Path
+    results: Sequence[FormatResult], plan: Plan, run: RunInfo, png: Path, md: Path
 ) -> str:
     png_rel = os.path.relpath(png, md.parent)
+    mode = "quick smoke mode (small sizes, short steps)" if plan.quick else "full mode"
     lines = [
-        f"Command: `{command}` (from the repository root)"
-        + (" — quick smoke mode." if plan.quick else "."),
+        f"Command: `{run.command}` (from the repository root), {mode}; took"
+        f" {run.duration_s / 60:.1f} min.",
         "",
-        f"Date: {started}. Machine: {machine_note()}. Numbers are single runs; treat them as"
-        " indicative.",
+        f"Date: {run.started}. Machine: {machine_note(run.load_start, run.load_end)}. Numbers"
+        " are single runs; treat them as indicative.",
         "",
         "Setup: 3 metrics (`txn_count` count by card, `amount_sum` sum of amount by merchant,"
         " `card_max` max of amount by card), schema {ts: long, card: string, merchant: string,"
@@ -888,31 +944,39 @@ def _plot_batches(ax: Any, res: FormatResult) -> None:
 
 
 def _plot_sustained(ax: Any, res: FormatResult) -> None:
+    from matplotlib.lines import Line2D
+
     s = res.sustained
-    ax.set_title(f"{res.plan.fmt}: sustained steps and freshness load")
+    ax.set_title(f"{res.plan.fmt}: sustained-rate steps, then the freshness load")
     ax.set_xlabel("s since the first step")
+    ax.set_ylabel("events/s")
+    ax.grid(alpha=0.3)
     if s is None or not s.steps:
         return
     recs = [r for r in s.records if r["done_ms"] >= s.t0_ms]
     xs, ys = _batch_points(recs, s.t0_ms)
-    ax.plot(xs, ys, ".", color="tab:blue", label="batch events/s (within batch)")
-    for st in s.steps:
-        color = "tab:green" if st.verdict.bounded else "tab:red"
-        ax.hlines(st.achieved_per_s, st.t_start_s, st.t_end_s, colors=color, linewidth=2.5)
-        ax.axvspan(st.t_start_s, st.t_end_s, color=color, alpha=0.08)
+    ax.plot(xs, ys, ".", color="tab:blue")
+    spans = [(st.t_start_s, st.t_end_s, st.achieved_per_s,
+              "tab:green" if st.verdict.bounded else "tab:red") for st in s.steps]  # fmt: skip
     if s.freshness is not None:
         f = s.freshness
-        ax.hlines(f.achieved_per_s, f.t_start_s, f.t_end_s, colors="tab:purple", linewidth=2.5)
-        ax.axvspan(f.t_start_s, f.t_end_s, color="tab:purple", alpha=0.06)
-    ax.set_ylabel("events/s (bars: produced rate; green bounded, red not, purple freshness)")
-    ax.yaxis.label.set_size(7)
-    ax.grid(alpha=0.3)
+        spans.append((f.t_start_s, f.t_end_s, f.achieved_per_s, "tab:purple"))
+    for t_start, t_end, rate, color in spans:
+        ax.hlines(rate, t_start, t_end, colors=color, linewidth=2.5)
+        ax.axvspan(t_start, t_end, color=color, alpha=0.07)
     twin = ax.twinx()
     if s.samples:
         tx, by = zip(*sorted(s.samples), strict=True)
-        twin.plot(tx, by, color="tab:orange", linewidth=1, label="backlog (events)")
+        twin.plot(tx, by, color="tab:orange", linewidth=1)
     twin.set_ylabel("backlog (events)", color="tab:orange")
-    ax.legend(loc="upper left", fontsize=8)
+    handles = [
+        Line2D([], [], marker=".", linestyle="", color="tab:blue", label="batch events/s"),
+        Line2D([], [], color="tab:green", lw=2.5, label="produced, bounded"),
+        Line2D([], [], color="tab:red", lw=2.5, label="produced, not bounded"),
+        Line2D([], [], color="tab:purple", lw=2.5, label="produced, freshness run"),
+        Line2D([], [], color="tab:orange", lw=1, label="backlog (right axis)"),
+    ]
+    ax.legend(handles=handles, loc="upper right", fontsize=7)
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -921,13 +985,10 @@ def _plot_sustained(ax: Any, res: FormatResult) -> None:
 def run_format(
     spark: SparkSession, plan: Plan, fp: FormatPlan, ws: Workspace, budget_s: float
 ) -> FormatResult:
+    """Every measurement for one source format, within about `budget_s`."""
     deadline = Deadline(budget_s)
     res = FormatResult(fp)
-    res.drain = measure_drain(spark, plan, fp, ws)
-    if res.drain.rate is not None:
-        res.sustained = measure_sustained(spark, plan, fp, ws, res.drain.rate.wall_per_s, deadline)
-    else:
-        log(f"{fp.fmt}: no drain rate, skipping the sustained and freshness runs")
+    res.drain, res.sustained = measure_pipeline(spark, plan, fp, ws, deadline)
     res.bare = measure_bare(spark, plan, fp, ws)
     return res
 
@@ -955,8 +1016,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("SLUICE_SPARK_LOG_LEVEL", "ERROR")  # read by build_spark
     plan = make_plan(args.quick, args.format_list, args.budget_s, args.seed)
-    command = shlex.join([display_path(sys.executable), display_path(sys.argv[0]), *sys.argv[1:]])
-    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    run = RunInfo(
+        command=shlex.join(
+            [display_path(sys.executable), display_path(sys.argv[0]), *sys.argv[1:]]
+        ),
+        started=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        load_start=load_average(),
+    )
     ws = Workspace(args.keep_state)
     t0 = time.monotonic()
     results: list[FormatResult] = []
@@ -976,7 +1042,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if spark is not None:
             spark.stop()
         ws.cleanup()
-    body = render_markdown(results, plan, command, started, args.png, args.md)
+    run.load_end = load_average()
+    run.duration_s = time.monotonic() - t0
+    body = render_markdown(results, plan, run, args.png, args.md)
     replace_section(args.md, HEADING, body)
     plot(results, args.png)
     log(f"wrote {display_path(str(args.md))} and {display_path(str(args.png))}"

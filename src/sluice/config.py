@@ -104,10 +104,11 @@ class SourceConfig(_Model):
         if self.time_field is not None:
             spec = self.schema_.get(self.time_field)
             if spec is None:
-                raise ValueError(f"time_field {self.time_field!r} is not in the schema")
+                raise _FieldError("time_field", f"{self.time_field!r} is not in the schema")
             if FieldType.parse(spec).type not in ("long", "int"):
-                raise ValueError(
-                    f"time_field {self.time_field!r} must be a long (epoch ms), not {spec}"
+                raise _FieldError(
+                    "time_field",
+                    f"time_field {self.time_field!r} must be a long (epoch ms), not {spec}",
                 )
         return self
 
@@ -159,18 +160,23 @@ class MetricConfig(_Model):
     @model_validator(mode="after")
     def _shape(self) -> MetricConfig:
         if self.agg != "count" and not self.value:
-            raise ValueError(f"agg {self.agg!r} needs `value` (a field or a Spark SQL expression)")
+            raise _FieldError(
+                "value", f"agg {self.agg!r} needs `value` (a field or a Spark SQL expression)"
+            )
         if self.slice < 1000:
-            raise ValueError(f"slice {self.slice}ms is shorter than the 1s minimum")
+            raise _FieldError("slice", f"slice {self.slice}ms is shorter than the 1s minimum")
         if self.retention < self.slice:
-            raise ValueError(f"retention {self.retention}ms is shorter than the slice")
+            raise _FieldError(
+                "retention", f"retention {self.retention}ms is shorter than the slice"
+            )
         if self.retention % self.slice != 0:
-            raise ValueError(
+            raise _FieldError(
+                "retention",
                 f"slice ({self.slice}ms) does not divide retention ({self.retention}ms);"
-                " choose a retention that is a whole number of slices"
+                " choose a retention that is a whole number of slices",
             )
         if len(set(self.key)) != len(self.key):
-            raise ValueError(f"key fields {self.key} repeat a field")
+            raise _FieldError("key", f"key fields {self.key} repeat a field")
         return self
 
 
@@ -203,9 +209,10 @@ class BackpressureConfig(_Model):
     @model_validator(mode="after")
     def _marks(self) -> BackpressureConfig:
         if self.low_watermark >= self.high_watermark:
-            raise ValueError(
+            raise _FieldError(
+                "low_watermark",
                 f"low_watermark ({self.low_watermark} B) must be below"
-                f" high_watermark ({self.high_watermark} B)"
+                f" high_watermark ({self.high_watermark} B)",
             )
         return self
 
@@ -274,6 +281,14 @@ class Config(_Model):
         return None
 
 
+class _FieldError(ValueError):
+    """A cross-field check that failed; `field` names the field within the model that failed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
 class _PathError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
@@ -307,11 +322,14 @@ def config_from_dict(data: Any, base_dir: Path | None = None) -> Config:
         if isinstance(ctx_err, _PathError):
             raise ConfigError(str(ctx_err), ctx_err.path) from None
         msg = str(ctx_err) if ctx_err is not None else err["msg"]
+        loc = tuple(err["loc"])
+        if isinstance(ctx_err, _FieldError):
+            loc = (*loc, ctx_err.field)
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling against DESIGN §3"
         elif err["type"] == "missing":
             msg = "field required"
-        path = _loc_to_path(tuple(err["loc"]))
+        path = _loc_to_path(loc)
         more = len(e.errors()) - 1
         if more:
             msg += f" (and {more} more error{'s' if more > 1 else ''})"

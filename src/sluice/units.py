@@ -20,12 +20,16 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
 
 def parse_duration_ms(value: str | int | float) -> int:
     """`"1m"` -> 60000. A bare number is taken as milliseconds. Raises ValueError."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a duration such as '500ms' or '1m', got {value!r}")
-    if isinstance(value, int | float):
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"duration must be a finite number, got {value!r}")
         if value < 0:
             raise ValueError(f"duration must not be negative, got {value!r}")
+        if value != int(value):
+            raise ValueError(f"duration {value!r} is not a whole number of milliseconds")
         return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a duration such as '500ms' or '1m', got {value!r}")
     m = _DURATION_RE.match(value)
     if not m:
         raise ValueError(
@@ -39,17 +43,20 @@ def parse_duration_ms(value: str | int | float) -> int:
 
 def parse_size_bytes(value: str | int) -> int:
     """`"50MB"` -> 50_000_000 (KB/MB/GB are decimal, KiB/MiB/GiB binary). Raises ValueError."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a size such as '500KB' or '50MB', got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
             raise ValueError(f"size must not be negative, got {value!r}")
         return value
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size such as '500KB' or '50MB', got {value!r}")
     m = _SIZE_RE.match(value)
     if not m:
         raise ValueError(f"expected a size such as '500KB', '50MB' or '1GiB', got {value!r}")
     unit = (m.group(2) or "b").lower()
-    return int(float(m.group(1)) * _SIZE_BYTES[unit])
+    size = float(m.group(1)) * _SIZE_BYTES[unit]
+    if size != int(size):
+        raise ValueError(f"size {value!r} is not a whole number of bytes")
+    return int(size)
 
 
 def format_duration_ms(ms: int) -> str:

@@ -312,13 +312,9 @@ def test_jsonl_bad_line_among_good_lines(line: bytes, reason: str, field: str | 
     assert rows[1]["_raw"] == line.decode("utf-8", "replace")
 
 
-# BUG (src/sluice/source/decode.py, Decoder._jsonl fast path): pyarrow.json.read_json does not
-# validate UTF-8 inside JSON strings, so a non-UTF-8 byte in a string value passes the fast path
-# unflagged (`_err` is null) and the returned batch holds an invalid UTF-8 string: it fails
-# `RecordBatch.validate(full=True)` and `to_pylist()` raises UnicodeDecodeError. The `fields`
-# format flags the same input as `invalid_utf8`.
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="BUG: jsonl lets non-UTF-8 through")
-def test_bug_jsonl_non_utf8_inside_a_string_is_flagged() -> None:
+# pyarrow's JSON reader does not validate UTF-8 inside strings: the decoder must catch a
+# non-UTF-8 byte in a string value itself, as the `fields` format does.
+def test_jsonl_non_utf8_inside_a_string_is_flagged() -> None:
     good_line = json.dumps({"ts": T0, "card": "a", "amount": 1.0}).encode()
     payload = good_line + b'\n{"card": "\xff", "amount": 1}'
     (batch,) = Decoder(options("jsonl"), REF_MS).decode([[b"5-0", [b"d", payload]]])
@@ -354,3 +350,16 @@ def test_jsonl_matches_fields_format() -> None:
     via_json = decode([jl(f"{T0 + i}-0", o) for i, o in enumerate(objs)], "jsonl")
     via_fields = decode([good(i) for i in range(6)])
     assert via_json == via_fields
+
+
+def test_jsonl_blank_lines_and_trailing_newline_are_not_events() -> None:
+    line = json.dumps({"ts": T0, "card": "a", "amount": 1.0}).encode()
+    for payload in (line + b"\n", line + b"\n\n" + line, b"\n" + line + b"\r\n"):
+        rows = decode([entry(f"{T0}-0", b"d", payload)], fmt="jsonl")
+        assert all(r["_err"] is None for r in rows), payload
+        assert len(rows) == payload.count(b'"card"')
+
+
+def test_jsonl_entry_of_only_blank_lines_is_an_empty_entry() -> None:
+    rows = decode([entry(f"{T0}-0", b"d", b"\n\n")], fmt="jsonl")
+    assert [(r["_err"], r["_field"]) for r in rows] == [("empty_entry", None)]

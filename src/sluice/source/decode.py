@@ -234,7 +234,8 @@ class Decoder:
     def _jsonl(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
         maps = [dict(zip(fl[0::2], fl[1::2], strict=False)) for _, fl in chunk]
         ems = [parse_id(e[0])[0] for e in chunk]
-        payloads = [m.get(b"d") for m in maps]
+        # Blank lines (a trailing newline, say) are not events.
+        payloads = [_strip_blank(m.get(b"d")) for m in maps]
         if all(p for p in payloads):
             counts = np.fromiter(
                 (p.count(b"\n") + 1 for p in payloads),  # type: ignore[union-attr]
@@ -257,6 +258,8 @@ class Decoder:
 
     def _read_json(self, buf: bytes) -> pa.Table | None:
         try:
+            # Arrow's JSON reader does not check that strings are UTF-8; the slow path does.
+            buf.decode("utf-8")
             return pa_json.read_json(
                 io.BytesIO(buf),
                 read_options=pa_json.ReadOptions(block_size=max(1 << 20, len(buf) + 1)),
@@ -275,7 +278,7 @@ class Decoder:
         raws: list[str] = []
         counts = np.zeros(len(chunk), dtype=np.int64)
         for k, m in enumerate(maps):
-            payload = m.get(b"d")
+            payload = _strip_blank(m.get(b"d"))
             lines = payload.split(b"\n") if payload else [b""]
             counts[k] = len(lines)
             for line in lines:
@@ -283,6 +286,8 @@ class Decoder:
                 err: tuple[str, str | None] | None = None
                 if payload is None:
                     err = ("empty_entry", None) if not m else ("missing_field", "d")
+                elif not payload:
+                    err = ("empty_entry", None)
                 else:
                     try:
                         obj = orjson.loads(line)
@@ -379,6 +384,15 @@ class Decoder:
             pa.array(raw, type=pa.string()),
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+
+
+def _strip_blank(payload: bytes | None) -> bytes | None:
+    """The payload without blank lines (None stays None, so a missing `d` is still seen)."""
+    if payload is None:
+        return None
+    if b"\n\n" in payload or payload[:1] == b"\n" or payload[-1:] in (b"\n", b"\r"):
+        return b"\n".join(ln for ln in payload.splitlines() if ln.strip())
+    return payload
 
 
 def orjson_fields(m: dict[bytes, bytes]) -> str:
