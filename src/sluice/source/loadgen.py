@@ -50,31 +50,37 @@ class EventGenerator:
         max_late_ms: int = 300_000,
     ) -> None:
         self.cfg = cfg
-        self.rng = np.random.default_rng(seed)
+        # One stream per field (and one for lateness), so the sequence of values of a field
+        # does not depend on how the load happens to be cut into frames.
+        self.rngs = {
+            name: np.random.default_rng([seed, i]) for i, name in enumerate(cfg.source.schema_)
+        }
+        self.late_rng = np.random.default_rng([seed, len(self.rngs)])
         self.n_keys = n_keys
         self.zipf_a = zipf_a
         self.late_fraction = late_fraction
         self.max_late_ms = max_late_ms
         self.types = cfg.source.field_types()
 
-    def _zipf(self, n: int) -> np.ndarray:
-        return (self.rng.zipf(self.zipf_a, n) - 1) % self.n_keys
+    def _zipf(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return (rng.zipf(self.zipf_a, n) - 1) % self.n_keys
 
     def frame(self, n: int, now_ms: int) -> pd.DataFrame:
         cols: dict[str, Any] = {}
         for name, ft in self.types.items():
+            rng = self.rngs[name]
             if name == self.cfg.source.time_field:
-                late = self.rng.random(n) < self.late_fraction
-                lag = self.rng.integers(0, self.max_late_ms, n)
+                late = self.late_rng.random(n) < self.late_fraction
+                lag = self.late_rng.integers(0, self.max_late_ms, n)
                 cols[name] = np.where(late, now_ms - lag, now_ms).astype(np.int64)
             elif ft.type == "string":
-                cols[name] = pd.Series(self._zipf(n)).map(lambda i, p=name: f"{p}-{i}")
+                cols[name] = pd.Series(self._zipf(rng, n)).map(lambda i, p=name: f"{p}-{i}")
             elif ft.type in ("long", "int"):
-                cols[name] = self.rng.integers(0, 1000, n)
+                cols[name] = rng.integers(0, 1000, n)
             elif ft.type in ("double", "float"):
-                cols[name] = np.round(self.rng.lognormal(3.0, 1.0, n), 2)
+                cols[name] = np.round(rng.lognormal(3.0, 1.0, n), 2)
             else:
-                cols[name] = self.rng.random(n) < 0.5
+                cols[name] = rng.random(n) < 0.5
         return pd.DataFrame(cols)
 
 

@@ -1,0 +1,169 @@
+"""The HTTP API against real Redis: contract shapes, every error status, ingest, auth.
+
+Most tests use Starlette's in-process transport; one runs the real server over a socket."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from sluice.errors import BadQuery, UnknownMetric
+from sluice.query.app import create_app
+from sluice.query.client import Client
+from sluice.redis.keys import encode_key, slice_hash_key
+from tests.conftest import ServerThread, make_config
+
+NOW = time.time_ns() // 1_000_000
+SLICE = NOW // 10_000 * 10_000
+
+
+def _seed(r: redis.Redis) -> None:
+    """Two 10s slices of txn_count for card c1, as the writer stores them."""
+    key = slice_hash_key("txn_count", encode_key(["c1"]))
+    r.hset(key, mapping={str(SLICE): "1:3", str(SLICE - 10_000): "1:2", "_m": f"{SLICE}:{SLICE}"})
+
+
+@pytest.fixture
+def api(r: redis.Redis, redis_url: str, tmp_path: Path) -> TestClient:
+    _seed(r)
+    return TestClient(create_app(make_config(redis_url, tmp_path), r))
+
+
+def _error(resp: httpx.Response, status: int, word: str) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"code", "message"}
+    assert word in err["message"], err
+    return err
+
+
+def test_metric_lookup_shape(api: TestClient) -> None:
+    resp = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "15s", "end": NOW})
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body == {
+        "metric": "txn_count",
+        "key": ["c1"],
+        "value": 5 if NOW - 15_000 < SLICE else 3,
+        "start": NOW - 15_000,
+        "end": NOW,
+        "covered_start": (NOW - 15_000 + 1) // 10_000 * 10_000,
+        "covered_end": SLICE + 10_000,
+    }
+
+
+def test_end_defaults_to_now(api: TestClient) -> None:
+    body = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "1m"}).json()
+    assert abs(body["end"] - time.time_ns() // 1_000_000) < 5_000
+    assert body["value"] == 5
+
+
+def test_error_statuses_name_the_parameter(api: TestClient) -> None:
+    _error(api.get("/v1/metrics/nope", params={"key": "c1", "window": "1m"}), 404, "nope")
+    _error(api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "soon"}), 400, "window")
+    _error(api.get("/v1/metrics/txn_count", params={"key": "c1"}), 400, "window")
+    _error(api.get("/v1/metrics/txn_count", params={"window": "1m"}), 400, "key")
+    _error(api.get("/v1/metrics/txn_count", params={"key": ["a", "b"], "window": "1m"}), 400, "key")
+    _error(
+        api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "1m", "end": "x"}),
+        400,
+        "end",
+    )
+    _error(api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "2d"}), 422, "retention")
+    _error(api.get("/v1/metrics/pair_count", params={"key": "c1", "window": "1m"}), 400, "key")
+
+
+def test_batch_query_and_definitions(api: TestClient) -> None:
+    resp = api.post(
+        "/v1/query",
+        json={
+            "queries": [
+                {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": NOW},
+                {"metric": "txn_count", "key": ["c2"], "window": "1m", "end": NOW},
+                {"metric": "avg_ticket", "key": ["m1"], "window": "5m"},
+            ]
+        },
+    )
+    assert resp.status_code == 200
+    results = resp.json()["results"]
+    assert [x["value"] for x in results] == [5, 0, None]
+    _error(api.post("/v1/query", json={"queries": [{"metric": "txn_count"}]}), 400, "queries[0]")
+    _error(api.post("/v1/query", json={"q": []}), 400, "queries")
+    _error(api.post("/v1/query", content=b"{not json"), 400, "JSON")
+    names = [m["name"] for m in api.get("/v1/metrics").json()["metrics"]]
+    assert names[0] == "txn_count" and "avg_ticket" in names
+
+
+def test_ingest_json_array_and_ndjson(api: TestClient, r: redis.Redis) -> None:
+    events = [
+        {"ts": NOW, "card": f"c{i}", "merchant": "m", "amount": 1.5, "qty": 2} for i in range(5)
+    ]
+    assert api.post("/v1/events", json=events).json() == {"accepted": 5}
+    ndjson = b"\n".join(httpx.Request("POST", "/", json=e).content for e in events) + b"\n"
+    resp = api.post("/v1/events", content=ndjson, headers={"content-type": "application/x-ndjson"})
+    assert resp.status_code == 202 and resp.json() == {"accepted": 5}
+    stored = sum(int(f[b"n"]) for s in ("events:0", "events:1") for _, f in r.xrange(s))
+    assert stored == 10
+    _error(api.post("/v1/events", content=b""), 400, "empty")
+    _error(api.post("/v1/events", content=b"[1, 2]"), 400, "not a JSON object")
+    _error(api.post("/v1/events", content=b'{"a": 1}\n{oops'), 400, "line 2")
+
+
+def test_oversize_body_is_refused(api: TestClient) -> None:
+    big = b"[" + b" " * (11 * 1024 * 1024) + b"]"
+    _error(api.post("/v1/events", content=big), 413, "over")
+
+
+def test_bearer_token(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    cfg = make_config(redis_url, tmp_path, server={"token": "s3cret"})
+    api = TestClient(create_app(cfg, r))
+    _error(api.get("/v1/metrics"), 401, "token")
+    _error(api.get("/v1/metrics", headers={"authorization": "Bearer wrong"}), 401, "token")
+    assert api.get("/v1/metrics", headers={"authorization": "Bearer s3cret"}).status_code == 200
+    assert api.get("/healthz").status_code == 200  # health stays open for probes
+
+
+def test_status_health_and_prometheus(api: TestClient) -> None:
+    status = api.get("/v1/status").json()
+    assert status["backlog"]["entries"] == 0
+    assert api.get("/healthz").json() == {"status": "ok"}
+    text = api.get("/metrics").text
+    assert "sluice_backlog_entries 0.0" in text
+    assert "<title>Sluice</title>" in api.get("/").text
+
+
+def test_redis_down_is_503(redis_url: str, tmp_path: Path) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    api = TestClient(create_app(make_config(redis_url, tmp_path), dead))
+    _error(
+        api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "1m"}), 503, "unavailable"
+    )
+    assert api.get("/healthz").status_code == 503
+
+
+def test_python_client_over_a_real_socket(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    _seed(r)
+    app = create_app(make_config(redis_url, tmp_path), r)
+    with ServerThread(app) as server, Client(server.url) as client:
+        assert client.query("txn_count", "c1", "1m")["value"] == 5
+        assert [
+            x["value"]
+            for x in client.query_many([{"metric": "txn_count", "key": ["c1"], "window": "1m"}])
+        ] == [5]
+        assert (
+            client.send_events(
+                [{"ts": NOW, "card": "c9", "merchant": "m", "amount": 1.0, "qty": 1}]
+            )
+            == 1
+        )
+        assert "txn_count" in [m["name"] for m in client.metrics()]
+        with pytest.raises(UnknownMetric, match="nope"):
+            client.query("nope", "c1", "1m")
+        with pytest.raises(BadQuery, match="retention"):
+            client.query("txn_count", "c1", "30d")

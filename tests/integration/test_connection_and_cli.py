@@ -1,0 +1,148 @@
+"""Redis connections (embedded server, URLs, passwords, clear errors) and the CLI commands that
+need no Spark. Real redis-server processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from click.testing import CliRunner
+
+from sluice.cli import main
+from sluice.errors import RedisUnavailable
+from sluice.redis.connection import check_reachable, open_redis, redact
+from sluice.redis.embedded import EmbeddedRedis
+from sluice.redis.keys import encode_key, slice_hash_key
+from tests.conftest import free_port
+
+
+def test_embedded_server_keeps_its_aof_under_state_dir(tmp_path: Path) -> None:
+    with open_redis(None, tmp_path) as handle:
+        handle.client.set("k", "v")
+        info = handle.client.info("persistence")
+        assert info["aof_enabled"] == 1
+        assert handle.url.startswith("redis://127.0.0.1:")
+        # A second process on the same state_dir joins the running server instead of another.
+        with open_redis(None, tmp_path) as second:
+            assert second.url == handle.url
+            assert second.client.get("k") == b"v"
+        assert handle.client.ping()  # the joiner does not stop a server it does not own
+    assert (tmp_path / "redis" / "appendonly.aof").exists()
+    assert not (tmp_path / "redis" / "redis.port").exists()
+    with open_redis(None, tmp_path) as again:  # restarted from the AOF
+        assert again.client.get("k") == b"v"
+
+
+def test_unreachable_url_fails_clearly() -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(RedisUnavailable, match=r"cannot reach redis at redis://127\.0\.0\.1"):
+        check_reachable(url, timeout_s=0.5)
+
+
+def test_password_urls(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path) as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.config_set("requirepass", "pw")
+        good = f"redis://:pw@127.0.0.1:{server.port}/0"
+        bad = f"redis://:wrong@127.0.0.1:{server.port}/0"
+        check_reachable(good)
+        with pytest.raises(RedisUnavailable, match=r"redis://:\*\*\*@127.0.0.1.*credentials"):
+            check_reachable(bad)
+        redis.Redis.from_url(good).config_set("requirepass", "")
+    assert redact(good) == f"redis://:***@127.0.0.1:{server.port}/0"
+    assert redact("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    assert redact("redis://h:1/0") == "redis://h:1/0"
+
+
+def _config_file(tmp_path: Path, redis_url: str) -> Path:
+    path = tmp_path / "sluice.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "redis": redis_url,
+                "state_dir": str(tmp_path / "state"),
+                "source": {
+                    "format": "jsonl",
+                    "shards": 2,
+                    "schema": {"ts": "long", "card": "string", "amount": "double"},
+                },
+                "metrics": [
+                    {
+                        "name": "txn_count",
+                        "key": ["card"],
+                        "agg": "count",
+                        "slice": "10s",
+                        "retention": "1h",
+                    }
+                ],
+            }
+        )
+    )
+    return path
+
+
+def test_cli_query_and_status(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    now = time.time_ns() // 1_000_000
+    s = now // 10_000 * 10_000
+    r.hset(slice_hash_key("txn_count", encode_key(["c1"])), mapping={str(s): "1:4"})
+    cfg = _config_file(tmp_path, redis_url)
+    runner = CliRunner()
+    out = runner.invoke(
+        main, ["query", "-c", str(cfg), "txn_count", "--key", "c1", "--window", "1m"]
+    )
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["value"] == 4
+    out = runner.invoke(main, ["query", "-c", str(cfg), "nope", "--key", "c1", "--window", "1m"])
+    assert out.exit_code != 0 and "unknown metric 'nope'" in out.output
+    out = runner.invoke(main, ["status", "-c", str(cfg)])
+    assert out.exit_code == 0 and "backlog (entries)" in out.output
+    out = runner.invoke(main, ["status", "-c", str(cfg), "--json"])
+    assert json.loads(out.output)["backlog"]["entries"] == 0
+
+
+def test_cli_produce_is_seeded_and_bounded(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    cfg = _config_file(tmp_path, redis_url)
+    runner = CliRunner()
+    args = ["produce", "-c", str(cfg), "--rate", "2000", "--duration", "1", "--seed", "3"]
+    started = time.monotonic()
+    out = runner.invoke(main, args)
+    assert out.exit_code == 0, out.output
+    assert time.monotonic() - started < 10
+    result = json.loads(out.output.strip().splitlines()[-1])
+    assert 1000 <= result["events"] <= 2600
+    stored = sum(int(f[b"n"]) for s in ("events:0", "events:1") for _, f in r.xrange(s))
+    assert stored == result["events"]
+
+    def cards() -> list[str]:
+        return [
+            json.loads(line)["card"]
+            for _, fields in r.xrange("events:0")
+            for line in fields[b"d"].split(b"\n")
+        ]
+
+    first = cards()
+    r.flushall()
+    runner.invoke(main, args)
+    second = cards()
+    n = min(len(first), len(second))
+    assert n > 100 and first[:n] == second[:n]  # the same seed: the same keys in the same order
+
+
+def test_cli_config_errors_name_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("metrics:\n  - {name: x, key: [card], agg: median}\n")
+    out = CliRunner().invoke(main, ["status", "-c", str(path)])
+    assert out.exit_code != 0
+    assert "metrics[0].agg" in out.output and "unknown agg 'median'" in out.output
+    out = CliRunner().invoke(main, ["status", "-c", str(tmp_path / "missing.yaml")])
+    assert out.exit_code != 0 and "not found" in out.output
+
+
+def test_cli_unreachable_redis(tmp_path: Path) -> None:
+    cfg = _config_file(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
+    out = CliRunner().invoke(main, ["status", "-c", str(cfg)])
+    assert out.exit_code != 0 and "cannot reach redis" in out.output
