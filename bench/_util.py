@@ -85,6 +85,7 @@ class LoadPool:
 
     commands: list[bytes]
     events: list[int]
+    shard_events: tuple[int, ...]  # events per shard
 
     @property
     def total_events(self) -> int:
@@ -159,7 +160,10 @@ def build_pool(cfg: Config, n_events: int, seed: int, now_ms: int) -> LoadPool:
     commands = [
         resp_command(b"XADD", keys[s], b"*", *f) for s, f in zip(shards, fields, strict=True)
     ]
-    return LoadPool(commands, events)
+    per_shard = [0] * len(keys)
+    for sh, n in zip(shards, events, strict=True):
+        per_shard[sh] += n
+    return LoadPool(commands, events, tuple(per_shard))
 
 
 def xrange_entries(cfg: Config, n_events: int, seed: int, now_ms: int) -> list[list[Any]]:

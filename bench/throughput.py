@@ -122,7 +122,7 @@ def make_plan(quick: bool, formats: Sequence[str], budget_s: float | None, seed:
                  "fields": FormatPlan("fields", 20_000, 80_000, 40_000)}  # fmt: skip
         return Plan(True, tuple(sizes[f] for f in formats), 10.0, 2, 8.0, 3, 120.0, 25.0,
                     budget_s or 240.0, seed)  # fmt: skip
-    sizes = {"jsonl": FormatPlan("jsonl", 1_000_000, 5_000_000, 200_000),
+    sizes = {"jsonl": FormatPlan("jsonl", 1_000_000, 3_000_000, 200_000),
              "fields": FormatPlan("fields", 200_000, 1_000_000, 100_000)}  # fmt: skip
     return Plan(False, tuple(sizes[f] for f in formats), 30.0, 4, 30.0, 6, 300.0, 60.0,
                 budget_s or 900.0, seed)  # fmt: skip
@@ -134,6 +134,7 @@ def make_plan(quick: bool, formats: Sequence[str], budget_s: float | None, seed:
 @dataclass
 class DrainResult:
     prefilled_events: int
+    shard_share: tuple[float, ...]  # fraction of the events on each shard
     prefill_s: float
     idle: bool
     events_in: int
@@ -292,6 +293,7 @@ def run_drain(
     records = recent_batches(handle.client, BATCH_HISTORY)
     result = DrainResult(
         prefilled_events=sent,
+        shard_share=tuple(n / pool.total_events for n in pool.shard_events),
         prefill_s=prefill_s,
         idle=idle,
         events_in=stat_counter(handle.client, "events_in"),
@@ -449,16 +451,13 @@ def fp_cap(cfg: Config) -> int:
     return cap
 
 
-def next_factor(factor: float, steps: Sequence[StepResult], went_up: bool) -> float | None:
-    """The ladder: start at 0.9 x the drain rate; after a bounded first step try once 1.25 x
-    higher, after an unbounded step 0.7 x lower; stop once both outcomes were seen."""
-    last = steps[-1].verdict.bounded
+def next_factor(factor: float, steps: Sequence[StepResult]) -> float | None:
+    """The ladder (factors of the drain rate, starting at 0.9): 1.25 x higher after a bounded
+    step, 0.7 x lower after an unbounded one, until both outcomes were seen (None: stop)."""
     both = any(s.verdict.bounded for s in steps) and any(not s.verdict.bounded for s in steps)
     if both:
         return None
-    if last:
-        return None if went_up else factor * 1.25
-    return factor * 0.7
+    return factor * 1.25 if steps[-1].verdict.bounded else factor * 0.7
 
 
 def run_sustained(
@@ -473,7 +472,7 @@ def run_sustained(
     """The rate ladder, then freshness at about half the best bounded rate (half the lowest rate
     tried if none was bounded). The pipeline must be running and idle."""
     result = SustainedResult(t0_ms=now_ms())
-    factor, went_up = 0.9, False
+    factor = 0.9
     reserve_s = plan.step_s + plan.freshness_s + plan.bare_reserve_s
     for i in range(plan.max_steps):
         if deadline.left_s() < reserve_s:
@@ -492,10 +491,9 @@ def run_sustained(
         if not step.drained:
             log(f"{fp.fmt} sustained: backlog did not drain; stopping the ladder")
             break
-        nxt = next_factor(factor, result.steps, went_up)
+        nxt = next_factor(factor, result.steps)
         if nxt is None:
             break
-        went_up = went_up or nxt > factor
         factor = nxt
     if result.steps and all(s.drained for s in result.steps):
         best = result.best()
@@ -733,10 +731,21 @@ def format_section(res: FormatResult, plan: Plan) -> list[str]:
     bare_r = b.rate.wall_per_s if b and b.rate else None
     ratio = f"{drain_r / bare_r:.2f}" if drain_r and bare_r else "–"
     sus_ratio = f"{best.achieved_per_s / bare_r:.2f}" if best and bare_r else "–"
+    split = ""
+    if d is not None:
+        shares = " / ".join(f"{x:.0%}" for x in d.shard_share)
+        sizes = sorted(r["events"] for r in d.records)
+        split = (
+            f" Load split over the shards: {shares} (Zipf keys, sharded by card); the reader"
+            " splits each batch's budget evenly over the shards, and the drain's batches held"
+            f" {sizes[0]:,} to {sizes[-1]:,} events."
+            if sizes
+            else ""
+        )
     out = [
         f"### `{fp.fmt}`",
         "",
-        f"Batch size (`source.max_events_per_batch`): {fp.batch_events:,} events.",
+        f"Batch size (`source.max_events_per_batch`): {fp.batch_events:,} events." + split,
         "",
         "| measure | events/s | note |",
         "|---|---:|---|",

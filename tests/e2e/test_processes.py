@@ -1,0 +1,96 @@
+"""The commands as users run them: real processes, real signals, real Redis and Spark."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+
+from tests.conftest import free_port
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+SLUICE = [sys.executable, "-m", "sluice.cli"]
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def test_run_processes_events_and_stops_cleanly_on_sigterm(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "sluice.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "redis": redis_url,
+                "state_dir": str(tmp_path / "state"),
+                "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
+                "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
+                "spark": {"trigger": "200ms"},
+            }
+        )
+    )
+    log = (tmp_path / "run.log").open("w")
+    proc = subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        now = time.time_ns() // 1_000_000
+        r.xadd("events", {"d": b'{"ts": %d, "card": "c1"}\n{"ts": %d, "card": "c1"}' % (now, now)})
+        _wait_for(lambda: r.hget("sluice:{stats}", "events_in") == b"2", 120, "the first batch")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    output = (tmp_path / "run.log").read_text()
+    assert "stopping after the batch in flight" in output
+    assert "msg=stopped" in output
+    assert r.xlen("events") <= 1  # committed input was trimmed
+
+
+def test_demo_serves_the_api_and_shows_live_status(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*SLUICE, "demo", "--duration", "25", "--port", str(port), "--rate", "500",
+         "--state-dir", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines: list[str] = []
+    answer = None
+    deadline = time.monotonic() + 150
+    for line in proc.stdout:
+        lines.append(line)
+        if time.monotonic() > deadline:
+            break
+        m = re.search(r"total ([\d,]+)", line)
+        if m and int(m.group(1).replace(",", "")) > 0 and answer is None:
+            base = f"http://127.0.0.1:{port}"
+            answer = httpx.get(
+                f"{base}/v1/metrics/txn_count", params={"key": "card-0", "window": "5m"}
+            ).json()
+            assert httpx.get(f"{base}/").status_code == 200
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    text = "".join(lines)
+    assert f"http://127.0.0.1:{port}/" in text
+    assert "processed" in text and "freshness" in text
+    assert answer is not None, text
+    assert answer["value"] > 0
