@@ -375,7 +375,7 @@ def judge_step(
 
     Bounded iff all of: (1) no such batch was filled to the admission cap (95 %): a full batch
     means input was left waiting behind it; (2) the backlog's peak in the last third is at most
-    1.25 x its peak in the middle third plus 0.5 s of input (a batch-sized sawtooth is fine, a
+    1.2 x its peak in the middle third plus 0.25 s of input (a batch-sized sawtooth is fine, a
     rising trend is not); (3) the final backlog is under `max_lag_s` seconds of input. The first
     third is the transient and is ignored.
     """
@@ -392,7 +392,7 @@ def judge_step(
     final_lag_s = samples[-1][1] / rate_per_s
     if final_lag_s > max_lag_s:
         return StepVerdict(False, f"final backlog {final_lag_s:.1f} s of input")
-    if max(last) > 1.25 * max(mid) + 0.5 * rate_per_s:
+    if max(last) > 1.2 * max(mid) + 0.25 * rate_per_s:
         return StepVerdict(False, f"backlog rising: peak {max(mid):,} -> {max(last):,} events")
     return StepVerdict(
         True, f"peak backlog {max(mid + last):,} events, largest batch {max(batch_events):,}"

@@ -19,19 +19,29 @@ from sluice.query.client import Client
 from sluice.redis.keys import encode_key, slice_hash_key
 from tests.conftest import ServerThread, make_config
 
-NOW = time.time_ns() // 1_000_000
-SLICE = NOW // 10_000 * 10_000
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
-def _seed(r: redis.Redis) -> None:
-    """Two 10s slices of txn_count for card c1, as the writer stores them."""
+def _seed(r: redis.Redis) -> tuple[int, int]:
+    """Two 10s slices of txn_count for card c1, as the writer stores them, ending now.
+
+    Returns (now, newest slice start)."""
+    now = _now_ms()
+    newest = now // 10_000 * 10_000
     key = slice_hash_key("txn_count", encode_key(["c1"]))
-    r.hset(key, mapping={str(SLICE): "1:3", str(SLICE - 10_000): "1:2", "_m": f"{SLICE}:{SLICE}"})
+    r.hset(key, mapping={str(newest): "1:3", str(newest - 10_000): "1:2", "_m": f"{newest}:0"})
+    return now, newest
 
 
 @pytest.fixture
-def api(r: redis.Redis, redis_url: str, tmp_path: Path) -> TestClient:
-    _seed(r)
+def seeded(r: redis.Redis) -> tuple[int, int]:
+    return _seed(r)
+
+
+@pytest.fixture
+def api(r: redis.Redis, redis_url: str, tmp_path: Path, seeded: tuple[int, int]) -> TestClient:
     return TestClient(create_app(make_config(redis_url, tmp_path), r))
 
 
@@ -43,18 +53,19 @@ def _error(resp: httpx.Response, status: int, word: str) -> dict[str, Any]:
     return err
 
 
-def test_metric_lookup_shape(api: TestClient) -> None:
-    resp = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "15s", "end": NOW})
+def test_metric_lookup_shape(api: TestClient, seeded: tuple[int, int]) -> None:
+    now, newest = seeded
+    resp = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "15s", "end": now})
     assert resp.status_code == 200
     body = resp.json()
     assert body == {
         "metric": "txn_count",
         "key": ["c1"],
-        "value": 5 if NOW - 15_000 < SLICE else 3,
-        "start": NOW - 15_000,
-        "end": NOW,
-        "covered_start": (NOW - 15_000 + 1) // 10_000 * 10_000,
-        "covered_end": SLICE + 10_000,
+        "value": 5 if now - 15_000 < newest else 3,
+        "start": now - 15_000,
+        "end": now,
+        "covered_start": (now - 15_000 + 1) // 10_000 * 10_000,
+        "covered_end": newest + 10_000,
     }
 
 
@@ -79,13 +90,14 @@ def test_error_statuses_name_the_parameter(api: TestClient) -> None:
     _error(api.get("/v1/metrics/pair_count", params={"key": "c1", "window": "1m"}), 400, "key")
 
 
-def test_batch_query_and_definitions(api: TestClient) -> None:
+def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -> None:
+    now = seeded[0]
     resp = api.post(
         "/v1/query",
         json={
             "queries": [
-                {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": NOW},
-                {"metric": "txn_count", "key": ["c2"], "window": "1m", "end": NOW},
+                {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": now},
+                {"metric": "txn_count", "key": ["c2"], "window": "1m", "end": now},
                 {"metric": "avg_ticket", "key": ["m1"], "window": "5m"},
             ]
         },
@@ -101,8 +113,9 @@ def test_batch_query_and_definitions(api: TestClient) -> None:
 
 
 def test_ingest_json_array_and_ndjson(api: TestClient, r: redis.Redis) -> None:
+    now = _now_ms()
     events = [
-        {"ts": NOW, "card": f"c{i}", "merchant": "m", "amount": 1.5, "qty": 2} for i in range(5)
+        {"ts": now, "card": f"c{i}", "merchant": "m", "amount": 1.5, "qty": 2} for i in range(5)
     ]
     assert api.post("/v1/events", json=events).json() == {"accepted": 5}
     ndjson = b"\n".join(httpx.Request("POST", "/", json=e).content for e in events) + b"\n"
@@ -158,7 +171,7 @@ def test_python_client_over_a_real_socket(r: redis.Redis, redis_url: str, tmp_pa
         ] == [5]
         assert (
             client.send_events(
-                [{"ts": NOW, "card": "c9", "merchant": "m", "amount": 1.0, "qty": 1}]
+                [{"ts": _now_ms(), "card": "c9", "merchant": "m", "amount": 1.0, "qty": 1}]
             )
             == 1
         )
