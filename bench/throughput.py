@@ -879,7 +879,14 @@ def render_markdown(
         f" {run.duration_s / 60:.1f} min.",
         "",
         f"Date: {run.started}. Machine: {machine_note(run.load_start, run.load_end)}. Numbers"
-        " are single runs; treat them as indicative.",
+        " are single runs; treat them as indicative."
+        + (
+            " Quick mode: batches are small and the sustained steps last only"
+            f" {plan.step_s:.0f} s, so the bounded/unbounded verdicts are weak; this run checks"
+            " that the benchmark works, the full run gives the numbers to quote."
+            if plan.quick
+            else ""
+        ),
         "",
         "Setup: 3 metrics (`txn_count` count by card, `amount_sum` sum of amount by merchant,"
         " `card_max` max of amount by card), schema {ts: long, card: string, merchant: string,"

@@ -31,8 +31,7 @@ from sluice.units import parse_duration_ms, parse_size_bytes
 DurationMs = Annotated[int, BeforeValidator(parse_duration_ms)]
 SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes)]
 
-AGGS = ("count", "sum", "min", "max", "avg")
-PLANNED_AGGS = ("distinct", "quantile", "last", "stddev", "variance")
+AGGS = ("count", "sum", "min", "max", "avg", "distinct", "quantile", "last", "stddev", "variance")
 FIELD_TYPES = ("string", "long", "int", "double", "float", "boolean")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -138,6 +137,9 @@ class MetricConfig(_Model):
     agg: str
     value: str | None = None
     filter: str | None = None
+    q: float | list[float] | None = Field(
+        None, description="quantile(s) for agg quantile, each strictly between 0 and 1"
+    )
     slice: DurationMs = 60_000
     retention: DurationMs = 7 * 86_400_000
 
@@ -151,8 +153,6 @@ class MetricConfig(_Model):
     @field_validator("agg")
     @classmethod
     def _agg(cls, v: str) -> str:
-        if v in PLANNED_AGGS:
-            raise ValueError(f"agg {v!r} is not supported yet; use one of {', '.join(AGGS)}")
         if v not in AGGS:
             raise ValueError(f"unknown agg {v!r}; expected one of {', '.join(AGGS)}")
         return v
@@ -163,6 +163,15 @@ class MetricConfig(_Model):
             raise _FieldError(
                 "value", f"agg {self.agg!r} needs `value` (a field or a Spark SQL expression)"
             )
+        if self.agg == "quantile":
+            qs = self.quantiles()
+            if not qs:
+                raise _FieldError("q", "agg 'quantile' needs `q`, e.g. q: [0.5, 0.99]")
+            for q in qs:
+                if not 0.0 < q < 1.0:
+                    raise _FieldError("q", f"quantile {q} must be strictly between 0 and 1")
+        elif self.q is not None:
+            raise _FieldError("q", f"`q` is only for agg 'quantile', not {self.agg!r}")
         if self.slice < 1000:
             raise _FieldError("slice", f"slice {self.slice}ms is shorter than the 1s minimum")
         if self.retention < self.slice:
@@ -178,6 +187,11 @@ class MetricConfig(_Model):
         if len(set(self.key)) != len(self.key):
             raise _FieldError("key", f"key fields {self.key} repeat a field")
         return self
+
+    def quantiles(self) -> list[float]:
+        if self.q is None:
+            return []
+        return [float(self.q)] if isinstance(self.q, int | float) else [float(x) for x in self.q]
 
 
 class DerivedConfig(_Model):

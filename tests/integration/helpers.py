@@ -36,6 +36,8 @@ def decoded_table(cfg: Config, events: Sequence[dict[str, Any]], ref_ms: int) ->
     return pa.Table.from_pydict(cols, schema=schema)
 
 
-def slice_snapshot(client: redis.Redis) -> dict[bytes, dict[bytes, bytes]]:
-    """Every slice hash and its fields, for before/after comparisons."""
-    return {k: client.hgetall(k) for k in sorted(client.scan_iter(match="sluice:s:*"))}
+def slice_snapshot(client: redis.Redis) -> dict[bytes, Any]:
+    """Every slice hash (its fields) and slice HyperLogLog (its bytes), for comparisons."""
+    out: dict[bytes, Any] = {k: client.hgetall(k) for k in client.scan_iter(match="sluice:s:*")}
+    out.update({k: client.get(k) for k in client.scan_iter(match="sluice:h:*")})
+    return dict(sorted(out.items()))

@@ -31,13 +31,20 @@ from sluice.source.options import SourceOptions
 
 DEAD_G = -1
 # The aggregate columns each agg needs, beyond the per-metric count `n{i}`.
-AGG_COLUMNS = {
+AGG_COLUMNS: dict[str, tuple[str, ...]] = {
     "count": (),
     "sum": ("sum",),
     "min": ("min",),
     "max": ("max",),
     "avg": ("sum",),
+    "stddev": ("avg", "m2"),
+    "variance": ("avg", "m2"),
+    "last": ("last",),
+    "distinct": ("set",),
+    "quantile": ("kll",),
 }
+# Aggs whose `value` may be of any type (it is counted or compared as text, not summed).
+ANY_TYPE_AGGS = ("count", "distinct")
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,7 @@ def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | 
                     f"metrics[{i}].filter",
                 )
             if attr == "value":
-                if m.agg != "count" and not isinstance(field.dataType, NumericType):
+                if m.agg not in ANY_TYPE_AGGS and not isinstance(field.dataType, NumericType):
                     raise ConfigError(
                         f"value {text!r} is of type {field.dataType.simpleString()};"
                         f" agg {m.agg!r} needs a number",
@@ -123,6 +130,15 @@ def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[M
     return out
 
 
+def value_type(spec: MetricSpec) -> str:
+    """The Spark type of a metric's value column in the exploded rows."""
+    if spec.agg == "distinct":
+        return "string"
+    if spec.agg == "count" or (spec.integral and spec.agg in ("sum", "min", "max", "last")):
+        return "long"
+    return "double"
+
+
 def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
     """Metric `spec`'s value for this event, or null when the event does not count for it."""
     m = cfg.metrics[spec.index]
@@ -134,8 +150,7 @@ def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
     if m.filter:
         cond = cond & F.coalesce(F.expr(m.filter), F.lit(False))
     value = F.expr(m.value) if m.value else F.lit(1)
-    value = value.cast("long") if spec.integral or m.agg == "count" else value.cast("double")
-    return F.when(cond, value)
+    return F.when(cond, value.cast(value_type(spec)))
 
 
 def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
@@ -166,14 +181,11 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
             key_column(first.key).alias("k"),
             ts_s.alias("s"),
             F.col("_ems").alias("ems"),
+            ts.alias("t"),
         ]
         for sp in specs:
             v = values[sp.index] if sp.group == g else F.lit(None)
-            cols.append(
-                v.cast("long" if sp.integral or sp.agg == "count" else "double").alias(
-                    f"v{sp.index}"
-                )
-            )
+            cols.append(v.cast(value_type(sp)).alias(f"v{sp.index}"))
         touched = good
         if g != 0:
             touched = functools.reduce(
@@ -197,13 +209,9 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
         dead.alias("k"),
         F.col("_ems").alias("s"),
         F.col("_ems").alias("ems"),
+        F.col("_ts").alias("t"),
     ]
-    dead_cols += [
-        F.lit(None)
-        .cast("long" if sp.integral or sp.agg == "count" else "double")
-        .alias(f"v{sp.index}")
-        for sp in specs
-    ]
+    dead_cols += [F.lit(None).cast(value_type(sp)).alias(f"v{sp.index}") for sp in specs]
     rows.append(F.when(~good, F.struct(*dead_cols)))
     exploded = flagged.select(F.explode(F.array(*rows)).alias("u")).where(F.col("u").isNotNull())
     return exploded.select("u.*")
@@ -220,9 +228,28 @@ def fold_columns(specs: list[MetricSpec]) -> list[Column]:
         v = F.col(f"v{sp.index}")
         aggs.append(F.count(v).alias(f"n{sp.index}"))
         for kind in AGG_COLUMNS[sp.agg]:
-            fn = {"sum": F.sum, "min": F.min, "max": F.max}[kind]
-            aggs.append(fn(v).alias(f"{kind}{sp.index}"))
+            aggs.append(_fold(kind, v).alias(f"{kind}{sp.index}"))
     return aggs
+
+
+def _fold(kind: str, v: Column) -> Column:
+    if kind == "sum":
+        return F.sum(v)
+    if kind == "min":
+        return F.min(v)
+    if kind == "max":
+        return F.max(v)
+    if kind == "avg":
+        return F.avg(v)
+    if kind == "m2":  # sum of squared deviations from the mean, merged with Chan's formula
+        return F.var_pop(v) * F.count(v)
+    if kind == "last":  # greatest event time; a tie goes to the greater value
+        return F.max(F.when(v.isNotNull(), F.struct(F.col("t").alias("t"), v.alias("v"))))
+    if kind == "set":
+        return F.collect_set(v)
+    if kind == "kll":
+        return F.kll_sketch_agg_double(v)
+    raise ValueError(f"unknown fold {kind!r}")
 
 
 def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:

@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from sluice.pipeline.plan import DEAD_G, MetricSpec
-from sluice.redis.keys import dead_letter_marker_key, dead_letter_stream_key, slice_hash_key
+from sluice.redis.keys import (
+    dead_letter_marker_key,
+    dead_letter_stream_key,
+    slice_hash_key,
+    slice_hll_key,
+)
 
 TOKEN_EPOCH = 10**12
 PIPELINE_CHUNK = 50
@@ -68,107 +73,110 @@ def _num(x: Any) -> str:
     return repr(x) if isinstance(x, float) else str(x)
 
 
-def _state_columns(spec: MetricSpec, cols: dict[str, list[Any]]) -> tuple[list[Any], list[Any]]:
-    """The (a, b) columns of the packed state (see write_slices.lua) for one metric."""
+# The Lua-merged aggs, the name of their state in write_slices.lua, and how to read the state
+# out of one aggregated row (see plan.AGG_COLUMNS for the column names).
+LUA_AGG = {
+    "count": "count",
+    "sum": "sum",
+    "min": "min",
+    "max": "max",
+    "avg": "avg",
+    "stddev": "var",
+    "variance": "var",
+    "last": "last",
+}
+
+
+def lua_state(spec: MetricSpec, cols: dict[str, list[Any]], row: int) -> tuple[str, ...]:
+    """The state of one metric in one aggregated row, as write_slices.lua takes it."""
     i = spec.index
-    n = cols[f"n{i}"]
-    if spec.agg == "count":
-        return n, n
-    if spec.agg == "avg":
-        return n, cols[f"sum{i}"]
-    a = cols[f"{spec.agg}{i}"]
-    return a, a
+    n = cols[f"n{i}"][row]
+    agg = spec.agg
+    if agg == "count":
+        return (str(n),)
+    if agg in ("sum", "min", "max"):
+        return (_num(cols[f"{agg}{i}"][row]),)
+    if agg == "avg":
+        return (str(n), _num(cols[f"sum{i}"][row]))
+    if agg in ("stddev", "variance"):
+        return (str(n), _num(cols[f"avg{i}"][row]), _num(cols[f"m2{i}"][row]))
+    if agg == "last":
+        last = cols[f"last{i}"][row]
+        return (str(last["t"]), _num(last["v"]))
+    raise ValueError(f"agg {agg!r} has no Lua state")
 
 
-def write_partition(
-    ctx: WriterContext, batches: Iterator[pa.RecordBatch]
-) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: apply every slice update of this partition, yield counters.
+@dataclass
+class PartitionUpdates:
+    """Everything one writer partition has to apply, gathered from its Arrow batches."""
 
-    Updates of many keys go in one script call (KEYS_PER_CALL), calls are pipelined; on Redis
-    Cluster the keys of one call must share a slot, so they are grouped by slot first.
-    """
-    import redis
-
-    from sluice.redis.keys import key_slot
-    from sluice.redis.scripts import WRITE_SLICES, script_source
-
-    client = redis.Redis.from_url(ctx.url, socket_timeout=60, socket_connect_timeout=10)
-    script = client.register_script(script_source(WRITE_SLICES))
-    by_group: dict[int, list[MetricSpec]] = {}
-    for sp in ctx.specs:
-        by_group.setdefault(sp.group, []).append(sp)
-    # (metric index, key) -> flat [s, a, b, s, a, b, ...]
-    updates: dict[tuple[int, str], list[str]] = {}
-    good = 0
+    lua: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # -> [s, v.., s, v..]
+    hll: dict[tuple[int, str, int], list[str]] = field(default_factory=dict)  # -> values
+    kll: dict[tuple[int, str], list[tuple[int, bytes]]] = field(default_factory=dict)
+    good: int = 0
     min_ems: int | None = None
     max_ems: int | None = None
-    dead: list[str] = []
-    for batch in batches:
+    dead: list[str] = field(default_factory=list)
+
+    def add_batch(self, batch: pa.RecordBatch, by_group: dict[int, list[MetricSpec]]) -> None:
         cols = {name: batch.column(name).to_pylist() for name in batch.schema.names}
         gs, ks, ss = cols["g"], cols["k"], cols["s"]
         lo = [v for v in cols["min_ems"] if v is not None]
         hi = [v for v in cols["max_ems"] if v is not None]
         if lo:
-            min_ems = min(lo) if min_ems is None else min(min_ems, *lo)
-            max_ems = max(hi) if max_ems is None else max(max_ems, *hi)
+            self.min_ems = min(lo) if self.min_ems is None else min(self.min_ems, *lo)
+            self.max_ems = max(hi) if self.max_ems is None else max(self.max_ems, *hi)
         for row, g in enumerate(gs):
             if g == DEAD_G:
-                dead.append(ks[row])
+                self.dead.append(ks[row])
             elif g == 0:
-                good += cols["cnt"][row]
+                self.good += cols["cnt"][row]
         for g, members in by_group.items():
+            rows = [r for r, grp in enumerate(gs) if grp == g and ks[r] is not None]
             for sp in members:
                 n = cols[f"n{sp.index}"]
-                a_col, b_col = _state_columns(sp, cols)
-                avg = sp.agg == "avg"
-                for row, grp in enumerate(gs):
-                    if grp != g or not n[row] or ks[row] is None:
+                for row in rows:
+                    if not n[row]:
                         continue
-                    b = _num(b_col[row]) if avg else "0"
-                    updates.setdefault((sp.index, ks[row]), []).extend(
-                        (str(ss[row]), _num(a_col[row]), b)
-                    )
-    specs = {sp.index: sp for sp in ctx.specs}
-    cluster = ctx.cluster
-    calls: dict[int, list[tuple[str, list[str]]]] = {}
-    for (i, k), triples in updates.items():
-        sp = specs[i]
-        key = slice_hash_key(sp.name, k)
-        args = [sp.agg, str(sp.slice_ms), str(sp.retention_ms), str(len(triples) // 3), *triples]
-        calls.setdefault(key_slot(key) if cluster else 0, []).append((key, args))
-    totals = [0, 0, 0]
-    pipe = client.pipeline(transaction=False)
-    queued = 0
-    n_calls = 0
-    for items in calls.values():
-        for j in range(0, len(items), KEYS_PER_CALL):
-            chunk = items[j : j + KEYS_PER_CALL]
-            n_calls += 1
-            if ctx.fault_drop_every and n_calls % ctx.fault_drop_every == 0:
-                continue
-            flat: list[str] = [str(ctx.token)]
-            for _, args in chunk:
-                flat.extend(args)
-            script(keys=[key for key, _ in chunk], args=flat, client=pipe)
-            queued += 1
-            if queued >= PIPELINE_CHUNK:
-                for res in pipe.execute():
-                    for j2 in range(3):
-                        totals[j2] += int(res[j2])
-                queued = 0
-    if queued:
-        for res in pipe.execute():
-            for j2 in range(3):
-                totals[j2] += int(res[j2])
-    reasons = _write_dead_letters(client, ctx, dead) if dead else {}
-    client.close()
+                    k, s = ks[row], ss[row]
+                    if sp.agg == "distinct":
+                        self.hll[(sp.index, k, s)] = cols[f"set{sp.index}"][row]
+                    elif sp.agg == "quantile":
+                        sketch = cols[f"kll{sp.index}"][row]
+                        self.kll.setdefault((sp.index, k), []).append((s, sketch))
+                    else:
+                        self.lua.setdefault((sp.index, k), []).extend(
+                            (str(s), *lua_state(sp, cols, row))
+                        )
+
+
+def write_partition(
+    ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: apply every slice update of this partition, yield counters."""
+    import redis
+
+    by_group: dict[int, list[MetricSpec]] = {}
+    for sp in ctx.specs:
+        by_group.setdefault(sp.group, []).append(sp)
+    updates = PartitionUpdates()
+    for batch in batches:
+        updates.add_batch(batch, by_group)
+    client = redis.Redis.from_url(ctx.url, socket_timeout=60, socket_connect_timeout=10)
+    try:
+        totals = _apply_lua(client, ctx, updates)
+        totals[0] += _apply_hll(client, ctx, updates.hll)
+        kll = _apply_kll(client, ctx, updates.kll)
+        totals = [a + b for a, b in zip(totals, kll, strict=True)]
+        reasons = _write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
+    finally:
+        client.close()
     out: list[dict[str, Any]] = [
         {
             "kind": "stats",
-            "events": good,
-            "min_ems": min_ems,
-            "max_ems": max_ems,
+            "events": updates.good,
+            "min_ems": updates.min_ems,
+            "max_ems": updates.max_ems,
             "applied": totals[0],
             "dups": totals[1],
             "expired": totals[2],
@@ -176,6 +184,122 @@ def write_partition(
     ]
     out += [{"kind": "dead", "reason": r, "events": n} for r, n in reasons.items()]
     yield pa.RecordBatch.from_pylist(out, schema=RESULT_SCHEMA)
+
+
+def _run_write_script(
+    client: Any, ctx: WriterContext, calls: list[tuple[str, list[Any]]]
+) -> list[int]:
+    """Run write_slices.lua over (key, args) pairs: KEYS_PER_CALL keys a call, pipelined.
+
+    On Redis Cluster the keys of one call must share a slot, so they are grouped by slot.
+    """
+    from sluice.redis.keys import key_slot
+    from sluice.redis.scripts import WRITE_SLICES, script_source
+
+    script = client.register_script(script_source(WRITE_SLICES))
+    by_slot: dict[int, list[tuple[str, list[Any]]]] = {}
+    for key, args in calls:
+        by_slot.setdefault(key_slot(key) if ctx.cluster else 0, []).append((key, args))
+    totals = [0, 0, 0]
+    pipe = client.pipeline(transaction=False)
+    queued = 0
+    n_calls = 0
+
+    def drain() -> None:
+        for res in pipe.execute():
+            for j in range(3):
+                totals[j] += int(res[j])
+
+    for items in by_slot.values():
+        for j in range(0, len(items), KEYS_PER_CALL):
+            chunk = items[j : j + KEYS_PER_CALL]
+            n_calls += 1
+            if ctx.fault_drop_every and n_calls % ctx.fault_drop_every == 0:
+                continue
+            flat: list[Any] = [str(ctx.token)]
+            for _, args in chunk:
+                flat.extend(args)
+            script(keys=[key for key, _ in chunk], args=flat, client=pipe)
+            queued += 1
+            if queued >= PIPELINE_CHUNK:
+                drain()
+                queued = 0
+    if queued:
+        drain()
+    return totals
+
+
+def _apply_lua(client: Any, ctx: WriterContext, updates: PartitionUpdates) -> list[int]:
+    specs = {sp.index: sp for sp in ctx.specs}
+    calls = []
+    for (i, k), flat in updates.lua.items():
+        sp = specs[i]
+        agg = LUA_AGG[sp.agg]
+        width = {"avg": 2, "var": 3, "last": 2}.get(agg, 1)
+        head = [
+            agg,
+            str(sp.slice_ms),
+            str(sp.retention_ms),
+            str(len(flat) // (width + 1)),
+            str(width),
+        ]
+        calls.append((slice_hash_key(sp.name, k), [*head, *flat]))
+    return _run_write_script(client, ctx, calls)
+
+
+def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], list[str]]) -> int:
+    """distinct: PFADD each slice's values into its HyperLogLog. PFADD is idempotent, so a re-run
+    batch adds nothing twice and needs no token."""
+    specs = {sp.index: sp for sp in ctx.specs}
+    pipe = client.pipeline(transaction=False)
+    for n, ((i, k, s), values) in enumerate(hll.items(), start=1):
+        sp = specs[i]
+        key = slice_hll_key(sp.name, k, s)
+        for j in range(0, len(values), 10_000):
+            pipe.pfadd(key, *values[j : j + 10_000])
+        pipe.pexpireat(key, s + sp.slice_ms + sp.retention_ms)
+        if n % PIPELINE_CHUNK == 0:
+            pipe.execute()
+    pipe.execute()
+    return len(hll)
+
+
+def _apply_kll(
+    client: Any, ctx: WriterContext, kll: dict[tuple[int, str], list[tuple[int, bytes]]]
+) -> list[int]:
+    """quantile: merge each slice's KLL sketch into the stored one, then write it back guarded by
+    the writer token (a slice already holding this batch's token is left alone)."""
+    if not kll:
+        return [0, 0, 0]
+    from datasketches import kll_doubles_sketch
+
+    specs = {sp.index: sp for sp in ctx.specs}
+    items = list(kll.items())
+    pipe = client.pipeline(transaction=False)
+    for (i, k), cells in items:
+        pipe.hmget(slice_hash_key(specs[i].name, k), [str(s) for s, _ in cells])
+    stored = pipe.execute()
+    calls = []
+    dups = 0
+    for ((i, k), cells), olds in zip(items, stored, strict=True):
+        flat: list[Any] = []
+        for (s, sketch), old in zip(cells, olds, strict=True):
+            if old is not None:
+                token, _, blob = old.partition(b":")
+                if int(token) >= ctx.token:
+                    dups += 1
+                    continue
+                merged = kll_doubles_sketch.deserialize(blob)
+                merged.merge(kll_doubles_sketch.deserialize(bytes(sketch)))
+                sketch = merged.serialize()
+            flat += [str(s), bytes(sketch)]
+        if flat:
+            sp = specs[i]
+            head = ["blob", str(sp.slice_ms), str(sp.retention_ms), str(len(flat) // 2), "1"]
+            calls.append((slice_hash_key(sp.name, k), [*head, *flat]))
+    totals = _run_write_script(client, ctx, calls)
+    totals[1] += dups
+    return totals
 
 
 def _write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict[str, int]:

@@ -7,6 +7,7 @@ on the wire. A batch of lookups is one pipelined round trip.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
-from sluice.redis.keys import encode_key, slice_hash_key
+from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, script_source
 from sluice.slices.window import Coverage, coverage
 from sluice.units import format_duration_ms, parse_duration_ms
@@ -59,8 +60,37 @@ def parse_end(value: Any, now_ms: int) -> int:
     return end
 
 
+class _LuaAgg(dict[str, str]):
+    def __missing__(self, agg: str) -> str:
+        return agg
+
+
+# The state name read_slices.lua merges for each agg: stddev and variance share one.
+LUA_AGG = _LuaAgg(stddev="var", variance="var")
+
+
+def _quantiles(m: MetricConfig, blobs: Sequence[bytes | None]) -> Any:
+    """Merge the slices' KLL sketches; one value for a single `q`, else {q: value}."""
+    from datasketches import kll_doubles_sketch
+
+    merged = None
+    for blob in blobs:
+        if blob is None:
+            continue
+        sketch = kll_doubles_sketch.deserialize(blob.partition(b":")[2])
+        if merged is None:
+            merged = sketch
+        else:
+            merged.merge(sketch)
+    qs = m.quantiles()
+    values = [None] * len(qs) if merged is None else [merged.get_quantile(q) for q in qs]
+    if isinstance(m.q, int | float):
+        return values[0]
+    return {str(q): v for q, v in zip(qs, values, strict=True)}
+
+
 def _integral_value(cfg: Config, m: MetricConfig) -> bool:
-    if m.agg == "count":
+    if m.agg in ("count", "distinct"):
         return True
     if m.value is None:
         return False
@@ -140,11 +170,18 @@ class QueryEngine:
                 calls.append((m, lk, coverage(lk.end_ms, lk.window_ms, m.slice)))
         pipe = self.client.pipeline(transaction=False)
         for m, lk, cov in calls:
-            self._read(
-                keys=[slice_hash_key(m.name, encode_key(lk.key))],
-                args=[m.agg, cov.first_slice, cov.last_slice, m.slice],
-                client=pipe,
-            )
+            encoded = encode_key(lk.key)
+            if m.agg == "distinct":
+                # PFCOUNT of several HyperLogLogs merges them server-side.
+                pipe.pfcount(*[slice_hll_key(m.name, encoded, s) for s in cov.slice_starts()])
+            elif m.agg == "quantile":
+                pipe.hmget(slice_hash_key(m.name, encoded), [str(s) for s in cov.slice_starts()])
+            else:
+                self._read(
+                    keys=[slice_hash_key(m.name, encoded)],
+                    args=[LUA_AGG[m.agg], cov.first_slice, cov.last_slice, m.slice],
+                    client=pipe,
+                )
         replies = pipe.execute() if calls else []
         parts: dict[tuple[int, str], tuple[Any, Coverage]] = {}
         i = 0
@@ -154,22 +191,35 @@ class QueryEngine:
                 i += 1
         return [self._answer(n, lk, parts) for n, lk in enumerate(lookups)]
 
-    def _finalize(self, m: MetricConfig, reply: Sequence[bytes]) -> Any:
+    def _finalize(self, m: MetricConfig, reply: Any) -> Any:
+        if m.agg == "distinct":
+            return int(reply)
+        if m.agg == "quantile":
+            return _quantiles(m, reply)
         n = int(reply[0])
-        a = reply[1].decode() if n else ""
-        b = reply[2].decode() if n else ""
+        vals = [float(v) for v in reply[1:]] if n else []
+        integral = self._integral[m.name]
         if m.agg == "count":
-            return int(float(a)) if n else 0
+            return int(vals[0]) if n else 0
         if m.agg == "sum":
             if not n:
                 return 0
-            return int(float(a)) if self._integral[m.name] else float(a)
+            return int(vals[0]) if integral else vals[0]
         if m.agg in ("min", "max"):
             if not n:
                 return None
-            return int(float(a)) if self._integral[m.name] else float(a)
+            return int(vals[0]) if integral else vals[0]
         if m.agg == "avg":
-            return float(b) / float(a) if n and float(a) else None
+            return vals[1] / vals[0] if n and vals[0] else None
+        if m.agg in ("variance", "stddev"):
+            if not n or vals[0] < 2:
+                return None
+            variance = max(0.0, vals[2] / (vals[0] - 1))  # sample variance, as Spark's
+            return variance if m.agg == "variance" else math.sqrt(variance)
+        if m.agg == "last":
+            if not n:
+                return None
+            return int(vals[1]) if integral else vals[1]
         raise ValueError(f"unknown agg {m.agg!r}")  # pragma: no cover - config rejects it
 
     def _answer(

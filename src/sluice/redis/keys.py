@@ -6,6 +6,7 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
 
     sluice:s:{txn_count|card-17}   hash: field <slice_start_ms> -> "<writer token>:<a>[:<b>]",
                                          plus `_m` = "<newest slice start>:<oldest kept>"
+    sluice:h:{uniq_dev|acct-3}:<slice_start_ms>   HyperLogLog of one slice of a `distinct` metric
     sluice:{stats}                 hash: pipeline counters and the last batch record
     sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
     sluice:{stats}:offsets         hash: shard -> last committed entry id
@@ -52,6 +53,11 @@ def decode_key(encoded: str) -> list[str]:
 
 def slice_hash_key(metric: str, encoded_key: str) -> str:
     return f"{SLICE_PREFIX}{{{metric}{KEY_SEP}{encoded_key}}}"
+
+
+def slice_hll_key(metric: str, encoded_key: str, slice_start: int) -> str:
+    """The HyperLogLog of one slice of a `distinct` metric (same hash tag as its slice hash)."""
+    return f"{SLICE_PREFIX.replace(':s:', ':h:')}{{{metric}{KEY_SEP}{encoded_key}}}:{slice_start}"
 
 
 def dead_letter_stream_key(stream: str) -> str:

@@ -1,8 +1,10 @@
 -- Merge the slices [first, last] (step slice_ms) of one slice hash, server-side.
 --
 -- KEYS[1]  slice hash
--- ARGV[1]  agg   ARGV[2] first slice start   ARGV[3] last slice start   ARGV[4] slice_ms
--- Returns {n_slices_with_data, a, b} as strings; a and b are '' when no slice had data.
+-- ARGV[1]  agg (count | sum | min | max | avg | var | last)
+-- ARGV[2]  first slice start   ARGV[3] last slice start   ARGV[4] slice_ms
+-- Returns {slices_with_data, v1, v2, ...} as strings: the merged state (see write_slices.lua),
+-- or just {'0'} when no slice in the range holds data.
 local key = KEYS[1]
 local agg = ARGV[1]
 local first = tonumber(ARGV[2])
@@ -16,31 +18,41 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
-local n, a, b = 0, nil, 0
+local n, acc = 0, nil
 local function merge(packed)
-  local _, va, vb = string.match(packed, '^([^:]+):([^:]+):?(.*)$')
-  va = tonumber(va)
+  local v = {}
+  local i = 0
+  for part in string.gmatch(packed, '[^:]+') do
+    if i > 0 then v[i] = tonumber(part) end
+    i = i + 1
+  end
   n = n + 1
-  if a == nil then
-    a = va
-    if agg == 'avg' then b = tonumber(vb) end
+  if acc == nil then
+    acc = v
   elseif agg == 'count' or agg == 'sum' then
-    a = a + va
+    acc[1] = acc[1] + v[1]
   elseif agg == 'min' then
-    if va < a then a = va end
+    if v[1] < acc[1] then acc[1] = v[1] end
   elseif agg == 'max' then
-    if va > a then a = va end
+    if v[1] > acc[1] then acc[1] = v[1] end
   elseif agg == 'avg' then
-    a = a + va
-    b = b + tonumber(vb)
+    acc[1] = acc[1] + v[1]; acc[2] = acc[2] + v[2]
+  elseif agg == 'var' then
+    local na, ma, qa = acc[1], acc[2], acc[3]
+    local nb, mb, qb = v[1], v[2], v[3]
+    local total = na + nb
+    local delta = mb - ma
+    acc[1] = total
+    acc[2] = ma + delta * nb / total
+    acc[3] = qa + qb + delta * delta * na * nb / total
+  elseif agg == 'last' then
+    if v[1] > acc[1] or (v[1] == acc[1] and v[2] > acc[2]) then acc = v end
   end
 end
 
-local wanted = (last - first) / slice_ms + 1
 local size = redis.call('HLEN', key)
-if size == 0 then
-  return {'0', '', ''}
-end
+if size == 0 then return {'0'} end
+local wanted = (last - first) / slice_ms + 1
 if wanted > size then
   -- Sparse hash, long window: scan what exists instead of asking for every slice.
   local all = redis.call('HGETALL', key)
@@ -63,5 +75,7 @@ else
     s = s + slice_ms
   end
 end
-if a == nil then return {'0', '', ''} end
-return {tostring(n), fmt(a), fmt(b)}
+if acc == nil then return {'0'} end
+local out = {tostring(n)}
+for j = 1, #acc do out[#out + 1] = fmt(acc[j]) end
+return out

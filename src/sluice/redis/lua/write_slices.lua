@@ -4,10 +4,11 @@
 -- ARGV[1]     writer token (epoch * 1e12 + batch id). A slice whose stored token is >= this one
 --             already holds this batch's update, which is then skipped: replays are idempotent.
 -- then, for each key in order:
---   agg (count | sum | min | max | avg), slice_ms, retention_ms, n,
---   and n times (slice_start, a, b); b is used by avg only (a = count, b = sum)
--- A slice is stored as "token:a" ("token:a:b" for avg); field `_m` holds "hi:lo", the newest
--- slice start and a lower bound of the oldest one, for retention.
+--   agg, slice_ms, retention_ms, n, width, and n times (slice_start, v1 .. v_width)
+-- A slice is stored as "token:v1:...:v_width". The state per agg:
+--   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2   last: ts, value
+--   blob: an opaque value (a sketch merged by the caller), replaced, never parsed
+-- Field `_m` holds "hi:lo": the newest slice start and a lower bound of the oldest, for retention.
 -- Returns {applied, duplicates, expired} summed over the keys.
 local token = tonumber(ARGV[1])
 
@@ -18,6 +19,37 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
+local function split(packed)
+  local out = {}
+  for part in string.gmatch(packed, '[^:]+') do out[#out + 1] = part end
+  return out
+end
+
+-- Merge the stored state `o` (strings, o[1] is the token) into the update `u` (numbers).
+local function merge(agg, u, o)
+  if agg == 'count' or agg == 'sum' then
+    u[1] = u[1] + tonumber(o[2])
+  elseif agg == 'min' then
+    local v = tonumber(o[2]); if v < u[1] then u[1] = v end
+  elseif agg == 'max' then
+    local v = tonumber(o[2]); if v > u[1] then u[1] = v end
+  elseif agg == 'avg' then
+    u[1] = u[1] + tonumber(o[2]); u[2] = u[2] + tonumber(o[3])
+  elseif agg == 'var' then
+    -- Chan et al.'s parallel update of (count, mean, sum of squared deviations).
+    local na, ma, qa = tonumber(o[2]), tonumber(o[3]), tonumber(o[4])
+    local nb, mb, qb = u[1], u[2], u[3]
+    local n = na + nb
+    local delta = mb - ma
+    u[1] = n
+    u[2] = ma + delta * nb / n
+    u[3] = qa + qb + delta * delta * na * nb / n
+  elseif agg == 'last' then
+    local ts, v = tonumber(o[2]), tonumber(o[3])
+    if ts > u[1] or (ts == u[1] and v > u[2]) then u[1] = ts; u[2] = v end
+  end
+end
+
 local applied, dups, expired = 0, 0, 0
 local p = 2
 for k = 1, #KEYS do
@@ -26,11 +58,13 @@ for k = 1, #KEYS do
   local slice_ms = tonumber(ARGV[p + 1])
   local retention_ms = tonumber(ARGV[p + 2])
   local n = tonumber(ARGV[p + 3])
-  local base = p + 4
-  p = base + 3 * n
+  local width = tonumber(ARGV[p + 4])
+  local stride = width + 1
+  local base = p + 5
+  p = base + stride * n
 
   local fields = {'_m'}
-  for i = 0, n - 1 do fields[#fields + 1] = ARGV[base + 3 * i] end
+  for i = 0, n - 1 do fields[#fields + 1] = ARGV[base + stride * i] end
   local old = redis.call('HMGET', key, unpack(fields))
 
   local hi, lo = -1e300, 1e300
@@ -40,45 +74,34 @@ for k = 1, #KEYS do
   end
   local old_hi = hi
   for i = 0, n - 1 do
-    local s = tonumber(ARGV[base + 3 * i])
+    local s = tonumber(ARGV[base + stride * i])
     if s > hi then hi = s end
   end
   local keep_from = hi - retention_ms + slice_ms
 
   local out = {}
   for i = 0, n - 1 do
-    local field = ARGV[base + 3 * i]
+    local at = base + stride * i
+    local field = ARGV[at]
     local s = tonumber(field)
-    local a = tonumber(ARGV[base + 3 * i + 1])
-    local b = tonumber(ARGV[base + 3 * i + 2])
     local prev = old[i + 2]
     if s < keep_from then
       expired = expired + 1
     else
-      local skip = false
-      if prev then
-        local t, oa, ob = string.match(prev, '^([^:]+):([^:]+):?(.*)$')
-        if tonumber(t) >= token then
-          skip = true
-        else
-          oa = tonumber(oa)
-          if agg == 'count' or agg == 'sum' then
-            a = a + oa
-          elseif agg == 'min' then
-            if oa < a then a = oa end
-          elseif agg == 'max' then
-            if oa > a then a = oa end
-          elseif agg == 'avg' then
-            a = a + oa
-            b = b + tonumber(ob)
-          end
-        end
-      end
-      if skip then
+      local prev_token = prev and tonumber(string.match(prev, '^([^:]+)'))
+      if prev_token and prev_token >= token then
         dups = dups + 1
       else
-        local packed = ARGV[1] .. ':' .. fmt(a)
-        if agg == 'avg' then packed = packed .. ':' .. fmt(b) end
+        local packed
+        if agg == 'blob' then
+          packed = ARGV[1] .. ':' .. ARGV[at + 1]
+        else
+          local u = {}
+          for j = 1, width do u[j] = tonumber(ARGV[at + j]) end
+          if prev then merge(agg, u, split(prev)) end
+          packed = ARGV[1]
+          for j = 1, width do packed = packed .. ':' .. fmt(u[j]) end
+        end
         out[#out + 1] = field
         out[#out + 1] = packed
         if s < lo then lo = s end
