@@ -109,16 +109,44 @@ class RedisStreamReader(DataSourceStreamReader):
                     if parse_id(last_id) > parse_id(ids[s]):
                         new_ids[s] = last_id
         else:
-            per_shard = max(1, int(budget) // len(self.opts.shards))
-            script = self._advance_script(client)
-            for s in self.opts.shards:
-                end, _, _ = script(keys=[s], args=[ids[s], per_shard, self.opts.format])
-                end = end.decode() if isinstance(end, bytes) else str(end)
-                if parse_id(end) > parse_id(ids[s]):
-                    new_ids[s] = end
+            new_ids, entries = self._advance(client, ids, int(budget))
         if new_ids == ids:
             return start
-        return {"ids": new_ids, "ref": max(id_ms(v) for v in new_ids.values())}
+        out: dict[str, Any] = {"ids": new_ids, "ref": max(id_ms(v) for v in new_ids.values())}
+        if budget is not None:
+            out["entries"] = entries  # sizes the partitions of this batch
+        return out
+
+    def _advance(
+        self, client: Any, ids: dict[str, str], budget: int
+    ) -> tuple[dict[str, str], dict[str, int]]:
+        """Spread `budget` events over the shards: evenly first, then what a shard with little
+        backlog left unused goes to the shards that still have more (keys are rarely even)."""
+        script = self._advance_script(client)
+        new_ids = dict(ids)
+        entries = dict.fromkeys(self.opts.shards, 0)
+        wanting = list(self.opts.shards)
+        left = budget
+        for round_ in range(3):
+            if left <= 0 or not wanting:
+                break
+            share = max(1, left // len(wanting))
+            still = []
+            for s in wanting:
+                end, n_entries, n_events, more = script(
+                    # Only the first round may overshoot, by one entry per shard, for progress.
+                    keys=[s],
+                    args=[new_ids[s], share, self.opts.format, int(round_ == 0)],
+                )
+                end = end.decode() if isinstance(end, bytes) else str(end)
+                if parse_id(end) > parse_id(new_ids[s]):
+                    new_ids[s] = end
+                entries[s] += int(n_entries)
+                left -= int(n_events)
+                if int(more):
+                    still.append(s)
+            wanting = still
+        return new_ids, entries
 
     def _advance_script(self, client: Any) -> Any:
         from sluice.redis.scripts import ADVANCE, script_source
@@ -135,7 +163,9 @@ class RedisStreamReader(DataSourceStreamReader):
             lo = start["ids"].get(shard, ZERO_ID)
             if parse_id(hi) <= parse_id(lo):
                 continue
-            n = self._estimate_entries(shard, lo, hi)
+            n = end.get("entries", {}).get(shard)
+            if n is None:
+                n = self._estimate_entries(shard, lo, hi)
             k = min(self.opts.max_partitions_per_shard, max(1, math.ceil(n / self._per_part())))
             parts.extend(ShardRange(shard, a, b, ref) for a, b in split_range(lo, hi, k))
         return parts
