@@ -10,6 +10,7 @@ Two levels of checking:
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -142,6 +143,11 @@ class MetricConfig(_Model):
     )
     slice: DurationMs = 60_000
     retention: DurationMs = 7 * 86_400_000
+    resolutions: list[DurationMs] | None = Field(
+        None,
+        description="slice lengths kept side by side, finest first, e.g. [1s, 1m, 1h]: queries"
+        " read the coarsest slices that fit inside the window and the finest at its edges",
+    )
 
     @field_validator("name")
     @classmethod
@@ -172,12 +178,34 @@ class MetricConfig(_Model):
                     raise _FieldError("q", f"quantile {q} must be strictly between 0 and 1")
         elif self.q is not None:
             raise _FieldError("q", f"`q` is only for agg 'quantile', not {self.agg!r}")
+        if self.resolutions is not None:
+            res = self.resolutions
+            if not res:
+                raise _FieldError("resolutions", "`resolutions` must list at least one duration")
+            if "slice" in self.model_fields_set and self.slice != res[0]:
+                raise _FieldError(
+                    "slice", f"slice ({self.slice}ms) must be the finest resolution ({res[0]}ms)"
+                )
+            for finer, coarser in itertools.pairwise(res):
+                if coarser <= finer or coarser % finer:
+                    raise _FieldError(
+                        "resolutions",
+                        f"each resolution must be a multiple of the one before; {coarser}ms is"
+                        f" not a multiple of {finer}ms",
+                    )
+            object.__setattr__(self, "slice", res[0])
         if self.slice < 1000:
             raise _FieldError("slice", f"slice {self.slice}ms is shorter than the 1s minimum")
         if self.retention < self.slice:
             raise _FieldError(
                 "retention", f"retention {self.retention}ms is shorter than the slice"
             )
+        for r in self.resolutions or []:
+            if self.retention % r:
+                raise _FieldError(
+                    "retention",
+                    f"resolution {r}ms does not divide retention ({self.retention}ms)",
+                )
         if self.retention % self.slice != 0:
             raise _FieldError(
                 "retention",
@@ -187,6 +215,10 @@ class MetricConfig(_Model):
         if len(set(self.key)) != len(self.key):
             raise _FieldError("key", f"key fields {self.key} repeat a field")
         return self
+
+    def slice_lengths(self) -> list[int]:
+        """Every slice length this metric keeps, finest first."""
+        return list(self.resolutions) if self.resolutions else [self.slice]
 
     def quantiles(self) -> list[float]:
         if self.q is None:

@@ -74,8 +74,11 @@ REFERENCE_SQL = {
     "amount_std": "SELECT stddev_samp(amount) FROM ev WHERE merchant = ? {w}",
     "qty_var": "SELECT var_samp(qty) FROM ev WHERE merchant = ? {w}",
     "amount_q": "SELECT list(amount) FROM ev WHERE merchant = ? {w}",
+    "txn_res": "SELECT count(*) FROM ev WHERE card = ? {w}",
+    "amount_res": "SELECT max(amount) FROM ev WHERE merchant = ? {w}",
 }
-CARD_KEYED = ("txn_count", "card_min", "card_max", "card_merchants", "card_last")
+RESOLVED = ("txn_res", "amount_res")  # resolutions [10s, 1m, 10m]
+CARD_KEYED = ("txn_count", "card_min", "card_max", "card_merchants", "card_last", "txn_res")
 # Stated error bounds (docs/metrics.md): Redis HyperLogLog has a standard error of 0.81%, and
 # KLL with k=200 a normalised rank error of 1.33% (99% confidence). Checked with margin.
 DISTINCT_REL_ERR = 3 * 0.0081
@@ -104,6 +107,12 @@ def check_quantiles(ans: dict[str, Any], values: list[float] | None) -> None:
 def check(con: Any, ans: dict[str, Any]) -> None:
     metric, key = ans["metric"], ans["key"]
     lo, hi = ans["covered_start"], ans["covered_end"]
+    if (
+        metric in RESOLVED
+        and (ans["end"] + 1) % 10_000 == 0
+        and (ans["end"] - ans["start"]) % 10_000 == 0
+    ):
+        assert (lo, hi) == (ans["start"] + 1, ans["end"] + 1), ans
     assert lo <= ans["start"] + 1 and hi >= ans["end"] + 1, ans  # covers the whole window
     if metric == "avg_ticket":
         total = reference(con, "amount_sum", key, lo, hi)
@@ -154,7 +163,7 @@ def test_random_queries_match_the_reference(
         return str(counts.index[min(int(rnd.expovariate(1 / 30)), len(counts) - 1)])
 
     queries = []
-    for _ in range(240):
+    for _ in range(300):
         metric = rnd.choice([*REFERENCE_SQL, "avg_ticket"])
         if metric == "pair_count":
             key = [pick(cards), pick(merchants)]
@@ -163,7 +172,12 @@ def test_random_queries_match_the_reference(
         else:
             key = [pick(merchants)]
         end = rnd.randint(now - SPAN_MS - 20 * 60_000, now + 60_000)
-        queries.append({"metric": metric, "key": key, "window": rnd.choice(WINDOWS), "end": end})
+        window: str = rnd.choice(WINDOWS)
+        if metric in RESOLVED and rnd.random() < 0.7:
+            # Aligned to the finest resolution: must be answered exactly (covered == window).
+            end = end // 10_000 * 10_000 - 1
+            window = f"{rnd.randint(1, 600) * 10}s"
+        queries.append({"metric": metric, "key": key, "window": window, "end": end})
 
     with ServerThread(create_app(cfg, r)) as server, httpx.Client(base_url=server.url) as http:
         for q in queries[:100]:  # one GET each

@@ -51,13 +51,15 @@ ANY_TYPE_AGGS = ("count", "distinct")
 class MetricSpec:
     """What the executor-side writer needs to know about a metric: plain, picklable values."""
 
-    index: int
+    index: int  # the column index of this (metric, resolution) in the exploded rows
     name: str
     agg: str
     slice_ms: int
     retention_ms: int
     integral: bool  # the value is an integer type: sums stay exact integers
     group: int = 0
+    metric: int = 0  # index in cfg.metrics
+    resolution_ms: int | None = None  # None: the metric's own (finest) slice
 
 
 def _escaped(col: Column) -> Column:
@@ -112,21 +114,24 @@ def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | 
 
 
 def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[MetricSpec]:
+    """One spec per (metric, slice length): a metric with `resolutions` is folded at each."""
     groups: dict[tuple[tuple[str, ...], int], int] = {}
-    out = []
+    out: list[MetricSpec] = []
     for i, m in enumerate(cfg.metrics):
-        g = groups.setdefault((tuple(m.key), m.slice), len(groups))
-        out.append(
-            MetricSpec(
-                index=i,
-                name=m.name,
-                agg=m.agg,
-                slice_ms=m.slice,
-                retention_ms=m.retention,
-                integral=isinstance(value_types.get(m.name), IntegralType),
-                group=g,
+        for r, slice_ms in enumerate(m.slice_lengths()):
+            out.append(
+                MetricSpec(
+                    index=len(out),
+                    name=m.name,
+                    agg=m.agg,
+                    slice_ms=slice_ms,
+                    retention_ms=m.retention,
+                    integral=isinstance(value_types.get(m.name), IntegralType),
+                    group=groups.setdefault((tuple(m.key), slice_ms), len(groups)),
+                    metric=i,
+                    resolution_ms=None if r == 0 else slice_ms,
+                )
             )
-        )
     return out
 
 
@@ -141,10 +146,10 @@ def value_type(spec: MetricSpec) -> str:
 
 def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
     """Metric `spec`'s value for this event, or null when the event does not count for it."""
-    m = cfg.metrics[spec.index]
+    m = cfg.metrics[spec.metric]
     ts = F.col("_ts")
-    s = ts - F.pmod(ts, F.lit(m.slice))
-    cond = good & (s + F.lit(m.slice) > F.col("_ref") - F.lit(m.retention))
+    s = ts - F.pmod(ts, F.lit(spec.slice_ms))
+    cond = good & (s + F.lit(spec.slice_ms) > F.col("_ref") - F.lit(m.retention))
     for k in m.key:
         cond = cond & F.col(f"`{k}`").isNotNull()
     if m.filter:
@@ -174,8 +179,8 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
     rows: list[Column] = []
     for g in range(n_groups):
         members = [sp for sp in specs if sp.group == g]
-        first = cfg.metrics[members[0].index]
-        ts_s = ts - F.pmod(ts, F.lit(first.slice))
+        first = cfg.metrics[members[0].metric]
+        ts_s = ts - F.pmod(ts, F.lit(members[0].slice_ms))
         cols = [
             F.lit(g).alias("g"),
             key_column(first.key).alias("k"),

@@ -243,7 +243,7 @@ def _apply_lua(client: Any, ctx: WriterContext, updates: PartitionUpdates) -> li
             str(len(flat) // (width + 1)),
             str(width),
         ]
-        calls.append((slice_hash_key(sp.name, k), [*head, *flat]))
+        calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat]))
     return _run_write_script(client, ctx, calls)
 
 
@@ -254,7 +254,7 @@ def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], 
     pipe = client.pipeline(transaction=False)
     for n, ((i, k, s), values) in enumerate(hll.items(), start=1):
         sp = specs[i]
-        key = slice_hll_key(sp.name, k, s)
+        key = slice_hll_key(sp.name, k, s, sp.resolution_ms)
         for j in range(0, len(values), 10_000):
             pipe.pfadd(key, *values[j : j + 10_000])
         pipe.pexpireat(key, s + sp.slice_ms + sp.retention_ms)
@@ -277,7 +277,9 @@ def _apply_kll(
     items = list(kll.items())
     pipe = client.pipeline(transaction=False)
     for (i, k), cells in items:
-        pipe.hmget(slice_hash_key(specs[i].name, k), [str(s) for s, _ in cells])
+        pipe.hmget(
+            slice_hash_key(specs[i].name, k, specs[i].resolution_ms), [str(s) for s, _ in cells]
+        )
     stored = pipe.execute()
     calls = []
     dups = 0
@@ -296,7 +298,7 @@ def _apply_kll(
         if flat:
             sp = specs[i]
             head = ["blob", str(sp.slice_ms), str(sp.retention_ms), str(len(flat) // 2), "1"]
-            calls.append((slice_hash_key(sp.name, k), [*head, *flat]))
+            calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat]))
     totals = _run_write_script(client, ctx, calls)
     totals[1] += dups
     return totals

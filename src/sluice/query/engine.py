@@ -18,7 +18,7 @@ from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, script_source
-from sluice.slices.window import Coverage, coverage
+from sluice.slices.window import Cover, Piece, cover
 from sluice.units import format_duration_ms, parse_duration_ms
 
 MAX_BATCH = 1000
@@ -164,32 +164,49 @@ class QueryEngine:
             raise BadQuery(
                 f"at most {MAX_BATCH} queries per request, got {len(lookups)}", "queries"
             )
-        calls: list[tuple[MetricConfig, Lookup, Coverage]] = []
-        for lk in lookups:
-            for m in self._base_metrics(lk.metric):
-                calls.append((m, lk, coverage(lk.end_ms, lk.window_ms, m.slice)))
         pipe = self.client.pipeline(transaction=False)
-        for m, lk, cov in calls:
-            encoded = encode_key(lk.key)
-            if m.agg == "distinct":
-                # PFCOUNT of several HyperLogLogs merges them server-side.
-                pipe.pfcount(*[slice_hll_key(m.name, encoded, s) for s in cov.slice_starts()])
-            elif m.agg == "quantile":
-                pipe.hmget(slice_hash_key(m.name, encoded), [str(s) for s in cov.slice_starts()])
-            else:
-                self._read(
-                    keys=[slice_hash_key(m.name, encoded)],
-                    args=[LUA_AGG[m.agg], cov.first_slice, cov.last_slice, m.slice],
-                    client=pipe,
-                )
-        replies = pipe.execute() if calls else []
-        parts: dict[tuple[int, str], tuple[Any, Coverage]] = {}
-        i = 0
+        plan: list[tuple[int, MetricConfig, Cover, int]] = []  # (lookup, metric, cover, replies)
         for n, lk in enumerate(lookups):
             for m in self._base_metrics(lk.metric):
-                parts[(n, m.name)] = (self._finalize(m, replies[i]), calls[i][2])
-                i += 1
+                cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
+                plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
+        replies = pipe.execute() if plan else []
+        parts: dict[tuple[int, str], tuple[Any, Cover]] = {}
+        at = 0
+        for n, m, cov, count in plan:
+            reply = replies[at] if count == 1 else replies[at : at + count]
+            if m.agg == "quantile":
+                reply = [blob for piece in replies[at : at + count] for blob in piece]
+            parts[(n, m.name)] = (self._finalize(m, reply), cov)
+            at += count
         return [self._answer(n, lk, parts) for n, lk in enumerate(lookups)]
+
+    def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover) -> int:
+        """Queue the reads of one (metric, key) over `cov`; returns how many replies they give."""
+
+        def res(piece: Piece) -> int | None:
+            return None if piece.slice_ms == m.slice else piece.slice_ms
+
+        if m.agg == "distinct":
+            # PFCOUNT of several HyperLogLogs merges them server-side (one hash tag: one slot).
+            keys = [
+                slice_hll_key(m.name, encoded, s, res(p))
+                for p in cov.pieces
+                for s in range(p.first, p.last + 1, p.slice_ms)
+            ]
+            pipe.pfcount(*keys)
+            return 1
+        if m.agg == "quantile":
+            for p in cov.pieces:
+                fields = [str(s) for s in range(p.first, p.last + 1, p.slice_ms)]
+                pipe.hmget(slice_hash_key(m.name, encoded, res(p)), fields)
+            return len(cov.pieces)
+        args: list[Any] = [LUA_AGG[m.agg]]
+        for p in cov.pieces:
+            args += [p.first, p.last, p.slice_ms]
+        keys = [slice_hash_key(m.name, encoded, res(p)) for p in cov.pieces]
+        self._read(keys=keys, args=args, client=pipe)
+        return 1
 
     def _finalize(self, m: MetricConfig, reply: Any) -> Any:
         if m.agg == "distinct":
@@ -223,7 +240,7 @@ class QueryEngine:
         raise ValueError(f"unknown agg {m.agg!r}")  # pragma: no cover - config rejects it
 
     def _answer(
-        self, n: int, lk: Lookup, parts: dict[tuple[int, str], tuple[Any, Coverage]]
+        self, n: int, lk: Lookup, parts: dict[tuple[int, str], tuple[Any, Cover]]
     ) -> dict[str, Any]:
         start = lk.end_ms - lk.window_ms
         if lk.metric in self._derived:

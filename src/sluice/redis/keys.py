@@ -6,7 +6,8 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
 
     sluice:s:{txn_count|card-17}   hash: field <slice_start_ms> -> "<writer token>:<a>[:<b>]",
                                          plus `_m` = "<newest slice start>:<oldest kept>"
-    sluice:h:{uniq_dev|acct-3}:<slice_start_ms>   HyperLogLog of one slice of a `distinct` metric
+    sluice:s:{txn_count|card-17}:r3600000   the same for a coarser resolution (here 1h)
+    sluice:h:{uniq_dev|acct-3}:[r<res>:]<slice_start_ms>  HyperLogLog of one `distinct` slice
     sluice:{stats}                 hash: pipeline counters and the last batch record
     sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
     sluice:{stats}:offsets         hash: shard -> last committed entry id
@@ -51,13 +52,18 @@ def decode_key(encoded: str) -> list[str]:
     return [unescape_part(p) for p in encoded.split(KEY_SEP)]
 
 
-def slice_hash_key(metric: str, encoded_key: str) -> str:
-    return f"{SLICE_PREFIX}{{{metric}{KEY_SEP}{encoded_key}}}"
+def slice_hash_key(metric: str, encoded_key: str, resolution_ms: int | None = None) -> str:
+    """The slice hash of (metric, key); a coarser resolution is a suffix after the same tag."""
+    base = f"{SLICE_PREFIX}{{{metric}{KEY_SEP}{encoded_key}}}"
+    return base if resolution_ms is None else f"{base}:r{resolution_ms}"
 
 
-def slice_hll_key(metric: str, encoded_key: str, slice_start: int) -> str:
+def slice_hll_key(
+    metric: str, encoded_key: str, slice_start: int, resolution_ms: int | None = None
+) -> str:
     """The HyperLogLog of one slice of a `distinct` metric (same hash tag as its slice hash)."""
-    return f"{SLICE_PREFIX.replace(':s:', ':h:')}{{{metric}{KEY_SEP}{encoded_key}}}:{slice_start}"
+    res = "" if resolution_ms is None else f"r{resolution_ms}:"
+    return f"{PREFIX}:h:{{{metric}{KEY_SEP}{encoded_key}}}:{res}{slice_start}"
 
 
 def dead_letter_stream_key(stream: str) -> str:

@@ -46,3 +46,64 @@ def coverage(end_ms: int, window_ms: int, slice_ms: int) -> Coverage:
         raise ValueError(f"slice must be positive, got {slice_ms}ms")
     lo_ts = end_ms - window_ms + 1
     return Coverage(slice_start(lo_ts, slice_ms), slice_start(end_ms, slice_ms), slice_ms)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Consecutive slices [first, last] (slice starts, inclusive) of one resolution."""
+
+    slice_ms: int
+    first: int
+    last: int
+
+    @property
+    def n_slices(self) -> int:
+        return (self.last - self.first) // self.slice_ms + 1
+
+
+@dataclass(frozen=True)
+class Cover:
+    pieces: tuple[Piece, ...]
+    covered_start: int
+    covered_end: int
+
+    @property
+    def n_slices(self) -> int:
+        return sum(p.n_slices for p in self.pieces)
+
+
+def cover(end_ms: int, window_ms: int, slice_lengths: list[int]) -> Cover:
+    """Cover the window (end_ms - window_ms, end_ms] with slices of several resolutions.
+
+    `slice_lengths` is finest first, each a multiple of the one before. The window is first
+    rounded outward to the finest resolution (seed 001's policy, at the finest grain), giving
+    [covered_start, covered_end). That interval is then tiled exactly: the coarsest slices that
+    fit inside it, and finer ones toward the edges, recursively. The tiles never overlap.
+
+    Slices read, at most: ceil(window / r_n) + 2 + 2 * sum(r_(i+1) / r_i - 1) over consecutive
+    resolutions. For [1s, 1m, 1h] that is window/1h + 238, whatever the window's length.
+    """
+    finest = slice_lengths[0]
+    edges = coverage(end_ms, window_ms, finest)
+    lo, hi = edges.covered_start, edges.covered_end
+    pieces: list[Piece] = []
+
+    def tile(a: int, b: int, level: int) -> None:
+        """Cover [a, b) exactly; a and b are multiples of slice_lengths[0]."""
+        if a >= b:
+            return
+        if level == 0:
+            pieces.append(Piece(finest, a, b - finest))
+            return
+        r = slice_lengths[level]
+        inner_a = -(-a // r) * r
+        inner_b = b // r * r
+        if inner_a < inner_b:
+            tile(a, inner_a, level - 1)
+            pieces.append(Piece(r, inner_a, inner_b - r))
+            tile(inner_b, b, level - 1)
+        else:
+            tile(a, b, level - 1)
+
+    tile(lo, hi, len(slice_lengths) - 1)
+    return Cover(tuple(pieces), lo, hi)

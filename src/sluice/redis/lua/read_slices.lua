@@ -1,15 +1,11 @@
--- Merge the slices [first, last] (step slice_ms) of one slice hash, server-side.
+-- Merge ranges of slices of one (metric, key), server-side, possibly over several resolutions.
 --
--- KEYS[1]  slice hash
--- ARGV[1]  agg (count | sum | min | max | avg | var | last)
--- ARGV[2]  first slice start   ARGV[3] last slice start   ARGV[4] slice_ms
+-- KEYS[1..K]  slice hashes (one per range: the metric's hash for each resolution; one hash tag)
+-- ARGV[1]     agg (count | sum | min | max | avg | var | last)
+-- then, per key in order: first slice start, last slice start, slice_ms
 -- Returns {slices_with_data, v1, v2, ...} as strings: the merged state (see write_slices.lua),
--- or just {'0'} when no slice in the range holds data.
-local key = KEYS[1]
+-- or just {'0'} when no slice in the ranges holds data.
 local agg = ARGV[1]
-local first = tonumber(ARGV[2])
-local last = tonumber(ARGV[3])
-local slice_ms = tonumber(ARGV[4])
 
 local function fmt(x)
   if x == math.floor(x) and math.abs(x) < 1e15 then
@@ -50,17 +46,19 @@ local function merge(packed)
   end
 end
 
-local size = redis.call('HLEN', key)
-if size == 0 then return {'0'} end
-local wanted = (last - first) / slice_ms + 1
-if wanted > size then
-  -- Sparse hash, long window: scan what exists instead of asking for every slice.
-  local all = redis.call('HGETALL', key)
-  for i = 1, #all, 2 do
-    local s = tonumber(all[i])
-    if s and s >= first and s <= last and (s - first) % slice_ms == 0 then merge(all[i + 1]) end
+local function read_range(key, first, last, slice_ms)
+  local size = redis.call('HLEN', key)
+  if size == 0 then return end
+  local wanted = (last - first) / slice_ms + 1
+  if wanted > size then
+    -- Sparse hash, long range: scan what exists instead of asking for every slice.
+    local all = redis.call('HGETALL', key)
+    for i = 1, #all, 2 do
+      local s = tonumber(all[i])
+      if s and s >= first and s <= last and (s - first) % slice_ms == 0 then merge(all[i + 1]) end
+    end
+    return
   end
-else
   local fields = {}
   local s = first
   while s <= last do
@@ -74,6 +72,11 @@ else
     end
     s = s + slice_ms
   end
+end
+
+for k = 1, #KEYS do
+  local at = 2 + 3 * (k - 1)
+  read_range(KEYS[k], tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]))
 end
 if acc == nil then return {'0'} end
 local out = {tostring(n)}
