@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -94,7 +95,10 @@ def _redact(url: str) -> str:
 @config_option
 @click.option("--host", default=None, help="bind address (default: server.host)")
 @click.option("--port", default=None, type=int, help="port (default: server.port)")
-def serve(config_path: str, host: str | None, port: int | None) -> None:
+@click.option(
+    "--workers", default=None, type=int, help="worker processes (default: server.workers)"
+)
+def serve(config_path: str, host: str | None, port: int | None, workers: int | None) -> None:
     """Serve the HTTP API and the dashboard."""
     import uvicorn
 
@@ -106,14 +110,27 @@ def serve(config_path: str, host: str | None, port: int | None) -> None:
         handle = open_redis(cfg.redis, cfg.state_dir)
     except SluiceError as e:
         raise _fail(e) from None
+    n_workers = workers if workers is not None else cfg.server.workers
+    if n_workers < 1:
+        raise click.ClickException(f"`--workers` must be at least 1, got {n_workers}")
+    bind = {
+        "host": host or cfg.server.host,
+        "port": port if port is not None else cfg.server.port,
+        "log_level": "warning",
+    }
     with handle:
-        app = create_app(cfg, handle.client)
-        uvicorn.run(
-            app,
-            host=host or cfg.server.host,
-            port=port if port is not None else cfg.server.port,
-            log_level="warning",
-        )
+        if n_workers == 1:
+            uvicorn.run(create_app(cfg, handle.client), **bind)  # type: ignore[arg-type]
+        else:
+            # Worker processes import the app factory; they find the config and Redis by env.
+            os.environ["SLUICE_CONFIG"] = str(Path(config_path).resolve())
+            os.environ["SLUICE_REDIS_URL"] = handle.url
+            uvicorn.run(
+                "sluice.query.app:app_from_env",
+                factory=True,
+                workers=n_workers,
+                **bind,  # type: ignore[arg-type]
+            )
 
 
 @main.command()

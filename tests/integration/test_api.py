@@ -107,7 +107,11 @@ def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -
     assert [x["value"] for x in results] == [5, 0, None]
     _error(api.post("/v1/query", json={"queries": [{"metric": "txn_count"}]}), 400, "queries[0]")
     _error(api.post("/v1/query", json={"q": []}), 400, "queries")
-    _error(api.post("/v1/query", content=b"{not json"), 400, "JSON")
+    _error(
+        api.post("/v1/query", content=b"{not json", headers={"content-type": "application/json"}),
+        400,
+        "not valid JSON",
+    )
     names = [m["name"] for m in api.get("/v1/metrics").json()["metrics"]]
     assert names[0] == "txn_count" and "avg_ticket" in names
 
@@ -180,3 +184,92 @@ def test_python_client_over_a_real_socket(r: redis.Redis, redis_url: str, tmp_pa
             client.query("nope", "c1", "1m")
         with pytest.raises(BadQuery, match="retention"):
             client.query("txn_count", "c1", "30d")
+
+
+def test_series_points_cover_their_steps(api: TestClient, seeded: tuple[int, int]) -> None:
+    now, newest = seeded
+    resp = api.get("/v1/metrics/txn_count/series", params={"key": "c1", "window": "1m", "end": now})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["step_ms"] == 10_000
+    points = body["points"]
+    assert [p["end"] - p["start"] for p in points] == [10_000] * len(points)
+    assert points[-1] == {"start": newest, "end": newest + 10_000, "value": 3}
+    assert points[-2]["value"] == 2
+    assert sum(p["value"] for p in points) == 5
+    coarse = api.get(
+        "/v1/metrics/txn_count/series",
+        params={"key": "c1", "window": "1m", "end": now, "step": "30s"},
+    ).json()
+    assert sum(p["value"] for p in coarse["points"]) == 5
+    _error(
+        api.get(
+            "/v1/metrics/txn_count/series", params={"key": "c1", "window": "1m", "step": "15s"}
+        ),
+        400,
+        "step",
+    )
+    _error(
+        api.get(
+            "/v1/metrics/txn_count/series", params={"key": "c1", "window": "1d", "step": "10s"}
+        ),
+        422,
+        "points",
+    )
+
+
+def test_openapi_spec_lists_the_contract(api: TestClient) -> None:
+    spec = api.get("/openapi.json").json()
+    paths = set(spec["paths"])
+    assert {"/v1/metrics", "/v1/metrics/{name}", "/v1/metrics/{name}/series", "/v1/query"} <= paths
+    assert "requestBody" in spec["paths"]["/v1/query"]["post"]
+
+
+def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import free_port
+
+    _seed(r)
+    cfg = tmp_path / "sluice.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "redis": redis_url,
+                "source": {"schema": {"ts": "long", "card": "string"}},
+                "metrics": [
+                    {
+                        "name": "txn_count",
+                        "key": ["card"],
+                        "agg": "count",
+                        "slice": "10s",
+                        "retention": "1d",
+                    }
+                ],
+            }
+        )
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "serve", "-c", str(cfg), "--port", str(port),
+         "--workers", "2"],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                resp = httpx.get(
+                    f"http://127.0.0.1:{port}/v1/metrics/txn_count",
+                    params={"key": "c1", "window": "1m"},
+                )
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.2)
+        assert resp.json()["value"] == 5
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

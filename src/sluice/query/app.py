@@ -10,6 +10,7 @@ import redis
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, Field
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 
 from sluice.clock import SYSTEM_CLOCK, Clock
@@ -50,6 +51,29 @@ class _Guard(BaseHTTPMiddleware):
         return await call_next(request)
 
 
+class Lookup(BaseModel):
+    metric: str = Field(description="metric or derived metric name")
+    key: list[str] | str = Field(description="key value(s), one per key field")
+    window: str = Field(description="window length, e.g. 15m", examples=["15m"])
+    end: int | None = Field(None, description="window end in epoch ms; default now")
+
+
+class BatchQuery(BaseModel):
+    queries: list[Lookup] = Field(max_length=1000)
+
+
+def app_from_env() -> FastAPI:
+    """App factory for `sluice serve --workers N`: each worker process builds its own app from
+    SLUICE_CONFIG (the config path) and SLUICE_REDIS_URL (set by the parent process)."""
+    import os
+
+    from sluice.config import load_config
+    from sluice.redis.connection import client_for
+
+    cfg = load_config(os.environ["SLUICE_CONFIG"])
+    return create_app(cfg, client_for(os.environ["SLUICE_REDIS_URL"]))
+
+
 def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     engine = QueryEngine(cfg, client, clock)
     app = FastAPI(
@@ -73,8 +97,11 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> Response:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path"))
-        return error(400, "bad_request", f"`{where}`: {err.get('msg', 'invalid')}")
+        if err.get("type") == "json_invalid":
+            return error(400, "bad_request", f"body is not valid JSON: {err.get('ctx', {})}")
+        parts = [p for p in err.get("loc", ()) if p not in ("query", "body", "path")]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+        return error(400, "bad_request", f"`{where or 'body'}`: {err.get('msg', 'invalid')}")
 
     @app.exception_handler(redis.RedisError)
     async def _redis_down(_: Request, e: redis.RedisError) -> Response:
@@ -95,20 +122,24 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         """Metric `name` for `key` over (end - window, end]."""
         return engine.query(name, key, window, end)
 
+    @app.get("/v1/metrics/{name}/series")
+    def get_series(
+        name: str,
+        key: list[str] = Query(default=[], description="key value(s), one per key field"),  # noqa: B008
+        window: str = Query(default="", description="window length, e.g. 1h"),
+        end: str | None = Query(default=None, description="window end, epoch ms; default now"),
+        step: str | None = Query(default=None, description="point width; default the slice"),
+    ) -> dict[str, Any]:
+        """Metric `name` for `key` per `step` over (end - window, end], for charts."""
+        return engine.series(name, key, window, end, step)
+
     @app.post("/v1/query")
-    async def batch_query(request: Request) -> dict[str, Any]:
-        """Many lookups in one round trip: {"queries": [{"metric", "key", "window", "end"?}]}."""
-        body = await _json_body(request)
-        queries = body.get("queries") if isinstance(body, dict) else None
-        if not isinstance(queries, list):
-            raise QueryError('body must be {"queries": [...]}', "queries")
+    def batch_query(body: BatchQuery) -> dict[str, Any]:
+        """Many lookups in one pipelined round trip."""
         lookups = []
-        for i, q in enumerate(queries):
-            if not isinstance(q, dict):
-                raise QueryError(f"`queries[{i}]` must be an object", "queries")
+        for i, q in enumerate(body.queries):
             try:
-                metric = q.get("metric")
-                lookups.append(engine.lookup(metric, q.get("key"), q.get("window"), q.get("end")))
+                lookups.append(engine.lookup(q.metric, q.key, q.window, q.end))
             except QueryError as e:
                 e.args = (f"queries[{i}]: {e}",)
                 raise
@@ -153,14 +184,6 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         return HTMLResponse(dashboard_html())
 
     return app
-
-
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise QueryError(f"body is not valid JSON: {e}", "body") from None
 
 
 def _parse_events(raw: bytes) -> list[dict[str, Any]]:

@@ -18,10 +18,11 @@ from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, script_source
-from sluice.slices.window import Cover, Piece, cover
+from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
 
 MAX_BATCH = 1000
+MAX_POINTS = 1000
 
 
 @dataclass(frozen=True)
@@ -32,15 +33,17 @@ class Lookup:
     end_ms: int
 
 
-def parse_window(value: Any) -> int:
+def parse_window(value: Any, param: str = "window") -> int:
     if value is None or value == "":
-        raise BadQuery("`window` is required, e.g. window=15m", "window")
+        raise BadQuery(f"`{param}` is required, e.g. {param}=15m", param)
     try:
         ms = parse_duration_ms(value)
     except (ValueError, TypeError) as e:
-        raise BadQuery(f"`window` {value!r} is not a duration: {e}", "window") from None
+        raise BadQuery(f"`{param}` {value!r} is not a duration: {e}", param) from None
     if ms <= 0:
-        raise BadQuery(f"`window` must be positive, got {value!r}", "window")
+        raise BadQuery(f"`{param}` must be positive, got {value!r}", param)
+    if ms > 10 * 365 * 86_400_000:
+        raise BadQuery(f"`{param}` {value!r} is longer than ten years", param, 422)
     return ms
 
 
@@ -268,6 +271,48 @@ class QueryEngine:
             "covered_end": cov.covered_end,
         }
 
+    def series(
+        self, metric: str, key: Sequence[Any] | Any, window: Any, end: Any = None, step: Any = None
+    ) -> dict[str, Any]:
+        """Values per step over the window, for charts. Each point covers exactly its step.
+
+        `step` defaults to the finest slice, and must be a multiple of every slice length the
+        metric reads, so that each point is answered from whole slices.
+        """
+        first = self.lookup(metric, key, window, end)
+        finest = max(m.slice for m in self._base_metrics(metric))
+        step_ms = finest if step in (None, "") else parse_window(step, "step")
+        for m in self._base_metrics(metric):
+            if step_ms % m.slice:
+                raise BadQuery(
+                    f"`step` {format_duration_ms(step_ms)} is not a multiple of the"
+                    f" {format_duration_ms(m.slice)} slices of {m.name!r}",
+                    "step",
+                )
+        lo = slice_start(first.end_ms - first.window_ms + 1, step_ms)
+        hi = slice_start(first.end_ms, step_ms)
+        n_points = (hi - lo) // step_ms + 1
+        if n_points > MAX_POINTS:
+            raise BadQuery(
+                f"`window` / `step` gives {n_points} points; at most {MAX_POINTS}", "step", 422
+            )
+        lookups = [
+            Lookup(first.metric, first.key, step_ms, s + step_ms - 1)
+            for s in range(lo, hi + 1, step_ms)
+        ]
+        points = [
+            {"start": a["covered_start"], "end": a["covered_end"], "value": a["value"]}
+            for a in self.run(lookups)
+        ]
+        return {
+            "metric": first.metric,
+            "key": list(first.key),
+            "step_ms": step_ms,
+            "start": first.end_ms - first.window_ms,
+            "end": first.end_ms,
+            "points": points,
+        }
+
     def definitions(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [
             {
@@ -279,6 +324,8 @@ class QueryEngine:
                 "filter": m.filter,
                 "slice": format_duration_ms(m.slice),
                 "retention": format_duration_ms(m.retention),
+                "resolutions": [format_duration_ms(r) for r in m.slice_lengths()],
+                "q": m.q,
                 "slice_ms": m.slice,
                 "retention_ms": m.retention,
             }
