@@ -41,4 +41,6 @@ def test_no_input_gives_a_server_error(r: redis.Redis, redis_url: str, tmp_path:
         run()
     assert not failures, failures
     assert len(calls) >= 8, calls  # every operation of the spec was exercised
-    assert all(n >= 10 for n in calls.values()), calls
+    # Operations with inputs were fuzzed many times (those without get one case).
+    for label in ("GET /v1/metrics/{name}", "GET /v1/metrics/{name}/series", "POST /v1/query"):
+        assert calls[label] >= 30, calls
