@@ -236,32 +236,56 @@ def load_slices(url: str, spec: DataSpec, seed: int) -> int:
     return fields
 
 
+def _writer_args(agg: str, starts: range, vals: Sequence[float], width: int | None) -> list[Any]:
+    """write_slices.lua's ARGV for one key: `agg, slice_ms, retention_ms, n[, width]` then per
+    slice `start, v1..` (width given: the current script), or `start, a, b` (width None: the
+    script before per-agg widths)."""
+    head: list[Any] = [agg, SLICE_MS, RETENTION_MS, len(vals)]
+    if width is not None:
+        head.append(width)
+    for s, a in zip(starts, vals, strict=True):
+        head += [s, lua_number(a)] if width is not None else [s, lua_number(a), 0]
+    return head
+
+
+def _writer_hash(client: redis.Redis, name: str, agg: str, starts: range, vals: Any) -> Any:
+    """The hash and PTTL write_slices.lua leaves for these slices, trying the script's known
+    ARGV conventions (it is being changed) until one runs. Raises RuntimeError if none does."""
+    write = client.register_script(script_source(WRITE_SLICES))
+    theirs = slice_hash_key(name, encode_key(["fmt-check-writer"]))
+    errors = []
+    for width in (1, None):
+        client.delete(theirs)
+        try:
+            write(keys=[theirs], args=[WRITER_TOKEN, *_writer_args(agg, starts, vals, width)])
+        except redis.ResponseError as e:
+            errors.append(str(e))
+            continue
+        got = client.hgetall(theirs), client.pttl(theirs)
+        client.delete(theirs)
+        return got
+    raise RuntimeError(f"write_slices.lua rejected every known argument layout: {errors}")
+
+
 def check_writer_format(client: redis.Redis, url: str, now_ms: int) -> None:
     """Write the same few slices of each metric once with `write_slices.lua` (the pipeline's
     writer) and once with this module's encoder, and require identical hashes and expiry.
     Raises AssertionError naming the difference."""
-    write = client.register_script(script_source(WRITE_SLICES))
     first = slice_start(now_ms, SLICE_MS) - 4 * SLICE_MS
     starts = range(first, first + 5 * SLICE_MS, SLICE_MS)
     values = {"txn_count": [3, 1, 17, 2, 9], "amount_sum": [20.5, 0.1, 3.0, 1234.56, 7.25]}
     conn = RawConn(url)
     try:
         for m in METRICS:
-            name, agg = m["name"], m["agg"]
+            name, vals = m["name"], values[m["name"]]
+            want, want_ttl = _writer_hash(client, name, m["agg"], starts, vals)
             ours = slice_hash_key(name, encode_key(["fmt-check-ours"]))
-            theirs = slice_hash_key(name, encode_key(["fmt-check-writer"]))
-            vals = values[name]
-            args: list[Any] = [WRITER_TOKEN, agg, SLICE_MS, RETENTION_MS, len(vals)]
-            for s, a in zip(starts, vals, strict=True):
-                args += [s, lua_number(a), 0]
-            write(keys=[theirs], args=args)
             packed = [_PackedCache.number(a) for a in vals]
             conn.call_many(slice_commands(name, "fmt-check-ours", starts, packed))
-            got, want = client.hgetall(ours), client.hgetall(theirs)
+            got, got_ttl = client.hgetall(ours), client.pttl(ours)
+            client.delete(ours)
             assert got == want, f"{name}: loader wrote {got!r}, the writer {want!r}"
-            ttl_gap_ms = abs(client.pttl(ours) - client.pttl(theirs))
-            assert ttl_gap_ms < 5_000, f"{name}: expiry differs from the writer's by {ttl_gap_ms}"
-            client.delete(ours, theirs)
+            assert abs(got_ttl - want_ttl) < 5_000, f"{name}: expiry {got_ttl} vs {want_ttl} ms"
     finally:
         conn.close()
 
@@ -516,6 +540,7 @@ local reqs = {}
 local i = 0
 local n_threads = 0
 local PCTS = {1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9, 99.99}
+local think_ms = 0
 
 function setup(thread)
   thread:set("thread_no", n_threads)
@@ -533,6 +558,12 @@ function init(args)
     end
   end
   i = ((thread_no or 0) * 7919) % #reqs
+  think_ms = tonumber(args[3] or "0")
+  if think_ms > 0 then
+    -- Each connection waits an exponential think time (mean think_ms) before each request.
+    math.randomseed(17 + (thread_no or 0))
+    delay = function() return -math.log(1 - math.random()) * think_ms end
+  end
 end
 
 function request()
@@ -607,13 +638,14 @@ class WrkJob:
     connections: int
     threads: int
     duration_s: float
+    think_ms: float = 0.0  # mean think time per connection before each request; 0 = none
     timeout_s: float = 10.0
 
     def command(self) -> list[str]:
         return [
             "wrk", f"-t{self.threads}", f"-c{self.connections}", f"-d{self.duration_s:g}s",
             f"--timeout={self.timeout_s:g}s", "-s", str(self.script), self.base_url,
-            "--", self.mode, str(self.requests_file),
+            "--", self.mode, str(self.requests_file), f"{self.think_ms:.3f}",
         ]  # fmt: skip
 
 
