@@ -174,15 +174,15 @@ class QueryEngine:
                 cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
                 plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
         replies = pipe.execute() if plan else []
-        parts: dict[tuple[int, str], tuple[Any, Cover]] = {}
+        parts: list[dict[str, tuple[Any, Cover]]] = [{} for _ in lookups]
         at = 0
         for n, m, cov, count in plan:
             reply = replies[at] if count == 1 else replies[at : at + count]
             if m.agg == "quantile":
                 reply = [blob for piece in replies[at : at + count] for blob in piece]
-            parts[(n, m.name)] = (self._finalize(m, reply), cov)
+            parts[n][m.name] = (self._finalize(m, reply), cov)
             at += count
-        return [self._answer(n, lk, parts) for n, lk in enumerate(lookups)]
+        return [self._answer(lk, part) for lk, part in zip(lookups, parts, strict=True)]
 
     def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover) -> int:
         """Queue the reads of one (metric, key) over `cov`; returns how many replies they give."""
@@ -242,34 +242,24 @@ class QueryEngine:
             return int(vals[1]) if integral else vals[1]
         raise ValueError(f"unknown agg {m.agg!r}")  # pragma: no cover - config rejects it
 
-    def _answer(
-        self, n: int, lk: Lookup, parts: dict[tuple[int, str], tuple[Any, Cover]]
-    ) -> dict[str, Any]:
-        start = lk.end_ms - lk.window_ms
-        if lk.metric in self._derived:
-            mine = {name: v for (i, name), v in parts.items() if i == n}
-            value = formula.evaluate(self._derived[lk.metric], {k: v[0] for k, v in mine.items()})
-            covs = [c for _, c in mine.values()]
-            return {
-                "metric": lk.metric,
-                "key": list(lk.key),
-                "value": value,
-                "start": start,
-                "end": lk.end_ms,
-                "covered_start": min(c.covered_start for c in covs),
-                "covered_end": max(c.covered_end for c in covs),
-                "inputs": {k: v[0] for k, v in mine.items()},
-            }
-        value, cov = parts[(n, lk.metric)]
-        return {
+    def _answer(self, lk: Lookup, parts: dict[str, tuple[Any, Cover]]) -> dict[str, Any]:
+        """The response for one lookup, from the values (and covers) of the metrics it read."""
+        values = {name: v for name, (v, _) in parts.items()}
+        covers = [c for _, c in parts.values()]
+        out: dict[str, Any] = {
             "metric": lk.metric,
             "key": list(lk.key),
-            "value": value,
-            "start": start,
+            "value": values[lk.metric]
+            if lk.metric not in self._derived
+            else formula.evaluate(self._derived[lk.metric], values),
+            "start": lk.end_ms - lk.window_ms,
             "end": lk.end_ms,
-            "covered_start": cov.covered_start,
-            "covered_end": cov.covered_end,
+            "covered_start": min(c.covered_start for c in covers),
+            "covered_end": max(c.covered_end for c in covers),
         }
+        if lk.metric in self._derived:
+            out["inputs"] = values
+        return out
 
     def series(
         self, metric: str, key: Sequence[Any] | Any, window: Any, end: Any = None, step: Any = None

@@ -5,10 +5,17 @@ from __future__ import annotations
 from functools import cache
 from importlib import resources
 
+# Scripts that merge slice states start with the shared definitions in _merge.lua.
+_WITH_MERGE = ("write_slices", "read_slices")
+
 
 @cache
 def script_source(name: str) -> str:
-    return (resources.files("sluice.redis") / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+    lua = resources.files("sluice.redis") / "lua"
+    body = (lua / f"{name}.lua").read_text(encoding="utf-8")
+    if name in _WITH_MERGE:
+        return (lua / "_merge.lua").read_text(encoding="utf-8") + "\n" + body
+    return body
 
 
 WRITE_SLICES = "write_slices"

@@ -4,46 +4,14 @@
 -- ARGV[1]     agg (count | sum | min | max | avg | var | last)
 -- then, per key in order: first slice start, last slice start, slice_ms
 -- Returns {slices_with_data, v1, v2, ...} as strings: the merged state (see write_slices.lua),
--- or just {'0'} when no slice in the ranges holds data.
+-- or just {'0'} when no slice in the ranges holds data. Merging comes from _merge.lua.
 local agg = ARGV[1]
-
-local function fmt(x)
-  if x == math.floor(x) and math.abs(x) < 1e15 then
-    return string.format('%d', x)
-  end
-  return string.format('%.17g', x)
-end
 
 local n, acc = 0, nil
 local function merge(packed)
-  local v = {}
-  local i = 0
-  for part in string.gmatch(packed, '[^:]+') do
-    if i > 0 then v[i] = tonumber(part) end
-    i = i + 1
-  end
+  local _, v = parse_state(packed)
   n = n + 1
-  if acc == nil then
-    acc = v
-  elseif agg == 'count' or agg == 'sum' then
-    acc[1] = acc[1] + v[1]
-  elseif agg == 'min' then
-    if v[1] < acc[1] then acc[1] = v[1] end
-  elseif agg == 'max' then
-    if v[1] > acc[1] then acc[1] = v[1] end
-  elseif agg == 'avg' then
-    acc[1] = acc[1] + v[1]; acc[2] = acc[2] + v[2]
-  elseif agg == 'var' then
-    local na, ma, qa = acc[1], acc[2], acc[3]
-    local nb, mb, qb = v[1], v[2], v[3]
-    local total = na + nb
-    local delta = mb - ma
-    acc[1] = total
-    acc[2] = ma + delta * nb / total
-    acc[3] = qa + qb + delta * delta * na * nb / total
-  elseif agg == 'last' then
-    if v[1] > acc[1] or (v[1] == acc[1] and v[2] > acc[2]) then acc = v end
-  end
+  if acc == nil then acc = v else acc = merge_state(agg, acc, v) end
 end
 
 local function read_range(key, first, last, slice_ms)

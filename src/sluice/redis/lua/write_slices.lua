@@ -8,47 +8,10 @@
 -- A slice is stored as "token:v1:...:v_width". The state per agg:
 --   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2   last: ts, value
 --   blob: an opaque value (a sketch merged by the caller), replaced, never parsed
+-- (Merging and number formatting come from _merge.lua, prepended.)
 -- Field `_m` holds "hi:lo": the newest slice start and a lower bound of the oldest, for retention.
 -- Returns {applied, duplicates, expired} summed over the keys.
 local token = tonumber(ARGV[1])
-
-local function fmt(x)
-  if x == math.floor(x) and math.abs(x) < 1e15 then
-    return string.format('%d', x)
-  end
-  return string.format('%.17g', x)
-end
-
-local function split(packed)
-  local out = {}
-  for part in string.gmatch(packed, '[^:]+') do out[#out + 1] = part end
-  return out
-end
-
--- Merge the stored state `o` (strings, o[1] is the token) into the update `u` (numbers).
-local function merge(agg, u, o)
-  if agg == 'count' or agg == 'sum' then
-    u[1] = u[1] + tonumber(o[2])
-  elseif agg == 'min' then
-    local v = tonumber(o[2]); if v < u[1] then u[1] = v end
-  elseif agg == 'max' then
-    local v = tonumber(o[2]); if v > u[1] then u[1] = v end
-  elseif agg == 'avg' then
-    u[1] = u[1] + tonumber(o[2]); u[2] = u[2] + tonumber(o[3])
-  elseif agg == 'var' then
-    -- Chan et al.'s parallel update of (count, mean, sum of squared deviations).
-    local na, ma, qa = tonumber(o[2]), tonumber(o[3]), tonumber(o[4])
-    local nb, mb, qb = u[1], u[2], u[3]
-    local n = na + nb
-    local delta = mb - ma
-    u[1] = n
-    u[2] = ma + delta * nb / n
-    u[3] = qa + qb + delta * delta * na * nb / n
-  elseif agg == 'last' then
-    local ts, v = tonumber(o[2]), tonumber(o[3])
-    if ts > u[1] or (ts == u[1] and v > u[2]) then u[1] = ts; u[2] = v end
-  end
-end
 
 local applied, dups, expired = 0, 0, 0
 local p = 2
@@ -98,7 +61,10 @@ for k = 1, #KEYS do
         else
           local u = {}
           for j = 1, width do u[j] = tonumber(ARGV[at + j]) end
-          if prev then merge(agg, u, split(prev)) end
+          if prev then
+            local _, old_state = parse_state(prev)
+            u = merge_state(agg, u, old_state)
+          end
           packed = ARGV[1]
           for j = 1, width do packed = packed .. ':' .. fmt(u[j]) end
         end

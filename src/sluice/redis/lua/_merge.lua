@@ -1,0 +1,42 @@
+-- Shared by the slice scripts (prepended by sluice.redis.scripts): number formatting, and the
+-- one definition of how two slice states merge. A state is an array of numbers; per agg:
+--   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2   last: ts, value
+
+local function fmt(x)
+  if x == math.floor(x) and math.abs(x) < 1e15 then
+    return string.format('%d', x)
+  end
+  return string.format('%.17g', x)
+end
+
+-- "token:v1:v2:..." -> token, {v1, v2, ...}
+local function parse_state(packed)
+  local token, vals = nil, {}
+  for part in string.gmatch(packed, '[^:]+') do
+    if token == nil then token = tonumber(part) else vals[#vals + 1] = tonumber(part) end
+  end
+  return token, vals
+end
+
+-- The merge of states a and b (commutative). May reuse a.
+local function merge_state(agg, a, b)
+  if agg == 'count' or agg == 'sum' then
+    a[1] = a[1] + b[1]
+  elseif agg == 'min' then
+    if b[1] < a[1] then a[1] = b[1] end
+  elseif agg == 'max' then
+    if b[1] > a[1] then a[1] = b[1] end
+  elseif agg == 'avg' then
+    a[1] = a[1] + b[1]
+    a[2] = a[2] + b[2]
+  elseif agg == 'var' then
+    -- Chan et al.'s parallel update of (count, mean, sum of squared deviations).
+    local n = a[1] + b[1]
+    local delta = b[2] - a[2]
+    a = {n, a[2] + delta * b[1] / n, a[3] + b[3] + delta * delta * a[1] * b[1] / n}
+  elseif agg == 'last' then
+    -- The greater event time wins; a tie goes to the greater value.
+    if b[1] > a[1] or (b[1] == a[1] and b[2] > a[2]) then a = b end
+  end
+  return a
+end
