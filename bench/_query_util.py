@@ -75,6 +75,7 @@ class DataSpec:
     hours: float
     ahead_min: int
     now_ms: int
+    resolutions_ms: tuple[int, ...] = (SLICE_MS,)  # finest first; coarser ones get own hashes
 
     @property
     def newest_ms(self) -> int:
@@ -91,17 +92,35 @@ class DataSpec:
     def key_name(self, metric: str, rank: int) -> str:
         return f"{KEY_PREFIX[metric]}-{rank}"
 
+    def coarse_starts(self, res_ms: int) -> range:
+        """Slice starts of resolution `res_ms` that hold any of the loaded 1-minute slices."""
+        first = self.oldest_ms - self.oldest_ms % res_ms
+        return range(first, self.newest_ms - self.newest_ms % res_ms + 1, res_ms)
+
     def total_fields(self) -> int:
-        return sum(self.keys.values()) * (len(self.slice_starts()) + 1)
+        per_key = len(self.slice_starts()) + 1
+        per_key += sum(len(self.coarse_starts(r)) + 1 for r in self.resolutions_ms[1:])
+        return sum(self.keys.values()) * per_key
+
+    def slices_read(self, window: str) -> int:
+        """Slices one lookup of `window` reads (ending at the load time)."""
+        from sluice.slices.window import cover
+
+        return cover(self.now_ms, WINDOW_MS[window], list(self.resolutions_ms)).n_slices
 
 
-def config_dict(redis_url: str, state_dir: Path) -> dict[str, Any]:
-    """The served config: the two metrics, 1 m slices, 7 d retention, loopback only."""
+def config_dict(redis_url: str, state_dir: Path, resolutions_ms: Sequence[int]) -> dict[str, Any]:
+    """The served config: the two metrics, 1 m slices (plus coarser `resolutions_ms`, if more
+    than one), 7 d retention, loopback only."""
+    metrics = METRICS
+    if len(resolutions_ms) > 1:
+        metrics = [{**m, "resolutions": list(resolutions_ms)} for m in METRICS]
+        metrics = [{k: v for k, v in m.items() if k != "slice"} for m in metrics]
     return {
         "redis": redis_url,
         "state_dir": str(state_dir),
         "source": {"stream": "events", "shards": 1, "format": "jsonl", "schema": SCHEMA},
-        "metrics": METRICS,
+        "metrics": metrics,
         "server": {"host": "127.0.0.1"},
     }
 
@@ -129,16 +148,21 @@ def _hset_command(key: bytes, fields_enc: Sequence[bytes], values_enc: Iterable[
 
 
 def slice_commands(
-    metric: str, key: str, starts: range, packed_values: Sequence[bytes]
+    metric: str,
+    key: str,
+    starts: range,
+    packed_values: Sequence[bytes],
+    resolution_ms: int | None = None,
 ) -> list[bytes]:
     """The commands that store one (metric, key)'s slices as the writer does: HSET of
     `<start>` -> packed value (bulk-encoded) plus `_m`, then PEXPIREAT newest + slice + retention.
+    `resolution_ms` None: the metric's own (finest) slices, else a coarser resolution's hash.
     """
-    hkey = slice_hash_key(metric, encode_key([key])).encode()
+    hkey = slice_hash_key(metric, encode_key([key]), resolution_ms).encode()
     fields_enc = [_bulk(str(s).encode()) for s in starts] + [_bulk(b"_m")]
     meta = _bulk(f"{lua_number(starts[-1])}:{lua_number(starts[0])}".encode())
     hset = _hset_command(hkey, fields_enc, itertools.chain(packed_values, (meta,)))
-    expire_at = starts[-1] + SLICE_MS + RETENTION_MS
+    expire_at = starts[-1] + starts.step + RETENTION_MS
     return [hset, resp(b"PEXPIREAT", hkey, str(expire_at).encode())]
 
 
@@ -200,6 +224,21 @@ class RawConn:
         self.sock.close()
 
 
+def coarse_values(spec: DataSpec, values: np.ndarray, res_ms: int) -> np.ndarray:
+    """Per slice of `spec.coarse_starts(res_ms)`, the sum of the 1-minute `values` inside it (what
+    the writer folds into a coarser resolution for count and sum)."""
+    starts = np.asarray(spec.slice_starts(), dtype=np.int64)
+    first = spec.coarse_starts(res_ms)[0]
+    sums = np.bincount((starts - first) // res_ms, weights=values)
+    return sums.astype(np.int64) if values.dtype.kind == "i" else sums
+
+
+def _pack(metric: str, values: np.ndarray, cache: _PackedCache) -> list[bytes]:
+    if metric == "txn_count":
+        return [cache.count(v) for v in values.tolist()]
+    return [cache.number(v) for v in values.tolist()]
+
+
 def _metric_commands(
     spec: DataSpec, metric: str, ranks: range, rng: np.random.Generator
 ) -> list[bytes]:
@@ -207,11 +246,12 @@ def _metric_commands(
     cache = _PackedCache()
     out: list[bytes] = []
     for rank in ranks:
-        vals = key_values(metric, rank, len(starts), rng).tolist()
-        packed = (
-            [cache.count(v) for v in vals] if metric == "txn_count" else map(cache.number, vals)
-        )
-        out += slice_commands(metric, spec.key_name(metric, rank), starts, list(packed))
+        key = spec.key_name(metric, rank)
+        vals = key_values(metric, rank, len(starts), rng)
+        out += slice_commands(metric, key, starts, _pack(metric, vals, cache))
+        for res_ms in spec.resolutions_ms[1:]:
+            coarse = _pack(metric, coarse_values(spec, vals, res_ms), cache)
+            out += slice_commands(metric, key, spec.coarse_starts(res_ms), coarse, res_ms)
     return out
 
 
@@ -227,7 +267,7 @@ def load_slices(url: str, spec: DataSpec, seed: int) -> int:
             for lo in range(0, n_keys, LOAD_CHUNK_KEYS):
                 ranks = range(lo, min(n_keys, lo + LOAD_CHUNK_KEYS))
                 replies = conn.call_many(_metric_commands(spec, metric, ranks, rng))
-                fields += sum(int(r) for r in replies[0::2])
+                fields += sum(int(r) for r in replies[0::2])  # HSET replies (PEXPIREAT: 1)
                 if (lo // LOAD_CHUNK_KEYS) % 20 == 19:
                     log(f"  loaded {metric} {ranks.stop:,}/{n_keys:,} keys, {fields:,} fields,"
                         f" {time.monotonic() - t0:.0f} s")  # fmt: skip

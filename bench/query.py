@@ -5,15 +5,18 @@
 
 1. An embedded redis-server in a temporary directory is loaded directly (no Spark) with slice
    hashes in the writer's exact format (checked against `write_slices.lua`): `txn_count` (count
-   by card) and `amount_sum` (sum of amount by merchant), 1 m slices, 7 d retention, every key
-   with a value in every slice of the last 24 h (dense: the read script's worst case).
+   by card) and `amount_sum` (sum of amount by merchant), 1 m slices (`--resolutions 1m,1h`
+   adds coarser hashes), 7 d retention, every key with a value in every 1 m slice of the last
+   24 h (dense: the read script's worst case).
 2. `sluice serve -c <config> --port <free port>` runs as a separate process (`--workers N` is
    passed through only when N > 1; the script checks that `serve` supports it).
 3. wrk (C, one thread by default, a Lua script cycling through pre-generated requests) is the
    load generator: keep-alive connections, closed loop. Keys are Zipf(1.3) like
    `sluice.source.loadgen`, windows uniform over 1m, 15m, 1h, 24h, metrics uniform.
 4. Scenarios, each a warm-up run then N timed runs (medians reported): GET single lookups at 1
-   and at 100 connections; POST /v1/query batches at 100 connections. Plus the in-process cost
+   and at 100 connections; POST /v1/query batches at 100 connections; GET at 100 clients that
+   pause between requests (exponential think time) so they offer about half the saturated GET
+   rate, for latency at a sustainable load. Plus the in-process cost
    of `QueryEngine.query` against the same Redis (no HTTP), and Redis' own time per script call
    (INFO commandstats), and the CPU each party used (server, Redis, wrk, the rest).
 5. Optionally a py-spy profile of the server under the 100-connection GET load.
@@ -30,6 +33,7 @@ import argparse
 import collections
 import contextlib
 import datetime as dt
+import itertools
 import math
 import os
 import platform
@@ -50,7 +54,6 @@ import yaml
 
 from _query_util import (
     SLICE_MS,
-    WINDOW_MS,
     WINDOWS,
     WRK_LUA,
     CpuSnapshot,
@@ -73,6 +76,7 @@ from _query_util import (
     log,
     median,
     percentile,
+    proc_cpu_s,
     replace_section,
     run_wrk,
     serve_supports_workers,
@@ -83,6 +87,7 @@ from sluice.config import Config, config_from_dict
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
+from sluice.units import format_duration_ms, parse_duration_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADING = "## Query service (bench/query.py)"
@@ -116,6 +121,7 @@ class Plan:
     py_spy: str | None
     paced_load: float  # offered load of the think-time scenario, as a fraction of saturation
     profile_out: Path | None
+    resolutions_ms: tuple[int, ...]  # (60000,) or finest-first, e.g. (60000, 3600000)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -139,6 +145,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         py_spy=_find_py_spy(args.py_spy),
         paced_load=args.paced_load,
         profile_out=args.profile_out,
+        resolutions_ms=args.resolutions_ms,
     )
 
 
@@ -230,8 +237,8 @@ def load_data(env: Env, seed: int) -> float:
     return took_s
 
 
-def write_config(tmp: Path, url: str) -> tuple[Config, Path]:
-    data = config_dict(url, tmp / "state")
+def write_config(tmp: Path, url: str, resolutions_ms: Sequence[int]) -> tuple[Config, Path]:
+    data = config_dict(url, tmp / "state", resolutions_ms)
     cfg = config_from_dict(data)
     path = tmp / "sluice.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -315,8 +322,7 @@ def measure_in_process(env: Env, plan: Plan, rng: np.random.Generator) -> dict[s
     rows = []
     for w in WINDOWS:
         lks = [LookupSpec(lk.metric, lk.key, w) for lk in draw_lookups(env.spec, n, rng)]
-        n_slices = WINDOW_MS[w] // SLICE_MS + 1
-        rows.append(_inproc_row(w, f"{n_slices:,}", engine, env.client, lks))
+        rows.append(_inproc_row(w, f"{env.spec.slices_read(w):,}", engine, env.client, lks))
     rows.append(_inproc_row("mix", "-", engine, env.client, draw_lookups(env.spec, n, rng)))
     batches = [
         [engine.lookup(lk.metric, [lk.key], lk.window) for lk in draw_lookups(env.spec, k, rng)]
@@ -452,7 +458,7 @@ def profile_server(env: Env, plan: Plan, sc: Scenario) -> dict[str, Any] | None:
     if plan.py_spy is None or env.serve is None:
         return None
     out = env.tmp / "profile.txt"
-    pid = env.serve.pids()[-1]  # the worker if there are several; else the server itself
+    pid = max(env.serve.pids(), key=proc_cpu_s)  # with several workers: the busiest one
     cmd = [plan.py_spy, "record", "-p", str(pid), "-d", f"{plan.duration_s:.0f}"]
     cmd += ["-r", str(PROFILE_RATE_HZ), "-f", "raw", "-o", str(out), "--nonblocking", "--gil"]
     log(f"profiling the server with py-spy during a {plan.duration_s:g} s run of {sc.name}")
@@ -700,6 +706,14 @@ def section_body(
         f"{spec.keys['txn_count']:,} cards (`txn_count`, count by card) and"
         f" {spec.keys['amount_sum']:,} merchants (`amount_sum`, sum of amount by merchant)"
     )
+    res = spec.resolutions_ms
+    slicing = (
+        "1 m slices"
+        if len(res) == 1
+        else f"`resolutions: [{', '.join(format_duration_ms(r) for r in res)}]` (a hash per"
+        " resolution, coarser slices = sums of the 1 m ones they hold)"
+    )
+    n_read = ", ".join(f"{spec.slices_read(w):,}" for w in WINDOWS)
     parts = [
         f"Command: `{info.command}` (from the repository root), {mode}; took"
         f" {info.took_s / 60:.1f} min.",
@@ -710,14 +724,14 @@ def section_body(
         " shows who used what. Numbers are medians over runs; treat them as indicative.",
         f"Setup: embedded redis-server {info.redis_version} (AOF off: the benchmark only reads),"
         f" loaded directly in the writer's slice format (checked byte for byte against"
-        f" `write_slices.lua`) with {load}; 1 m slices, 7 d retention; every key has a value in"
-        f" every slice from {spec.hours:g} h before the start to {spec.ahead_min} min after it"
-        f" (dense, the read script's worst case): {spec.total_fields():,} hash fields,"
+        f" `write_slices.lua`) with {load}; {slicing}, 7 d retention; every key has a value in"
+        f" every 1 m slice from {spec.hours:g} h before the start to {spec.ahead_min} min after"
+        f" it (dense, the read script's worst case): {spec.total_fields():,} hash fields,"
         f" {info.redis_memory} in Redis, loaded in {info.load_s:.0f} s. Answers over HTTP were"
         " checked against values merged in Python from the raw hashes before the runs."
         f" Requests: metric uniform over the two, key Zipf(1.3) over the metric's keys (as"
-        f" `sluice.source.loadgen`), window uniform over {', '.join(WINDOWS)} (2, 16, 61 and"
-        f" 1,441 slices merged). wrk keeps its connections alive; each scenario is a"
+        f" `sluice.source.loadgen`), window uniform over {', '.join(WINDOWS)} ({n_read} slices"
+        " merged). wrk keeps its connections alive; each scenario is a"
         f" {plan.warmup_s:g} s warm-up, then {plan.runs} runs of {plan.duration_s:g} s.",
         "### HTTP, through `sluice serve`",
         results_table(results),
@@ -801,6 +815,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0.5,
         help="think-time scenario's offered load, fraction of the saturated GET rate",
     )
+    p.add_argument(
+        "--resolutions",
+        default="1m",
+        help="slice lengths kept per metric, finest first, e.g. 1m,1h (config `resolutions`)",
+    )
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--py-spy", default="auto", help="py-spy binary, 'auto' (PATH) or 'off'")
     p.add_argument("--profile-out", type=Path, default=None, help="keep py-spy's raw stacks")
@@ -812,11 +831,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    args.resolutions_ms = parse_resolutions(p, args.resolutions)
     if not 0 < args.paced_load <= 1:
         p.error("--paced-load must be in (0, 1]")
     if args.connections < 1 or args.batch_size < 1 or args.workers < 1 or args.wrk_threads < 1:
         p.error("--connections, --batch-size, --workers and --wrk-threads must be >= 1")
     return args
+
+
+def parse_resolutions(p: argparse.ArgumentParser, text: str) -> tuple[int, ...]:
+    """`1m,1h` -> (60000, 3600000): starts at 1m, each a multiple of the one before."""
+    try:
+        res = tuple(parse_duration_ms(x.strip()) for x in text.split(","))
+    except ValueError as e:
+        p.error(f"--resolutions: {e}")
+    if res[0] != SLICE_MS or any(b <= a or b % a for a, b in itertools.pairwise(res)):
+        p.error("--resolutions must start at 1m, each a multiple of the one before")
+    return res
 
 
 def preflight(plan: Plan) -> bool:
@@ -847,12 +878,13 @@ def run(plan: Plan, args: argparse.Namespace, argv: Sequence[str]) -> int:
     redis_server: EmbeddedRedis | None = None
     try:
         redis_server, client = start_redis(tmp)
-        cfg, config_path = write_config(tmp, redis_server.url)
+        cfg, config_path = write_config(tmp, redis_server.url, plan.resolutions_ms)
         spec = DataSpec(
             keys={"txn_count": plan.cards, "amount_sum": plan.merchants},
             hours=plan.hours,
             ahead_min=AHEAD_MIN,
             now_ms=int(time.time() * 1000),
+            resolutions_ms=plan.resolutions_ms,
         )
         env = Env(tmp, redis_server, client, spec, cfg, config_path)
         load_s = load_data(env, plan.seed)

@@ -273,3 +273,10 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path) 
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_queries_survive_a_script_flush(api: TestClient, r: redis.Redis) -> None:
+    params = {"key": "c1", "window": "1m"}
+    assert api.get("/v1/metrics/txn_count", params=params).json()["value"] == 5
+    r.script_flush()  # as after a Redis restart or failover: the server forgot the Lua scripts
+    assert api.get("/v1/metrics/txn_count", params=params).json()["value"] == 5

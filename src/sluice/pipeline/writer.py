@@ -28,6 +28,7 @@ from sluice.redis.keys import (
     slice_hash_key,
     slice_hll_key,
 )
+from sluice.redis.scripts import evalsha_on
 
 TOKEN_EPOCH = 10**12
 PIPELINE_CHUNK = 50
@@ -196,7 +197,7 @@ def _run_write_script(
     from sluice.redis.keys import key_slot
     from sluice.redis.scripts import WRITE_SLICES, script_source
 
-    script = client.register_script(script_source(WRITE_SLICES))
+    client.script_load(script_source(WRITE_SLICES))  # once per partition; then EVALSHA only
     by_slot: dict[int, list[tuple[str, list[Any]]]] = {}
     for key, args in calls:
         by_slot.setdefault(key_slot(key) if ctx.cluster else 0, []).append((key, args))
@@ -219,7 +220,7 @@ def _run_write_script(
             flat: list[Any] = [str(ctx.token)]
             for _, args in chunk:
                 flat.extend(args)
-            script(keys=[key for key, _ in chunk], args=flat, client=pipe)
+            evalsha_on(pipe, WRITE_SLICES, [key for key, _ in chunk], flat)
             queued += 1
             if queued >= PIPELINE_CHUNK:
                 drain()

@@ -11,7 +11,8 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, Field
-from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
@@ -33,22 +34,29 @@ def error(status: int, code: str, message: str, headers: dict[str, str] | None =
     return ORJSONResponse({"error": {"code": code, "message": message}}, status, headers=headers)
 
 
-class _Guard(BaseHTTPMiddleware):
-    """Bearer token on /v1/* (when configured) and a cap on request body size."""
+class _Guard:
+    """Bearer token on /v1/* (when configured) and a cap on the declared body size.
 
-    def __init__(self, app: Any, token: str | None) -> None:
-        super().__init__(app)
-        self.token = token
+    A plain ASGI middleware: it looks at headers only and costs one dict scan per request.
+    """
 
-    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
-        if self.token is not None and request.url.path.startswith("/v1/"):
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
-                return error(401, "unauthorized", "missing or wrong bearer token")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
-        return await call_next(request)
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            if self.expected is not None and scope["path"].startswith("/v1/"):
+                got = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(got, self.expected):
+                    deny = error(401, "unauthorized", "missing or wrong bearer token")
+                    return await deny(scope, receive, send)
+            length = headers.get(b"content-length", b"")
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                big = error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
+                return await big(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class Lookup(BaseModel):
@@ -152,9 +160,13 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         if len(raw) > MAX_BODY_BYTES:
             raise QueryError(f"request body is over {MAX_BODY_BYTES} bytes", "body")
         events = _parse_events(raw)
-        producer = Producer.from_config(cfg, client)
-        producer.send_many(events)
-        producer.flush()
+
+        def send() -> None:  # blocking Redis calls: off the event loop
+            producer = Producer.from_config(cfg, client)
+            producer.send_many(events)
+            producer.flush()
+
+        await run_in_threadpool(send)
         return {"accepted": len(events)}
 
     @app.get("/v1/status")

@@ -17,7 +17,7 @@ from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
-from sluice.redis.scripts import READ_SLICES, script_source
+from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading
 from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
 
@@ -108,7 +108,6 @@ class QueryEngine:
         self.cfg = cfg
         self.client = client
         self.clock = clock
-        self._read = client.register_script(script_source(READ_SLICES))
         self._integral = {m.name: _integral_value(cfg, m) for m in cfg.metrics}
         self._derived = {d.name: formula.parse(d.expr) for d in cfg.derived}
 
@@ -167,13 +166,18 @@ class QueryEngine:
             raise BadQuery(
                 f"at most {MAX_BATCH} queries per request, got {len(lookups)}", "queries"
             )
-        pipe = self.client.pipeline(transaction=False)
         plan: list[tuple[int, MetricConfig, Cover, int]] = []  # (lookup, metric, cover, replies)
-        for n, lk in enumerate(lookups):
-            for m in self._base_metrics(lk.metric):
-                cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
-                plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
-        replies = pipe.execute() if plan else []
+
+        def execute() -> list[Any]:
+            plan.clear()
+            pipe = self.client.pipeline(transaction=False)
+            for n, lk in enumerate(lookups):
+                for m in self._base_metrics(lk.metric):
+                    cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
+                    plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
+            return pipe.execute() if plan else []
+
+        replies = execute_loading(self.client, execute, (READ_SLICES,))
         parts: list[dict[str, tuple[Any, Cover]]] = [{} for _ in lookups]
         at = 0
         for n, m, cov, count in plan:
@@ -208,7 +212,7 @@ class QueryEngine:
         for p in cov.pieces:
             args += [p.first, p.last, p.slice_ms]
         keys = [slice_hash_key(m.name, encoded, res(p)) for p in cov.pieces]
-        self._read(keys=keys, args=args, client=pipe)
+        evalsha_on(pipe, READ_SLICES, keys, args)
         return 1
 
     def _finalize(self, m: MetricConfig, reply: Any) -> Any:

@@ -1,12 +1,24 @@
-"""Lua scripts shipped with Sluice, loaded once per client (EVALSHA, compatible with Redis 6.2)."""
+"""Lua scripts shipped with Sluice, run with EVALSHA (compatible with Redis 6.2)."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
+from typing import Any, TypeVar
+
+import redis
+
+WRITE_SLICES = "write_slices"
+READ_SLICES = "read_slices"
+DEAD_LETTERS = "dead_letters"
+ADVANCE = "advance"
+RECORD_BATCH = "record_batch"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
-_WITH_MERGE = ("write_slices", "read_slices")
+_WITH_MERGE = (WRITE_SLICES, READ_SLICES)
+T = TypeVar("T")
 
 
 @cache
@@ -18,8 +30,25 @@ def script_source(name: str) -> str:
     return body
 
 
-WRITE_SLICES = "write_slices"
-READ_SLICES = "read_slices"
-DEAD_LETTERS = "dead_letters"
-ADVANCE = "advance"
-RECORD_BATCH = "record_batch"
+@cache
+def script_sha(name: str) -> str:
+    return hashlib.sha1(script_source(name).encode("utf-8")).hexdigest()
+
+
+def evalsha_on(pipe: Any, name: str, keys: list[str], args: list[Any]) -> None:
+    """Queue script `name` on a pipeline by its SHA alone (no SCRIPT EXISTS round trip).
+
+    Run the pipeline with `execute_loading`, which loads the scripts if Redis lost them.
+    """
+    pipe.evalsha(script_sha(name), len(keys), *keys, *args)
+
+
+def execute_loading(client: Any, run: Callable[[], T], names: tuple[str, ...]) -> T:
+    """Call `run` (which queues and executes a pipeline); if Redis does not know one of the
+    scripts (a restart, SCRIPT FLUSH, a failover), load `names` and call it once more."""
+    try:
+        return run()
+    except redis.exceptions.NoScriptError:
+        for name in names:
+            client.script_load(script_source(name))
+        return run()
