@@ -761,8 +761,8 @@ def format_section(res: FormatResult, plan: Plan) -> list[str]:
         sizes = sorted(r["events"] for r in d.records)
         split = (
             f" Load split over the shards: {shares} (Zipf keys, sharded by card); the reader"
-            " splits each batch's budget evenly over the shards, and the drain's batches held"
-            f" {sizes[0]:,} to {sizes[-1]:,} events."
+            " gives a shard's unused budget to the shards with backlog, and the drain's batches"
+            f" held {sizes[0]:,} to {sizes[-1]:,} events."
             if sizes
             else ""
         )
