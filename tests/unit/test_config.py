@@ -151,11 +151,42 @@ def test_unknown_agg() -> None:
     assert "count, sum, min, max, avg" in str(err)
 
 
-@pytest.mark.parametrize("agg", ["distinct", "quantile", "last"])
-def test_planned_agg_is_not_supported_yet(agg: str) -> None:
-    err = bad(lambda d: d["metrics"][2].update(agg=agg))
-    assert err.path == "metrics[2].agg"
-    assert f"agg '{agg}' is not supported yet" in str(err)
+@pytest.mark.parametrize("agg", ["distinct", "quantile", "last", "stddev", "variance"])
+def test_aggs_beyond_count_need_a_value(agg: str) -> None:
+    err = bad(lambda d: d["metrics"][2].update(agg=agg, q=0.5 if agg == "quantile" else None))
+    assert err.path == "metrics[2].value"
+    assert f"agg '{agg}' needs `value`" in str(err)
+
+
+def test_quantile_needs_q_strictly_between_0_and_1() -> None:
+    def set_q(q: Any) -> Callable[[dict[str, Any]], object]:
+        return lambda d: d["metrics"][1].update(agg="quantile", q=q)
+
+    err = bad(set_q(None))
+    assert (err.path, "needs `q`" in str(err)) == ("metrics[1].q", True)
+    err = bad(set_q([0.5, 1.0]))
+    assert err.path == "metrics[1].q" and "strictly between 0 and 1" in str(err)
+    ok = design()
+    set_q([0.5, 0.99])(ok)
+    assert config_from_dict(ok).metrics[1].quantiles() == [0.5, 0.99]
+    err = bad(lambda d: d["metrics"][1].update(q=0.5))
+    assert err.path == "metrics[1].q" and "only for agg 'quantile'" in str(err)
+
+
+def test_resolutions_set_the_slice_and_must_nest() -> None:
+    ok = design()
+    ok["metrics"][0].pop("slice")
+    ok["metrics"][0]["resolutions"] = ["1s", "1m", "1h"]
+    m = config_from_dict(ok).metrics[0]
+    assert (m.slice, m.slice_lengths()) == (1000, [1000, 60_000, 3_600_000])
+    err = bad(lambda d: d["metrics"][0].update(resolutions=["1m", "90s"]))
+    assert err.path == "metrics[0].resolutions" and "multiple of the one before" in str(err)
+    err = bad(lambda d: d["metrics"][0].update(slice="10s", resolutions=["1m", "1h"]))
+    assert err.path == "metrics[0].slice" and "finest resolution" in str(err)
+    err = bad(
+        lambda d: d["metrics"][0].update(slice="1m", resolutions=["1m", "7h"], retention="1d")
+    )
+    assert err.path == "metrics[0].retention" and "does not divide retention" in str(err)
 
 
 def test_slice_must_divide_retention() -> None:
