@@ -70,6 +70,44 @@ class BatchQuery(BaseModel):
     queries: list[Lookup] = Field(max_length=1000)
 
 
+class AsyncClients:
+    """One asyncio Redis client per event loop, built from the sync client's connection settings.
+
+    uvicorn runs one loop per worker; Starlette's TestClient may start a loop per request, and an
+    asyncio connection must not be used from another loop than the one that opened it.
+    """
+
+    def __init__(self, client: Any) -> None:
+        pool = client.connection_pool
+        kind = pool.connection_class.__name__  # Connection, SSLConnection or UnixDomain...
+        allowed = _ASYNC_KWARGS + (_SSL_KWARGS if kind == "SSLConnection" else ())
+        self.kwargs = {k: v for k, v in pool.connection_kwargs.items() if k in allowed}
+        self.kind = kind
+        self._by_loop: dict[int, Any] = {}
+
+    def get(self) -> Any:
+        import asyncio
+
+        import redis.asyncio as aredis
+
+        loop = id(asyncio.get_running_loop())
+        found = self._by_loop.get(loop)
+        if found is None:
+            if len(self._by_loop) > 64:  # loops of finished test requests
+                self._by_loop.clear()
+            cls = getattr(aredis, self.kind, aredis.Connection)
+            pool = aredis.ConnectionPool(connection_class=cls, **self.kwargs)
+            found = self._by_loop[loop] = aredis.Redis(connection_pool=pool)
+        return found
+
+
+_ASYNC_KWARGS: tuple[str, ...] = (
+    "host", "port", "db", "username", "password", "socket_timeout", "socket_connect_timeout",
+    "path", "client_name",
+)  # fmt: skip
+_SSL_KWARGS = ("ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")
+
+
 def app_from_env() -> FastAPI:
     """App factory for `sluice serve --workers N`: each worker process builds its own app from
     SLUICE_CONFIG (the config path) and SLUICE_REDIS_URL (set by the parent process)."""
@@ -84,6 +122,7 @@ def app_from_env() -> FastAPI:
 
 def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
     engine = QueryEngine(cfg, client, clock)
+    aclients = AsyncClients(client)
     app = FastAPI(
         title="Sluice",
         version="0.1.0",
@@ -121,14 +160,15 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         return {"metrics": engine.definitions()}
 
     @app.get("/v1/metrics/{name}")
-    def get_metric(
+    async def get_metric(
         name: str,
         key: list[str] = Query(default=[], description="key value(s), one per key field"),  # noqa: B008
         window: str = Query(default="", description="window length, e.g. 15m"),
         end: str | None = Query(default=None, description="window end, epoch ms; default now"),
     ) -> dict[str, Any]:
         """Metric `name` for `key` over (end - window, end]."""
-        return engine.query(name, key, window, end)
+        lookup = engine.lookup(name, key, window, end)
+        return (await engine.arun([lookup], aclients.get()))[0]
 
     @app.get("/v1/metrics/{name}/series")
     def get_series(
@@ -142,7 +182,7 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         return engine.series(name, key, window, end, step)
 
     @app.post("/v1/query")
-    def batch_query(body: BatchQuery) -> dict[str, Any]:
+    async def batch_query(body: BatchQuery) -> dict[str, Any]:
         """Many lookups in one pipelined round trip."""
         lookups = []
         for i, q in enumerate(body.queries):
@@ -151,7 +191,7 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
             except QueryError as e:
                 e.args = (f"queries[{i}]: {e}",)
                 raise
-        return {"results": engine.run(lookups)}
+        return {"results": await engine.arun(lookups, aclients.get())}
 
     @app.post("/v1/events", status_code=202)
     async def ingest(request: Request) -> dict[str, Any]:

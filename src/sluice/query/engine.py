@@ -12,16 +12,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
-from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading
+from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
 
 MAX_BATCH = 1000
+# Per (lookup, base metric): lookup index, metric, cover, and how many pipeline replies it has.
+Plan = list[tuple[int, MetricConfig, Cover, int]]
 MAX_POINTS = 1000
 
 
@@ -161,23 +165,52 @@ class QueryEngine:
         return self.run([self.lookup(metric, key, window, end)])[0]
 
     def run(self, lookups: Sequence[Lookup]) -> list[dict[str, Any]]:
-        """Answer many lookups in one pipelined round trip."""
+        """Answer many lookups in one pipelined round trip (blocking)."""
+        self._check_batch(lookups)
+        plan: Plan = []
+
+        def execute() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            plan[:] = self._queue_all(pipe, lookups)
+            return pipe.execute() if plan else []
+
+        replies = execute_loading(self.client, execute, (READ_SLICES,))
+        return self._answers(lookups, plan, replies)
+
+    async def arun(self, lookups: Sequence[Lookup], aclient: Any) -> list[dict[str, Any]]:
+        """`run` on an asyncio Redis client: waits for Redis without holding a thread."""
+        self._check_batch(lookups)
+        for attempt in (0, 1):
+            pipe = aclient.pipeline(transaction=False)
+            plan = self._queue_all(pipe, lookups)
+            try:
+                replies = await pipe.execute() if plan else []
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                await aclient.script_load(script_source(READ_SLICES))
+                continue
+            return self._answers(lookups, plan, replies)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_batch(self, lookups: Sequence[Lookup]) -> None:
         if len(lookups) > MAX_BATCH:
             raise BadQuery(
                 f"at most {MAX_BATCH} queries per request, got {len(lookups)}", "queries"
             )
-        plan: list[tuple[int, MetricConfig, Cover, int]] = []  # (lookup, metric, cover, replies)
 
-        def execute() -> list[Any]:
-            plan.clear()
-            pipe = self.client.pipeline(transaction=False)
-            for n, lk in enumerate(lookups):
-                for m in self._base_metrics(lk.metric):
-                    cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
-                    plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
-            return pipe.execute() if plan else []
+    def _queue_all(self, pipe: Any, lookups: Sequence[Lookup]) -> Plan:
+        """Queue every read on `pipe` (sync or asyncio); returns how to read the replies."""
+        plan: Plan = []
+        for n, lk in enumerate(lookups):
+            for m in self._base_metrics(lk.metric):
+                cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
+                plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
+        return plan
 
-        replies = execute_loading(self.client, execute, (READ_SLICES,))
+    def _answers(
+        self, lookups: Sequence[Lookup], plan: Plan, replies: list[Any]
+    ) -> list[dict[str, Any]]:
         parts: list[dict[str, tuple[Any, Cover]]] = [{} for _ in lookups]
         at = 0
         for n, m, cov, count in plan:
