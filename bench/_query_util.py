@@ -435,7 +435,7 @@ class ServeProcess:
     def command(self) -> list[str]:
         cmd = [sluice_bin(), "serve", "-c", str(self.config_path), "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port)]
-        return cmd + (["--workers", str(self.workers)] if self.workers > 1 else [])
+        return [*cmd, "--workers", str(self.workers)]
 
     def start(self, timeout_s: float = 60.0) -> ServeProcess:
         """Start and wait for /healthz. Raises RuntimeError with the log tail if it fails."""

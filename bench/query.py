@@ -8,8 +8,8 @@
    by card) and `amount_sum` (sum of amount by merchant), 1 m slices (`--resolutions 1m,1h`
    adds coarser hashes), 7 d retention, every key with a value in every 1 m slice of the last
    24 h (dense: the read script's worst case).
-2. `sluice serve -c <config> --port <free port>` runs as a separate process (`--workers N` is
-   passed through only when N > 1; the script checks that `serve` supports it).
+2. `sluice serve -c <config> --port <free port> --workers N` (default 2, as `serve`'s own
+   default) runs as a separate process.
 3. wrk (C, one thread by default, a Lua script cycling through pre-generated requests) is the
    load generator: keep-alive connections, closed loop. Keys are Zipf(1.3) like
    `sluice.source.loadgen`, windows uniform over 1m, 15m, 1h, 24h, metrics uniform.
@@ -807,7 +807,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=None, help="timed runs per scenario; 2 / 3")
     p.add_argument("--connections", type=int, default=100, help="concurrent clients")
     p.add_argument("--batch-size", type=int, default=50, help="lookups per POST /v1/query")
-    p.add_argument("--workers", type=int, default=1, help="server workers (passed if > 1)")
+    p.add_argument("--workers", type=int, default=2, help="server worker processes")
     p.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (CPU it takes)")
     p.add_argument(
         "--paced-load",

@@ -267,7 +267,7 @@ class ServerConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     token: str | None = None
-    workers: int = Field(1, ge=1, le=16)
+    workers: int = Field(2, ge=1, le=64, description="`sluice serve` worker processes")
 
 
 class Config(_Model):
