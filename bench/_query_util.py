@@ -34,6 +34,8 @@ import numpy as np
 import orjson
 import redis
 
+from _util import log
+from _util import percentile as nearest_rank
 from sluice.redis.keys import encode_key, slice_hash_key
 from sluice.redis.scripts import WRITE_SLICES, script_source
 from sluice.slices.window import slice_start
@@ -55,11 +57,6 @@ WRITER_TOKEN = 1_000_000_000_017  # epoch 1, batch 17: what the writer stores be
 LOAD_CHUNK_KEYS = 100
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WRK_MARK = "SLUICE_WRK "
-
-
-def log(msg: str) -> None:
-    """A progress line on stderr, stamped with the wall clock."""
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # -- the data set ---------------------------------------------------------------------------------
@@ -708,10 +705,10 @@ def run_wrk(job: WrkJob) -> WrkResult:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile, q in [0, 1]. Raises ValueError on no values."""
-    if not values:
+    found = nearest_rank(values, q)
+    if found is None:
         raise ValueError("percentile of no values")
-    vs = sorted(values)
-    return vs[max(0, min(len(vs) - 1, math.ceil(q * len(vs)) - 1))]
+    return found
 
 
 def median(values: Sequence[float]) -> float:
@@ -734,22 +731,3 @@ def time_calls_us(fn: Any, args_list: Sequence[tuple[Any, ...]]) -> list[float]:
 
 
 # -- docs -----------------------------------------------------------------------------------------
-
-
-def replace_section(path: Path, heading: str, body: str) -> None:
-    """Write `heading` + `body` into markdown file `path`, replacing only that `## ` section (up
-    to the next `## ` heading) if present, else appending it; creates the file with a
-    `# Benchmarks` title if missing. Reads the file immediately before writing it."""
-    section = f"{heading}\n\n{body.strip()}\n"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# Benchmarks\n\n{section}")
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
-    if start is None:
-        path.write_text("".join(lines).rstrip("\n") + f"\n\n{section}")
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    after = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + section + ("\n" + after if after else ""))

@@ -77,12 +77,12 @@ from _query_util import (
     median,
     percentile,
     proc_cpu_s,
-    replace_section,
     run_wrk,
     serve_supports_workers,
     time_calls_us,
     write_request_file,
 )
+from _util import replace_section
 from sluice.config import Config, config_from_dict
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
