@@ -27,14 +27,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-import hiredis
 import numpy as np
 import orjson
 import redis
 
-from _util import log
+from _util import RespWriter, log
 from _util import percentile as nearest_rank
 from sluice.redis.keys import encode_key, slice_hash_key
 from sluice.redis.scripts import WRITE_SLICES, script_source
@@ -190,37 +189,6 @@ def key_values(metric: str, rank: int, n: int, rng: np.random.Generator) -> np.n
     return np.round(counts * rng.lognormal(3.0, 0.5, n), 2)
 
 
-class RawConn:
-    """A raw Redis connection for pre-encoded commands; every reply is checked via hiredis.
-    Raises RuntimeError on an error reply, ConnectionError if the server goes away."""
-
-    def __init__(self, url: str, timeout_s: float = 120.0) -> None:
-        parts = urlsplit(url)
-        self.sock = socket.create_connection(
-            (parts.hostname or "127.0.0.1", parts.port or 6379), timeout=timeout_s
-        )
-        self.reader = hiredis.Reader()
-
-    def call_many(self, commands: Sequence[bytes]) -> list[Any]:
-        self.sock.sendall(b"".join(commands))
-        replies: list[Any] = []
-        while len(replies) < len(commands):
-            reply = self.reader.gets()
-            if reply is False:
-                data = self.sock.recv(1 << 16)
-                if not data:
-                    raise ConnectionError("redis closed the connection")
-                self.reader.feed(data)
-            elif isinstance(reply, hiredis.ReplyError):
-                raise RuntimeError(f"redis refused a load command: {reply}")
-            else:
-                replies.append(reply)
-        return replies
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def coarse_values(spec: DataSpec, values: np.ndarray, res_ms: int) -> np.ndarray:
     """Per slice of `spec.coarse_starts(res_ms)`, the sum of the 1-minute `values` inside it (what
     the writer folds into a coarser resolution for count and sum)."""
@@ -256,7 +224,7 @@ def load_slices(url: str, spec: DataSpec, seed: int) -> int:
     """Write every key of `spec` into Redis in the writer's format. Returns the fields written
     (slices plus one `_m` per key)."""
     rng = np.random.default_rng(seed)
-    conn = RawConn(url)
+    conn = RespWriter(url, timeout_s=120.0)
     fields = 0
     t0 = time.monotonic()
     try:
@@ -311,7 +279,7 @@ def check_writer_format(client: redis.Redis, url: str, now_ms: int) -> None:
     first = slice_start(now_ms, SLICE_MS) - 4 * SLICE_MS
     starts = range(first, first + 5 * SLICE_MS, SLICE_MS)
     values = {"txn_count": [3, 1, 17, 2, 9], "amount_sum": [20.5, 0.1, 3.0, 1234.56, 7.25]}
-    conn = RawConn(url)
+    conn = RespWriter(url, timeout_s=120.0)
     try:
         for m in METRICS:
             name, vals = m["name"], values[m["name"]]

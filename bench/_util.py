@@ -197,24 +197,26 @@ class RespWriter:
         self.reader = hiredis.Reader()
 
     def send(self, commands: Sequence[bytes]) -> None:
+        """Send all, in chunks of SEND_CHUNK_COMMANDS, checking (and dropping) the replies."""
         for i in range(0, len(commands), SEND_CHUNK_COMMANDS):
-            chunk = commands[i : i + SEND_CHUNK_COMMANDS]
-            self.sock.sendall(b"".join(chunk))
-            self._expect(len(chunk))
+            self.call_many(commands[i : i + SEND_CHUNK_COMMANDS])
 
-    def _expect(self, n_replies: int) -> None:
-        got = 0
-        while got < n_replies:
+    def call_many(self, commands: Sequence[bytes]) -> list[Any]:
+        """Send `commands` in one write; return their replies, in order."""
+        self.sock.sendall(b"".join(commands))
+        replies: list[Any] = []
+        while len(replies) < len(commands):
             reply = self.reader.gets()
             if reply is False:
                 data = self.sock.recv(1 << 16)
                 if not data:
                     raise ConnectionError("redis closed the connection")
                 self.reader.feed(data)
-                continue
-            if isinstance(reply, hiredis.ReplyError):
+            elif isinstance(reply, hiredis.ReplyError):
                 raise RuntimeError(f"redis refused a benchmark command: {reply}")
-            got += 1
+            else:
+                replies.append(reply)
+        return replies
 
     def close(self) -> None:
         self.sock.close()
