@@ -230,8 +230,77 @@ def format_status(st: dict[str, Any]) -> str:
     for k in sorted(c):
         if k.startswith("dead_") and k != "dead_letters":
             rows.append((f"    {k[5:]}", f"{c[k]:,}"))
+    rows.insert(1, ("backlog (bytes)", _size(st["backlog"].get("bytes"))))
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    out = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    flow = st.get("flow")
+    if flow:
+        out += ["", *format_flow(flow)]
+    return "\n".join(out)
+
+
+def format_flow(flow: dict[str, Any]) -> list[str]:
+    """One row per stage: throttle state, rates and backpressure ratio; then recent changes."""
+    head = ("stage", "tasks", "state", "rate/s", "origin/s", "measured/s", "bp ratio", "queue")
+    rows = [head]
+    for name, s in flow["stages"].items():
+        q = s.get("queue") or {}
+        queue = "-"
+        if "write_ms" in q:
+            queue = f"write {_ms(q.get('write_ms'))}, mem {_size(q.get('used_memory'))}"
+        elif q:
+            queue = f"{q.get('entries', 0):,} entries, {_size(q.get('bytes'))}"
+        state = "overloaded" if s["overloaded"] else "ok"
+        if s["backpressure"]:
+            state = "throttled" + (", overloaded" if s["overloaded"] else "")
+        rows.append(
+            (
+                name,
+                str(s["tasks"]),
+                state,
+                "unlimited" if s["rate"] is None else f"{s['rate']:,.0f}",
+                "-" if s["origin_rate"] is None else f"{s['origin_rate']:,.0f}",
+                f"{s['measured_rate']:,.0f}",
+                f"{s['backpressure_ratio']:.2f}",
+                queue,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [
+        f"backpressure: {flow['controller']}, high {_size(flow['high_watermark'])},"
+        f" low {_size(flow['low_watermark'])}"
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    changes = flow.get("timeline") or []
+    if changes:
+        lines += ["", "recent changes (newest first):"]
+        for ev in changes[:5]:
+            rate = ev.get("rate")
+            lines.append(
+                f"  {_clock(ev.get('changed_ms'))}  {ev.get('task')}  "
+                f"{'throttled' if ev.get('backpressure') else 'free'}  "
+                f"rate {'unlimited' if rate is None else f'{rate:,.0f}/s'}"
+            )
+    return lines
+
+
+def _size(n: Any) -> str:
+    if n is None:
+        return "-"
+    v = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if v < 1000 or unit == "GB":
+            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
+        v /= 1000
+    return f"{v:,.1f} GB"
+
+
+def _clock(ms: Any) -> str:
+    import datetime as dt
+
+    if ms is None:
+        return "--:--:--"
+    return dt.datetime.fromtimestamp(int(ms) / 1000, dt.UTC).strftime("%H:%M:%S")
 
 
 def _ms(v: float | None) -> str:

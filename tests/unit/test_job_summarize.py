@@ -21,6 +21,7 @@ def stats(
     applied: int = 0,
     dups: int = 0,
     expired: int = 0,
+    write_ms: float | None = None,
 ) -> dict[str, Any]:
     """A `stats` row as the writer emits it (see writer.write_partition)."""
     return {
@@ -33,6 +34,7 @@ def stats(
         "min_ems": min_ems,
         "max_ems": max_ems,
         "reason": None,
+        "write_ms": write_ms,
     }
 
 
@@ -74,6 +76,7 @@ def test_no_rows() -> None:
         "max_ems": None,
         "started_ms": 100,
         "done_ms": 250,
+        "write_ms": None,
         "dead_by_reason": {},
     }
 
@@ -150,3 +153,10 @@ def test_summarize_matches_a_direct_fold(rows: list[dict[str, Any]]) -> None:
         assert n == sum(r["events"] for r in d if r["reason"] == reason)
     # Order of partitions does not matter.
     assert summarize(as_writer_rows(rows[::-1]), 1, 2, 3, 4) == rec
+
+
+def test_write_ms_is_the_slowest_partition() -> None:
+    """The store's latency signal (flow.stages.store_level) is the slowest partition's write."""
+    rows = [stats(5, 1, 2, write_ms=12.25), stats(3, 1, 2, write_ms=480.04), stats(0, None, None)]
+    rec = summarize(as_writer_rows(rows), batch_id=1, token=1, started_ms=0, done_ms=1)
+    assert rec["write_ms"] == 480.0

@@ -22,6 +22,7 @@ from pyspark.sql.streaming import StreamingQuery
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import PipelineError
+from sluice.flow.valves import StoreMonitor
 from sluice.pipeline.plan import (
     check_expressions,
     explode_updates,
@@ -76,11 +77,15 @@ def summarize(
         "max_ems": None,
         "started_ms": started_ms,
         "done_ms": done_ms,
+        "write_ms": None,
         "dead_by_reason": {},
     }
     for r in rows:
         if r["kind"] == "stats":
             rec["events"] += r["events"]
+            w = r.get("write_ms")
+            if w is not None:
+                rec["write_ms"] = round(max(w, rec["write_ms"] or 0.0), 1)
             for key, pick in (("min_ems", min), ("max_ems", max)):
                 v = r[key]
                 if v is not None:
@@ -105,6 +110,7 @@ class Pipeline:
         clock: Clock = SYSTEM_CLOCK,
         on_batch: Callable[[dict[str, Any]], None] | None = None,
         fault_drop_every: int = 0,
+        write_delay_ms: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.redis = redis
@@ -112,6 +118,7 @@ class Pipeline:
         self.clock = clock
         self.on_batch = on_batch
         self.fault_drop_every = fault_drop_every
+        self.write_delay_ms = write_delay_ms
         self.query: StreamingQuery | None = None
         self._stop = threading.Event()
         types = check_expressions(spark, cfg)
@@ -120,6 +127,11 @@ class Pipeline:
         self.epoch = writer_epoch(self.ckpt, redis.client)
         self._record = redis.client.register_script(script_source(RECORD_BATCH))
         self._folds = fold_columns(list(self.specs))
+        self.store = StoreMonitor(
+            redis.client, cfg.backpressure, tuple(cfg.source.shard_keys()), clock
+        )
+        self._flow_thread: threading.Thread | None = None
+        self._flow_stop = threading.Event()
 
     def _source(self) -> DataFrame:
         opts = SourceOptions.from_config(self.cfg, self.redis.url)
@@ -140,6 +152,7 @@ class Pipeline:
             source_stream=self.cfg.source.stream,
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             fault_drop_every=self.fault_drop_every,
+            write_delay_ms=self.write_delay_ms,
         )
         updates = fold_updates(exploded, self._folds)
         rows = [
@@ -166,9 +179,28 @@ class Pipeline:
                 "batch %d: %d events, %d dead, %d slice updates in %d ms",
                 batch_id, rec["events"], rec["dead"], rec["applied"], rec["done_ms"] - started,
             )  # fmt: skip
+        self._observe_store(rec["write_ms"])
         if self.on_batch is not None:
             self.on_batch(rec)
         return rec
+
+    def _observe_store(self, write_ms: float | None) -> None:
+        try:
+            self.store.observe(write_ms)
+        except Exception as e:  # noqa: BLE001 - flow control must never fail a batch
+            log.warning("store monitor: %s", e)
+
+    def _flow_loop(self) -> None:
+        """Between batches the store is still watched, so quiet periods count (seed 000)."""
+        tick_s = self.cfg.backpressure.tick / 1000
+        while not self._flow_stop.wait(tick_s):
+            last = self.store.last_observed_s
+            if last is not None and time.monotonic() - last < tick_s:
+                continue
+            try:
+                self.store.tick()
+            except Exception as e:  # noqa: BLE001 - retried next tick
+                log.debug("store monitor: %s", e)
 
     def _on_batch(self, exploded: DataFrame, batch_id: int) -> None:
         self.process_batch(exploded, batch_id)
@@ -184,6 +216,12 @@ class Pipeline:
             .trigger(processingTime=f"{trigger_ms} milliseconds")
             .start()
         )
+        if self._flow_thread is None or not self._flow_thread.is_alive():
+            self._flow_stop.clear()
+            self._flow_thread = threading.Thread(
+                target=self._flow_loop, name="sluice-store-monitor", daemon=True
+            )
+            self._flow_thread.start()
         return self.query
 
     def request_stop(self) -> None:
@@ -193,6 +231,7 @@ class Pipeline:
         """Stop after the batch in flight, waiting at most `grace_s`; the checkpoint makes any
         batch cut short re-run on the next start, so a hard stop loses nothing either."""
         self._stop.set()
+        self._flow_stop.set()
         q = self.query
         if q is None:
             return

@@ -13,6 +13,8 @@ from typing import Any
 import orjson
 
 from sluice.config import Config
+from sluice.flow.stages import stream_level
+from sluice.flow.status import flow_status
 from sluice.redis.keys import BATCHES_KEY, OFFSETS_KEY, STATS_KEY
 
 
@@ -58,6 +60,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -> dict[str, Any]:
     """A JSON-ready snapshot: backlog, totals, processed rate and freshness over `window_s`."""
     total, per_shard = backlog(client, cfg)
+    level = stream_level(client, tuple(cfg.source.shard_keys()), cfg.backpressure)
     raw = client.hgetall(STATS_KEY)
     stats = {k.decode(): v.decode() for k, v in raw.items()}
     counters = {k: int(v) for k, v in stats.items() if k not in ("last_token", "last_batch")}
@@ -73,7 +76,13 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
     newest = [b["done_ms"] - b["max_ems"] for b in recent if b.get("max_ems") is not None]
     last = orjson.loads(stats["last_batch"]) if "last_batch" in stats else None
     return {
-        "backlog": {"entries": total, "shards": per_shard},
+        "backlog": {
+            "entries": total,
+            "bytes": level.bytes,
+            "high_watermark": cfg.backpressure.high_watermark,
+            "low_watermark": cfg.backpressure.low_watermark,
+            "shards": per_shard,
+        },
         "processed_events_per_s": events / span_s if recent else 0.0,
         "freshness_ms": {
             "p50": _percentile(newest + oldest, 0.5),
@@ -83,4 +92,5 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "counters": counters,
         "last_batch": last,
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
+        "flow": flow_status(client, cfg, now_ms),
     }

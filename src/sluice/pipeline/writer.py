@@ -15,6 +15,7 @@ the same way, by a marker per (token, content digest) set in the same script as 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +47,12 @@ RESULT_SCHEMA = pa.schema(
         ("min_ems", pa.int64()),
         ("max_ems", pa.int64()),
         ("reason", pa.string()),
+        ("write_ms", pa.float64()),
     ]
 )
 RESULT_DDL = (
     "kind string, m int, applied long, dups long, expired long, events long,"
-    " min_ems long, max_ems long, reason string"
+    " min_ems long, max_ems long, reason string, write_ms double"
 )
 
 
@@ -67,6 +69,7 @@ class WriterContext:
     dead_letter_maxlen: int
     cluster: bool = False
     fault_drop_every: int = 0  # test hook: drop every n-th script call (0 = never)
+    write_delay_ms: float = 0.0  # test hook: a slow store, this much extra per 1000 updates
 
 
 def _num(x: Any) -> str:
@@ -164,6 +167,7 @@ def write_partition(
     for batch in batches:
         updates.add_batch(batch, by_group)
     client = redis.Redis.from_url(ctx.url, socket_timeout=60, socket_connect_timeout=10)
+    t0 = time.perf_counter()
     try:
         totals = _apply_lua(client, ctx, updates)
         totals[0] += _apply_hll(client, ctx, updates.hll)
@@ -172,9 +176,13 @@ def write_partition(
         reasons = _write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
     finally:
         client.close()
+    if ctx.write_delay_ms and totals[0]:
+        time.sleep(ctx.write_delay_ms * totals[0] / 1000 / 1000)
+    write_ms = (time.perf_counter() - t0) * 1000
     out: list[dict[str, Any]] = [
         {
             "kind": "stats",
+            "write_ms": write_ms,
             "events": updates.good,
             "min_ems": updates.min_ems,
             "max_ems": updates.max_ems,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import threading
 from typing import Any
 
 import orjson
@@ -17,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import BackpressureError, QueryError, SluiceError
+from sluice.flow.valves import IngestValve
 from sluice.pipeline.status import read_status
 from sluice.query.engine import QueryEngine
 from sluice.source.producer import Producer
@@ -131,6 +133,15 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
     )
     app.add_middleware(_Guard, token=cfg.server.token)
     app.state.engine = engine
+    valves: list[IngestValve] = []
+    valve_lock = threading.Lock()
+
+    def ingest_valve() -> IngestValve:
+        """This worker's ingest task, made on the first POST (a query-only server has none)."""
+        with valve_lock:
+            if not valves:
+                valves.append(IngestValve.from_config(cfg, client, clock))
+            return valves[0]
 
     @app.exception_handler(QueryError)
     async def _query_error(_: Request, e: QueryError) -> Response:
@@ -202,7 +213,10 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         events = _parse_events(raw)
 
         def send() -> None:  # blocking Redis calls: off the event loop
-            producer = Producer.from_config(cfg, client)
+            wait = ingest_valve().try_admit(len(events))
+            if wait > 0:
+                raise BackpressureError(wait, "input is backpressured; retry later")
+            producer = Producer.from_config(cfg, client, flow=False)
             producer.send_many(events)
             producer.flush()
 

@@ -12,6 +12,9 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
     sluice:{stats}:offsets         hash: shard -> last committed entry id
     sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
+    sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
+    sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
+    sluice:{flow}:timeline         list: the newest stage-state changes (JSON)
     sluice:dead:{<stream>}         stream: dead letters, bounded
     sluice:dlm:{<stream>}:<token>:<digest>  marker: these dead letters are already written
 """
@@ -26,6 +29,9 @@ STATS_KEY = f"{PREFIX}:{{stats}}"
 BATCHES_KEY = f"{PREFIX}:{{stats}}:batches"
 OFFSETS_KEY = f"{PREFIX}:{{stats}}:offsets"
 EPOCH_KEY = f"{PREFIX}:epoch"
+FLOW_STATE_KEY = f"{PREFIX}:{{flow}}:state"
+FLOW_SIGNALS_KEY = f"{PREFIX}:{{flow}}:signals"
+FLOW_TIMELINE_KEY = f"{PREFIX}:{{flow}}:timeline"
 KEY_SEP = "|"
 # Order matters: '%' first, so that the escapes themselves are not escaped again.
 ESCAPES = (("%", "%25"), ("|", "%7C"), ("{", "%7B"), ("}", "%7D"))

@@ -19,6 +19,7 @@ import pandas as pd
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
+from sluice.errors import BackpressureError
 from sluice.source.producer import Producer, shard_of
 
 TICK_S = 0.05
@@ -118,33 +119,58 @@ def run_load(
 ) -> dict[str, Any]:
     """Produce for `duration_s` at `rate` events/s (shaped by `profile`). Blocks; bounded in time.
 
-    Returns {"events", "seconds", "rate"}; `progress` is called about once a second.
+    The producer is flow-controlled (`cfg.backpressure`): while it is throttled the generator
+    makes no new events, and the shortfall is reported as `held_back` (offered load that the
+    source was asked to hold, like a real client that slows down). Events already made are never
+    dropped: they stay buffered until admitted.
+
+    Returns {"events", "offered", "held_back", "seconds", "rate"}; `progress` is called about
+    once a second.
     """
     gen = EventGenerator(cfg, seed=seed)
-    producer = Producer.from_config(cfg, client)
+    producer = Producer.from_config(cfg, client, block_timeout_s=TICK_S)
     shard_by = producer.shard_by
     t0 = time.monotonic()
     sent = 0
-    owed = 0.0
+    owed = offered = 0.0
     last_report = last_tick = t0
     while not stop():
         tick = time.monotonic()
         elapsed = tick - t0
         if elapsed >= duration_s:
             break
+        due = profile.rate_at(rate, elapsed) * (tick - last_tick)
+        offered += due
         # Owe events for the real time that passed, so a slow tick is made up by the next ones
         # (at most a second's worth at once).
-        owed = min(owed + profile.rate_at(rate, elapsed) * (tick - last_tick), rate * 10)
+        owed = min(owed + due, profile.rate_at(rate, elapsed))
         last_tick = tick
-        n = math.floor(owed)
-        if n > 0:
-            owed -= n
-            sent += produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
+        try:
+            if producer.pending():
+                sent += producer.flush()
+                owed = 0.0  # throttled: what was owed meanwhile is held back, not queued here
+            else:
+                n = math.floor(owed)
+                if n > 0:
+                    owed -= n
+                    sent += produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
+        except BackpressureError:
+            pass  # still buffered; retried next tick
         now = time.monotonic()
         if progress is not None and now - last_report >= 1.0:
             progress({"events": sent, "seconds": now - t0, "rate": sent / (now - t0)})
             last_report = now
         next_tick = t0 + (math.floor(elapsed / TICK_S) + 1) * TICK_S
         time.sleep(max(0.0, next_tick - time.monotonic()))
+    # What was made is delivered: wait for admission rather than drop it.
+    producer.block_timeout_s = None
+    sent += producer.flush()
+    producer.close()
     seconds = time.monotonic() - t0
-    return {"events": sent, "seconds": seconds, "rate": sent / seconds if seconds else 0.0}
+    return {
+        "events": sent,
+        "offered": round(offered),
+        "held_back": max(0, round(offered) - sent),
+        "seconds": seconds,
+        "rate": sent / seconds if seconds else 0.0,
+    }

@@ -25,6 +25,7 @@ class SourceOptions:
     max_string_bytes: int
     partition_events: int = 50_000
     max_partitions_per_shard: int = 8
+    flow: str | None = None  # JSON {"backpressure": {...}, "trigger_ms": n}; None = no valve
 
     def to_spark(self) -> dict[str, str]:
         """Flatten to Spark's `option(k, v)` strings."""
@@ -54,4 +55,10 @@ class SourceOptions:
             time_field=cfg.source.time_field,
             max_events_per_batch=cfg.source.max_events_per_batch,
             max_string_bytes=cfg.source.max_string_bytes,
+            flow=json.dumps(
+                {
+                    "backpressure": cfg.backpressure.model_dump(mode="json"),
+                    "trigger_ms": cfg.spark.trigger,
+                }
+            ),
         )

@@ -8,6 +8,11 @@ objects, field `n`: how many), which is what makes high rates cheap; `fields` wr
 per event with the event's fields as entry fields, like a plain `XADD`. Events with the same
 `shard_by` value always go to the same shard. `send` buffers; `flush` (called on close, and
 when a shard's buffer is full) writes with one pipelined round trip.
+
+Flow control: with a `valve` (`from_config` attaches one), `flush` first asks it to admit the
+events, which blocks while the input is backpressured (seed 000's throttled upstream) and raises
+`BackpressureError` after `block_timeout_s`. A refused flush keeps everything buffered, so the
+caller can retry; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from sluice.config import Config
 from sluice.errors import SluiceError
+
+if TYPE_CHECKING:
+    from sluice.flow.valves import IngestValve
 
 
 def shard_of(value: Any, shards: int) -> int:
@@ -38,6 +46,8 @@ class Producer:
         format: str = "jsonl",
         shard_by: str | None = None,
         batch_events: int = 500,
+        valve: IngestValve | None = None,
+        block_timeout_s: float | None = None,
     ) -> None:
         if format not in ("jsonl", "fields"):
             raise SluiceError(f"`format` must be 'jsonl' or 'fields', got {format!r}")
@@ -53,11 +63,18 @@ class Producer:
         self._rr = 0
         self.sent_events = 0
         self.sent_entries = 0
+        self.valve = valve
+        self.block_timeout_s = block_timeout_s
 
     @classmethod
-    def from_config(cls, cfg: Config, client: Any, **kw: Any) -> Producer:
-        """A producer for `cfg.source`, sharding by the first key field of the first metric."""
+    def from_config(cls, cfg: Config, client: Any, flow: bool = True, **kw: Any) -> Producer:
+        """A producer for `cfg.source`, sharding by the first key field of the first metric,
+        throttled by `cfg.backpressure` unless `flow` is False."""
         kw.setdefault("shard_by", cfg.metrics[0].key[0])
+        if flow and "valve" not in kw:
+            from sluice.flow.valves import IngestValve
+
+            kw["valve"] = IngestValve.from_config(cfg, client)
         return cls(client, cfg.source.stream, cfg.source.shards, cfg.source.format, **kw)
 
     def _shard(self, event: Mapping[str, Any]) -> int:
@@ -91,8 +108,18 @@ class Producer:
             raise SluiceError("send_lines needs format 'jsonl'")
         self._buf[shard].extend(lines)
 
+    def pending(self) -> int:
+        """Events buffered and not yet written."""
+        return sum(len(b) for b in self._buf) + sum(len(f) for f in self._fields)
+
     def flush(self) -> int:
-        """Write everything buffered in one pipelined round trip. Returns events written."""
+        """Write everything buffered in one pipelined round trip. Returns events written.
+
+        Blocks while backpressured; raises BackpressureError (keeping the buffer) on timeout."""
+        if self.valve is not None:
+            n = self.pending()
+            if n:
+                self.valve.admit(n, self.block_timeout_s)
         pipe = self.client.pipeline(transaction=False)
         events = entries = 0
         for i, key in enumerate(self.keys):
@@ -115,7 +142,11 @@ class Producer:
         return events
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            if self.valve is not None:
+                self.valve.close()
 
     def __enter__(self) -> Producer:
         return self

@@ -11,6 +11,8 @@ counted server-side by a Lua script, so only the end ids travel to the driver.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,6 +26,7 @@ from sluice.source.ids import ZERO_ID, id_ms, parse_id, split_range
 from sluice.source.options import SourceOptions
 
 FORMAT = "redis-streams"
+log = logging.getLogger(__name__)
 XRANGE_COUNT = 2000
 
 _clients: dict[str, Any] = {}
@@ -74,6 +77,8 @@ class RedisStreamReader(DataSourceStreamReader):
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         self._released: dict[str, Any] | None = None
+        self._valve: Any = None
+        self._valve_failed = False
 
     # -- driver side ------------------------------------------------------------------------
 
@@ -97,8 +102,12 @@ class RedisStreamReader(DataSourceStreamReader):
         for s in self.opts.shards:
             ids.setdefault(s, ZERO_ID)
         budget = getattr(limit, "max_rows", None) if isinstance(limit, ReadMaxRows) else None
+        cap = self._flow_limit()
+        if cap is not None:
+            budget = cap if budget is None else min(int(budget), cap)
         client = self._client()
         new_ids = dict(ids)
+        events, held_back = 0, False
         if budget is None:
             pipe = client.pipeline(transaction=False)
             for s in self.opts.shards:
@@ -109,7 +118,8 @@ class RedisStreamReader(DataSourceStreamReader):
                     if parse_id(last_id) > parse_id(ids[s]):
                         new_ids[s] = last_id
         else:
-            new_ids, entries = self._advance(client, ids, int(budget))
+            new_ids, entries, events, held_back = self._advance(client, ids, int(budget))
+        self._flow_admitted(events, held_back)
         if new_ids == ids:
             return start
         out: dict[str, Any] = {"ids": new_ids, "ref": max(id_ms(v) for v in new_ids.values())}
@@ -117,11 +127,48 @@ class RedisStreamReader(DataSourceStreamReader):
             out["entries"] = entries  # sizes the partitions of this batch
         return out
 
+    # -- flow control (see sluice.flow.valves) ------------------------------------------------
+
+    def _flow_limit(self) -> int | None:
+        """The controller's event budget for the next batch; None when it sets none."""
+        if self.opts.flow is None or self._valve_failed:
+            return None
+        try:
+            if self._valve is None:
+                from sluice.config import BackpressureConfig
+                from sluice.flow.valves import AdmissionValve
+
+                flow = json.loads(self.opts.flow)
+                self._valve = AdmissionValve(
+                    self._client(),
+                    BackpressureConfig.model_validate(flow["backpressure"]),
+                    tuple(self.opts.shards),
+                    int(flow["trigger_ms"]),
+                    self.opts.max_events_per_batch,
+                )
+            limit: int | None = self._valve.limit()
+            return limit
+        except Exception:
+            # Flow control must never stop the input: fall back to the static limit.
+            log.exception("flow control failed; admitting with the static limit from now on")
+            self._valve_failed = True
+            return None
+
+    def _flow_admitted(self, events: int, held_back: bool) -> None:
+        if self._valve is None or self._valve_failed:
+            return
+        try:
+            self._valve.admitted(events, held_back)
+        except Exception:
+            log.exception("flow control failed; admitting with the static limit from now on")
+            self._valve_failed = True
+
     def _advance(
         self, client: Any, ids: dict[str, str], budget: int
-    ) -> tuple[dict[str, str], dict[str, int]]:
+    ) -> tuple[dict[str, str], dict[str, int], int, bool]:
         """Spread `budget` events over the shards: evenly first, then what a shard with little
-        backlog left unused goes to the shards that still have more (keys are rarely even)."""
+        backlog left unused goes to the shards that still have more (keys are rarely even).
+        Returns the new ids, entries per shard, events admitted, and whether any were left."""
         script = self._advance_script(client)
         new_ids = dict(ids)
         entries = dict.fromkeys(self.opts.shards, 0)
@@ -146,7 +193,7 @@ class RedisStreamReader(DataSourceStreamReader):
                 if int(more):
                     still.append(s)
             wanting = still
-        return new_ids, entries
+        return new_ids, entries, budget - left, bool(wanting)
 
     def _advance_script(self, client: Any) -> Any:
         from sluice.redis.scripts import ADVANCE, script_source

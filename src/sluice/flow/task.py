@@ -1,0 +1,145 @@
+"""Seed 000's two roles, for one task.
+
+- As a **downstream**, `QueueWatch` turns queue measurements into verdicts: *overloaded* at or
+  above the high watermark; *underloaded* once the queue has stayed at or below the low
+  watermark for a full `sensitivity` (then the quiet timer restarts, so each further step back
+  needs another full quiet period). `notify_upstreams` sends the verdict to each task of each
+  direct upstream stage whose published flag says it can act on it: overload only to tasks not
+  yet backpressured, underload only to tasks that are.
+- As an **upstream**, `StageTask` reads the signals addressed to it, lets its controller act on
+  them, meters its own emit rate and backpressure ratio, and publishes its state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.clock import Clock
+from sluice.flow.board import OVERLOAD, UNDERLOAD, Board, task_id
+from sluice.flow.controllers import BatchSample, Controller
+from sluice.flow.meters import RateMeter, RatioMeter
+from sluice.flow.stages import QueueLevel, Stage
+
+SIGNAL_DRIVEN = ("stepwise",)
+
+
+class QueueWatch:
+    def __init__(self, sensitivity_ms: int, clock: Clock) -> None:
+        self.sensitivity_ms = sensitivity_ms
+        self.clock = clock
+        self._quiet_since: int | None = None
+
+    def update(self, level: QueueLevel) -> str | None:
+        now = self.clock.now_ms()
+        if level.overloaded:
+            self._quiet_since = None
+            return OVERLOAD
+        if not level.quiet:
+            self._quiet_since = None
+            return None
+        if self._quiet_since is None:
+            self._quiet_since = now
+        if now - self._quiet_since >= self.sensitivity_ms:
+            self._quiet_since = now
+            return UNDERLOAD
+        return None
+
+
+def notify_upstreams(
+    board: Board,
+    stages: dict[str, Stage],
+    stage: str,
+    verdict: str | None,
+    level: QueueLevel,
+    sender: str,
+    now_ms: int,
+) -> int:
+    """Send `verdict` to the tasks of `stage`'s direct upstreams that can act on it."""
+    if verdict is None:
+        return 0
+    sent = 0
+    for up in stages[stage].upstreams:
+        for tid, st in board.tasks(now_ms, up).items():
+            if not st.get("listens"):
+                continue
+            flagged = bool(st.get("backpressure"))
+            if (verdict == OVERLOAD and not flagged) or (verdict == UNDERLOAD and flagged):
+                board.send(tid, verdict, sender, level.bytes, now_ms)
+                sent += 1
+    return sent
+
+
+class StageTask:
+    """One task of an emitting stage: its controller, its meters and its published state."""
+
+    def __init__(
+        self,
+        board: Board,
+        stage: Stage,
+        controller: Controller,
+        clock: Clock,
+        tick_ms: int,
+        task: str | None = None,
+    ) -> None:
+        self.board = board
+        self.stage = stage
+        self.controller = controller
+        self.clock = clock
+        self.tick_ms = tick_ms
+        self.id = task or task_id(stage.name)
+        self.meter = RateMeter(clock)
+        self.ratio = RatioMeter(clock)
+        self.queue: dict[str, Any] | None = None
+        self.extra: dict[str, Any] = {}
+        self._cursor = board.signals_tail()
+        self._next_tick = 0.0
+        self._changed = True
+        self.signals_seen = 0
+
+    @property
+    def listens(self) -> bool:
+        return self.controller.name in SIGNAL_DRIVEN
+
+    def due(self) -> bool:
+        return self.clock.monotonic_s() >= self._next_tick
+
+    def poll(self) -> bool:
+        """Act on the signals addressed to this task; returns True if the state changed."""
+        self._next_tick = self.clock.monotonic_s() + self.tick_ms / 1000
+        signals, self._cursor = self.board.receive(self.id, self._cursor)
+        changed = False
+        for sig in signals:
+            self.signals_seen += 1
+            if sig.kind == OVERLOAD:
+                changed |= self.controller.on_overload(self.meter.rate())
+            elif sig.kind == UNDERLOAD:
+                changed |= self.controller.on_underload()
+        self._changed |= changed
+        return changed
+
+    def on_batch(self, sample: BatchSample) -> None:
+        self._changed |= self.controller.on_batch(sample)
+
+    def state(self) -> dict[str, Any]:
+        snap = self.controller.snapshot()
+        return {
+            **snap,
+            "stage": self.stage.name,
+            "task": self.id,
+            "upstreams": list(self.stage.upstreams),
+            "listens": self.listens,
+            "measured_rate": round(self.meter.rate(), 1),
+            "backpressure_ratio": round(self.ratio.ratio(), 4),
+            "queue": self.queue,
+            "updated_ms": self.clock.now_ms(),
+            **self.extra,
+        }
+
+    def publish(self) -> dict[str, Any]:
+        st = self.state()
+        self.board.publish(self.id, st, self._changed)
+        self._changed = False
+        return st
+
+    def close(self) -> None:
+        self.board.forget(self.id)

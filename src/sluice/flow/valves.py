@@ -1,0 +1,298 @@
+"""Where rates act: one valve per emitting stage, and the store's monitor.
+
+- `IngestValve` (the `Producer` SDK and `POST /v1/events`): a token bucket at the task's
+  rate, plus a gate that stays shut while the input streams are at or above the high
+  watermark. `admit` blocks (or raises `BackpressureError` after `timeout_s`); `try_admit`
+  answers at once with how long to wait, for the HTTP 429's `Retry-After`. Events are never
+  dropped: a caller that is refused still holds them.
+- `AdmissionValve` (the Spark source's `latestOffset`): rate × trigger → events per
+  micro-batch. It also watches its own input queue and signals the ingest tasks, and turns the
+  newest batch record into the controllers' batch feedback.
+- `StoreMonitor` (the driver, after every batch and every tick): the store's write time and
+  memory against its watermarks; signals the Spark task.
+
+Under `controller: none` nothing throttles and no gate shuts. Under `pid`, `aimd` and `fixed`
+the law sets Spark's admission; ingest tasks keep only the high-watermark gate. Under
+`stepwise` every hop follows seed 000: each task steps its own rate on its downstream's
+signals, and the gate is the hard ceiling behind the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from sluice.clock import SYSTEM_CLOCK, Clock
+from sluice.config import BackpressureConfig, Config
+from sluice.errors import BackpressureError
+from sluice.flow.board import Board, task_id
+from sluice.flow.controllers import BatchSample, make_controller
+from sluice.flow.meters import TokenBucket
+from sluice.flow.stages import (
+    INGEST,
+    SPARK,
+    STORE,
+    QueueLevel,
+    Stage,
+    store_level,
+    stream_level,
+    topology,
+)
+from sluice.flow.task import QueueWatch, StageTask, notify_upstreams
+from sluice.redis.keys import STATS_KEY
+
+log = logging.getLogger(__name__)
+_seq = itertools.count()
+
+
+def spark_task_id(streams: tuple[str, ...]) -> str:
+    """The Spark stage has one admitting task per pipeline; its id survives restarts."""
+    return f"{SPARK}/{streams[0]}"
+
+
+class IngestValve:
+    def __init__(
+        self,
+        client: Any,
+        bp: BackpressureConfig,
+        input_streams: tuple[str, ...],
+        trigger_ms: int,
+        clock: Clock = SYSTEM_CLOCK,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.client = client
+        self.bp = bp
+        self.streams = input_streams
+        self.clock = clock
+        self.sleep = sleep
+        self.enabled = bp.controller != "none"
+        stages = topology(input_streams)
+        kind = "stepwise" if bp.controller == "stepwise" else "none"
+        controller = make_controller(bp, trigger_ms, clock, None, kind=kind)
+        n = next(_seq)
+        tid = task_id(INGEST) + (f"/{n}" if n else "")
+        self.task = StageTask(Board(client), stages[INGEST], controller, clock, bp.tick, tid)
+        self.bucket = TokenBucket(clock, controller.rate)
+        self.gate_open = True
+        self.level: QueueLevel | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> IngestValve:
+        streams = tuple(cfg.source.shard_keys())
+        return cls(client, cfg.backpressure, streams, cfg.spark.trigger, clock)
+
+    def _tick(self) -> None:
+        if not self.task.due():
+            return
+        self.task.poll()
+        self.bucket.set_rate(self.task.controller.rate)
+        if self.enabled:
+            self.level = stream_level(self.client, self.streams, self.bp)
+            self.gate_open = not self.level.overloaded
+            self.task.queue = self.level.as_dict()
+        self.task.extra = {"gate_open": self.gate_open}
+        self.task.publish()
+
+    def _wait_s(self, n: int) -> float:
+        if not self.gate_open:
+            return self.bp.tick / 1000
+        return self.bucket.wait_s(n)
+
+    def try_admit(self, n: int) -> float:
+        """Admit `n` events now and return 0, or return the seconds to wait (nothing taken)."""
+        with self._lock:
+            self._tick()
+            wait = self._wait_s(n)
+            self.task.ratio.set_throttled(wait > 0)
+            if wait <= 0:
+                self._take(n)
+            return wait
+
+    def admit(self, n: int, timeout_s: float | None = None) -> None:
+        """Block until `n` events may go. Raises BackpressureError after `timeout_s`."""
+        start = self.clock.monotonic_s()
+        while True:
+            wait = self.try_admit(n)
+            if wait <= 0:
+                return
+            waited = self.clock.monotonic_s() - start
+            if timeout_s is not None and waited + wait > timeout_s:
+                if waited < timeout_s:
+                    self.sleep(timeout_s - waited)
+                    if self.try_admit(n) <= 0:
+                        return
+                with self._lock:
+                    self.task.ratio.set_throttled(False)
+                raise BackpressureError(
+                    wait, f"input is backpressured; {n} events not admitted within {timeout_s}s"
+                )
+            self.sleep(min(wait, self.bp.tick / 1000))
+
+    def _take(self, n: int) -> None:
+        self.bucket.take(n)
+        self.task.meter.add(n)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # best effort on the way out
+            self.task.close()
+
+
+class AdmissionValve:
+    """The Spark stage's admission: lives in the source reader (on the driver host)."""
+
+    def __init__(
+        self,
+        client: Any,
+        bp: BackpressureConfig,
+        input_streams: tuple[str, ...],
+        trigger_ms: int,
+        max_batch_events: int | None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.client = client
+        self.bp = bp
+        self.trigger_ms = trigger_ms
+        self.clock = clock
+        self.stages = topology(input_streams)
+        self.stage: Stage = self.stages[SPARK]
+        controller = make_controller(bp, trigger_ms, clock, max_batch_events)
+        board = Board(client)
+        tid = spark_task_id(input_streams)
+        previous = board.all_tasks().get(tid)
+        if previous is not None:
+            controller.restore(previous)
+        self.task = StageTask(board, self.stage, controller, clock, bp.tick, tid)
+        self.watch = QueueWatch(bp.sensitivity, clock)
+        self._last_token = self._newest_batch_token()
+        self._admit_ms: int | None = None
+        self._prev_admit_ms: int | None = None
+        inflight = (previous or {}).get("inflight_ms")
+        if inflight is not None and self._last_done_ms() < int(inflight):
+            # The batch admitted before a restart never completed: that is AIMD's BUSY.
+            self.task.on_batch(BatchSample(0, 0.0, 0.0, 0.0, ok=False))
+
+    def _newest(self) -> dict[str, Any] | None:
+        raw = self.client.hget(STATS_KEY, "last_batch")
+        return orjson.loads(raw) if raw else None
+
+    def _newest_batch_token(self) -> int | None:
+        b = self._newest()
+        return None if b is None else int(b["token"])
+
+    def _last_done_ms(self) -> int:
+        b = self._newest()
+        return 0 if b is None else int(b["done_ms"])
+
+    def limit(self) -> int | None:
+        """Called in latestOffset: feed the controller, watch the input, publish, return the
+        event budget of the next micro-batch (None = no limit from the controller)."""
+        now = self.clock.now_ms()
+        self._feedback()
+        self.task.poll()
+        level = stream_level(self.client, self.stage.streams, self.bp)
+        self.task.queue = level.as_dict()
+        verdict = self.watch.update(level)
+        notify_upstreams(self.task.board, self.stages, SPARK, verdict, level, self.task.id, now)
+        return self.task.controller.batch_limit()
+
+    def _feedback(self) -> None:
+        b = self._newest()
+        if b is None or int(b["token"]) == self._last_token:
+            return
+        self._last_token = int(b["token"])
+        admit = self._admit_ms
+        if admit is None or int(b["started_ms"]) < admit:
+            return  # a batch admitted before this reader existed: no round trip to measure
+        sched = 0.0
+        if self._prev_admit_ms is not None:
+            sched = max(0.0, admit - (self._prev_admit_ms + self.trigger_ms))
+        self.task.on_batch(
+            BatchSample(
+                events=int(b["events"]),
+                processing_ms=float(b["done_ms"] - b["started_ms"]),
+                scheduling_delay_ms=sched,
+                rtt_ms=float(b["done_ms"] - admit),
+                ok=True,
+            )
+        )
+
+    def admitted(self, events: int, held_back: bool) -> None:
+        """The batch just planned: `events` admitted; `held_back` if the limit left data."""
+        now = self.clock.now_ms()
+        if events:
+            self._prev_admit_ms, self._admit_ms = self._admit_ms, now
+            self.task.meter.add(events)
+        self.task.ratio.set_throttled(held_back)
+        self.task.extra = {
+            "inflight_ms": now if events else None,
+            "batch_limit": self.task.controller.batch_limit(),
+            "held_back": held_back,
+        }
+        self.task.publish()
+
+
+class StoreMonitor:
+    """The slice store's watch: runs in the driver, fed by each batch's write time."""
+
+    def __init__(
+        self,
+        client: Any,
+        bp: BackpressureConfig,
+        input_streams: tuple[str, ...],
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.client = client
+        self.bp = bp
+        self.clock = clock
+        self.stages = topology(input_streams)
+        self.board = Board(client)
+        self.id = f"{STORE}/{input_streams[0]}"
+        self.watch = QueueWatch(bp.sensitivity, clock)
+        self.write_ms: float | None = None
+        self.last_observed_s: float | None = None
+        self._overloaded = False
+        self._changed_ms = clock.now_ms()
+        self._lock = threading.Lock()
+
+    def observe(self, write_ms: float | None) -> None:
+        with self._lock:
+            self.write_ms = write_ms
+            self.last_observed_s = time.monotonic()
+        self.tick()
+
+    def tick(self) -> QueueLevel:
+        with self._lock:
+            now = self.clock.now_ms()
+            seen = self.last_observed_s
+            if seen is not None and time.monotonic() - seen > self.bp.sensitivity / 1000:
+                self.write_ms = None  # no batch for a while: nothing is waiting on the store
+            level = store_level(self.client, self.write_ms, self.bp)
+            verdict = self.watch.update(level)
+            notify_upstreams(self.board, self.stages, STORE, verdict, level, self.id, now)
+            changed = level.overloaded != self._overloaded
+            if changed:
+                self._overloaded = level.overloaded
+                self._changed_ms = now
+            self.board.publish(
+                self.id,
+                {
+                    "stage": STORE,
+                    "task": self.id,
+                    "upstreams": [SPARK],
+                    "controller": None,
+                    "overloaded": level.overloaded,
+                    "queue": level.as_dict(),
+                    "changed_ms": self._changed_ms,
+                    "updated_ms": now,
+                },
+                changed,
+            )
+            return level

@@ -1,0 +1,215 @@
+"""Flow control against a real Redis: the gate, the 429, and seed 000's signal round trips
+through the signal stream and the stage-state hash (time from a ManualClock)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from sluice.clock import ManualClock
+from sluice.errors import BackpressureError
+from sluice.flow.board import Board
+from sluice.flow.stages import stream_level
+from sluice.flow.status import flow_status
+from sluice.flow.valves import AdmissionValve, IngestValve, StoreMonitor, spark_task_id
+from sluice.query.app import create_app
+from tests.conftest import make_config
+
+NOW = 1_800_000_000_000
+
+
+def _cfg(redis_url: str, tmp_path: Path, **bp: Any) -> Any:
+    marks = {"high_watermark": "64KB", "low_watermark": "8KB", "sensitivity": "2s", "tick": "250ms"}
+    return make_config(redis_url, tmp_path, backpressure={**marks, **bp})
+
+
+def _fill(r: redis.Redis, cfg: Any, target_bytes: int) -> None:
+    """Add jsonl entries to every shard until the input holds `target_bytes`."""
+    streams = tuple(cfg.source.shard_keys())
+    line = b'{"ts":1,"card":"c1","merchant":"m1","amount":1.5,"qty":1}'
+    while stream_level(r, streams, cfg.backpressure).bytes < target_bytes:
+        for s in streams:
+            r.xadd(s, {"d": b"\n".join([line] * 50), "n": 50})
+
+
+def _drain(r: redis.Redis, cfg: Any) -> None:
+    for s in cfg.source.shard_keys():
+        r.xtrim(s, maxlen=0)
+
+
+def _ingest(r: redis.Redis, cfg: Any, clock: ManualClock) -> IngestValve:
+    return IngestValve(
+        r,
+        cfg.backpressure,
+        tuple(cfg.source.shard_keys()),
+        cfg.spark.trigger,
+        clock,
+        clock_sleep(clock),
+    )
+
+
+def clock_sleep(clock: ManualClock) -> Any:
+    def sleep(seconds: float) -> None:
+        clock.advance(max(1, round(seconds * 1000)))
+
+    return sleep
+
+
+def _spark(r: redis.Redis, cfg: Any, clock: ManualClock) -> AdmissionValve:
+    return AdmissionValve(
+        r, cfg.backpressure, tuple(cfg.source.shard_keys()), cfg.spark.trigger, 1_000_000, clock
+    )
+
+
+def _warm(valve: IngestValve, clock: ManualClock, per_tick: int = 2_500, ticks: int = 12) -> None:
+    """Admit `per_tick` events every 250 ms: a measured rate of 10,000 events/s."""
+    for _ in range(ticks):
+        assert valve.try_admit(per_tick) == 0
+        clock.advance(250)
+
+
+def test_gate_shuts_at_the_high_watermark_and_opens_below(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    valve = _ingest(r, cfg, clock)
+    assert valve.try_admit(100) == 0
+    _fill(r, cfg, cfg.backpressure.high_watermark)
+    clock.advance(250)
+    wait = valve.try_admit(100)
+    assert wait > 0 and not valve.gate_open
+    with pytest.raises(BackpressureError, match=r"not admitted within 1\.0s"):
+        valve.admit(100, timeout_s=1.0)
+    _drain(r, cfg)
+    clock.advance(250)
+    assert valve.try_admit(100) == 0 and valve.gate_open
+    st = Board(r).tasks(clock.now_ms(), "ingest")[valve.task.id]
+    assert st["gate_open"] is True and st["queue"]["bytes"] < cfg.backpressure.low_watermark
+    # The time spent refused shows as a backpressure ratio.
+    assert st["backpressure_ratio"] > 0
+
+
+def test_post_events_answers_429_with_retry_after_while_over_the_high_watermark(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, tick="50ms")
+    body = [{"ts": NOW, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1}]
+    with TestClient(create_app(cfg, r)) as http:
+        assert http.post("/v1/events", json=body).status_code == 202
+        _fill(r, cfg, cfg.backpressure.high_watermark)
+        import time
+
+        time.sleep(0.06)
+        refused = http.post("/v1/events", json=body)
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "backpressure"
+        _drain(r, cfg)
+        time.sleep(0.06)
+        assert http.post("/v1/events", json=body).status_code == 202
+
+
+def test_post_events_is_never_refused_under_controller_none(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, controller="none", tick="50ms")
+    body = [{"ts": NOW, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1}]
+    _fill(r, cfg, cfg.backpressure.high_watermark * 2)
+    with TestClient(create_app(cfg, r)) as http:
+        assert http.post("/v1/events", json=body).status_code == 202
+
+
+def test_stepwise_round_trip_through_redis(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """The spark stage's queue overloads: it signals the ingest task, which steps its rate down
+    once; after the queue stays quiet for `sensitivity`, one underload steps it back to its
+    origin and clears the flag."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    ingest = _ingest(r, cfg, clock)
+    spark = _spark(r, cfg, clock)
+    _warm(ingest, clock)
+    measured = ingest.task.meter.rate()
+    assert measured == pytest.approx(10_000, rel=0.15)
+
+    _fill(r, cfg, cfg.backpressure.high_watermark)
+    spark.limit()  # overload: signal the (unflagged, listening) ingest task
+    clock.advance(250)
+    measured = ingest.task.meter.rate()  # what the task measures when the signal arrives
+    ingest.try_admit(1)  # next tick reads the signal
+    ctl = ingest.task.controller
+    assert ctl.backpressured and ctl.origin_rate == pytest.approx(measured, rel=0.01)
+    assert ctl.rate == pytest.approx(measured * cfg.backpressure.step, rel=0.01)
+    assert ingest.bucket.rate == ctl.rate
+
+    # Still overloaded: the flagged task gets no more overload signals, and its rate holds.
+    for _ in range(4):
+        spark.limit()
+        clock.advance(250)
+        ingest.try_admit(1)
+    assert ctl.rate == pytest.approx(measured * cfg.backpressure.step, rel=0.01)
+    assert ingest.task.signals_seen == 1
+
+    _drain(r, cfg)
+    # Quiet, but not yet for a whole sensitivity (0 .. 1.75 s): no change.
+    for _ in range(8):
+        spark.limit()
+        clock.advance(250)
+        ingest.try_admit(1)
+    assert ctl.backpressured
+    spark.limit()  # 2 s quiet: underload
+    clock.advance(250)
+    ingest.try_admit(1)
+    assert not ctl.backpressured and ctl.rate is None  # back at origin: the flag clears
+    timeline = Board(r).timeline()
+    flags = [ev["backpressure"] for ev in timeline if ev.get("task") == ingest.task.id]
+    assert True in flags and flags[0] is False  # newest first: freed after being throttled
+
+
+def test_slow_store_throttles_the_spark_stage(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, store={"latency_high": "500ms", "latency_low": "100ms"})
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    for _ in range(8):  # 4,000 events per 250 ms admitted: 16,000 events/s
+        spark.limit()
+        spark.admitted(4_000, held_back=False)
+        clock.advance(250)
+    store = StoreMonitor(r, cfg.backpressure, tuple(cfg.source.shard_keys()), clock)
+    store.observe(write_ms=900.0)  # over latency_high: overload to the spark task
+    limit = spark.limit()
+    ctl = spark.task.controller
+    assert ctl.backpressured
+    assert ctl.rate == pytest.approx(16_000 * cfg.backpressure.step, rel=0.1)
+    assert limit == pytest.approx(ctl.rate * cfg.spark.trigger / 1000, rel=0.01)
+    spark.admitted(limit, held_back=True)
+
+    st = flow_status(r, cfg, clock.now_ms())
+    assert st["stages"]["spark"]["backpressure"] is True
+    assert st["stages"]["store"]["overloaded"] is True
+    assert spark_task_id(tuple(cfg.source.shard_keys())) in {
+        t["task"] for t in st["stages"]["spark"]["task_states"]
+    }
+
+
+def test_spark_task_resumes_its_throttle_after_a_restart(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    spark.limit()
+    spark.admitted(4_000, held_back=False)
+    clock.advance(250)
+    Board(r).send(spark.task.id, "overload", "store/x", 0, clock.now_ms())
+    spark.limit()
+    spark.admitted(10, held_back=True)
+    rate = spark.task.controller.rate
+    assert rate is not None
+    again = _spark(r, cfg, clock)  # a new reader after a query restart
+    assert again.task.controller.backpressured and again.task.controller.rate == rate
