@@ -40,6 +40,10 @@ DEMO_CONFIG: dict[str, Any] = {
     ],
     "derived": [{"name": "avg_ticket", "expr": "amount_sum / merchant_txn"}],
     "spark": {"master": "local[2]", "trigger": "500ms"},
+    # Watermarks sized to the demo's bursts (about 2 MB/s of input at their peak), so that a
+    # burst visibly throttles the producer and the gate holds the backlog near 1 MB.
+    "backpressure": {"controller": "stepwise", "high_watermark": "1MB",
+                     "low_watermark": "100KB", "sensitivity": "2s"},
 }  # fmt: skip
 
 
@@ -127,7 +131,8 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
                 line = (
                     f"in {in_rate:>9,.0f} ev/s | processed {st['processed_events_per_s']:>9,.0f}"
                     f" ev/s | backlog {backlog_ev:>6,} entries | freshness p50"
-                    f" {_fmt(f['p50'])} p99 {_fmt(f['p99'])} | total {events_in:,}"
+                    f" {_fmt(f['p50'])} p99 {_fmt(f['p99'])} | producer"
+                    f" {_flow(st['flow']['stages']['ingest'])} | total {events_in:,}"
                 )
                 print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
                 q = pipeline.query
@@ -142,6 +147,14 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
             spark.stop()
             server.should_exit = True
             api.join(timeout=10)
+
+
+def _flow(stage: dict[str, Any]) -> str:
+    """The ingest stage in a few characters: free, or throttled to a rate."""
+    if not stage["backpressure"]:
+        return "free     "
+    rate = stage["rate"]
+    return f"throttled to {rate:,.0f}/s" if rate is not None else "throttled"
 
 
 def _fmt(ms: float | None) -> str:

@@ -104,6 +104,37 @@ def test_cli_query_and_status(r: redis.Redis, redis_url: str, tmp_path: Path) ->
     assert json.loads(out.output)["backlog"]["entries"] == 0
 
 
+def test_cli_status_shows_each_stage_throttle(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A throttled ingest task, as a producer publishes it, in the table and in --json."""
+    from sluice.clock import SYSTEM_CLOCK
+    from sluice.config import load_config
+    from sluice.flow.board import Board
+    from sluice.flow.valves import IngestValve
+
+    path = _config_file(tmp_path, redis_url)
+    valve = IngestValve.from_config(load_config(path), r)
+    valve.try_admit(1)  # publishes its state
+    Board(r).send(valve.task.id, "overload", "spark/test", 60_000_000, SYSTEM_CLOCK.now_ms())
+    valve.task._next_tick = 0  # look at the signals now
+    valve.try_admit(1)
+    assert valve.task.controller.backpressured
+    runner = CliRunner()
+    out = runner.invoke(main, ["status", "-c", str(path)])
+    assert out.exit_code == 0, out.output
+    assert "backpressure: stepwise, high 50.0 MB, low 500.0 KB" in out.output
+    ingest_row = next(line for line in out.output.splitlines() if line.startswith("ingest"))
+    ctl = valve.task.controller
+    assert ctl.rate is not None and ctl.origin_rate is not None
+    assert "throttled" in ingest_row and f"{ctl.origin_rate:,.0f}" in ingest_row
+    out = runner.invoke(main, ["status", "-c", str(path), "--json"])
+    flow = json.loads(out.output)["flow"]
+    assert flow["stages"]["ingest"]["backpressure"] is True
+    assert flow["stages"]["ingest"]["rate"] == ctl.rate == ctl.origin_rate * 0.5
+    assert flow["timeline"][0]["task"] == valve.task.id
+
+
 def test_cli_produce_is_seeded_and_bounded(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     cfg = _config_file(tmp_path, redis_url)
     runner = CliRunner()

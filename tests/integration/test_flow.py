@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 from fastapi.testclient import TestClient
@@ -17,6 +18,7 @@ from sluice.flow.stages import stream_level
 from sluice.flow.status import flow_status
 from sluice.flow.valves import AdmissionValve, IngestValve, StoreMonitor, spark_task_id
 from sluice.query.app import create_app
+from sluice.redis.keys import STATS_KEY
 from tests.conftest import make_config
 
 NOW = 1_800_000_000_000
@@ -213,3 +215,54 @@ def test_spark_task_resumes_its_throttle_after_a_restart(
     assert rate is not None
     again = _spark(r, cfg, clock)  # a new reader after a query restart
     assert again.task.controller.backpressured and again.task.controller.rate == rate
+
+
+def _record(r: redis.Redis, token: int, events: int, started_ms: int, done_ms: int) -> None:
+    """What `Pipeline.process_batch` records once a batch is written."""
+    rec = {"token": token, "events": events, "started_ms": started_ms, "done_ms": done_ms}
+    r.hset(STATS_KEY, mapping={"last_token": token, "last_batch": orjson.dumps(rec)})
+
+
+def test_batch_records_feed_aimd_normal_slow_and_busy_after_a_restart(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, controller="aimd")
+    a = cfg.backpressure.aimd  # target RTT: 2 x the 200 ms trigger
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    assert spark.limit() == a.initial_window
+    t = clock.now_ms()
+    spark.admitted(a.initial_window, held_back=True)
+    clock.advance(300)
+    _record(r, 1, a.initial_window, t + 20, t + 300)  # round trip 300 ms: NORMAL
+    assert spark.limit() == a.initial_window + a.increase
+    t = clock.now_ms()
+    spark.admitted(1_000, held_back=True)
+    clock.advance(900)
+    _record(r, 2, 1_000, t + 20, t + 900)  # 900 ms: SLOW
+    assert spark.limit() == a.initial_window
+    assert spark.task.controller.snapshot()["state"] == "slow"
+    spark.admitted(1_000, held_back=True)  # admitted, then the process dies mid-batch
+    again = _spark(r, cfg, clock)
+    assert again.limit() == int(a.initial_window * a.busy_factor)
+    assert again.task.controller.snapshot()["state"] == "busy"
+
+
+def test_batch_records_feed_pid_with_scheduling_delay(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, controller="pid")
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    assert spark.task.controller.rate is None
+    for token in (1, 2, 3):
+        spark.limit()
+        t = clock.now_ms()
+        spark.admitted(2_000, held_back=True)
+        clock.advance(1_000)  # 1 s batches on a 200 ms trigger: late by 800 ms each
+        _record(r, token, 2_000, t, t + 1_000)
+    spark.limit()
+    pid = spark.task.controller
+    # 2,000 events/s processed and a standing delay: the estimate falls below it.
+    assert pid.rate is not None and pid.rate < 2_000
+    assert spark.task.controller.batch_limit() == int(pid.rate * 0.2)

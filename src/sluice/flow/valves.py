@@ -175,7 +175,7 @@ class AdmissionValve:
         self._admit_ms: int | None = None
         self._prev_admit_ms: int | None = None
         inflight = (previous or {}).get("inflight_ms")
-        if inflight is not None and self._last_done_ms() < int(inflight):
+        if inflight is not None and self._last_done_ms() <= int(inflight):
             # The batch admitted before a restart never completed: that is AIMD's BUSY.
             self.task.on_batch(BatchSample(0, 0.0, 0.0, 0.0, ok=False))
 

@@ -1,0 +1,124 @@
+"""The flow's time-driven parts with an injected clock: rate and ratio meters, the token bucket,
+and the queue watch that decides overload and underload (seed 000's steps 3 and 9)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.clock import ManualClock
+from sluice.flow.board import OVERLOAD, UNDERLOAD
+from sluice.flow.meters import RateMeter, RatioMeter, TokenBucket
+from sluice.flow.stages import QueueLevel
+from sluice.flow.task import QueueWatch
+
+
+def level(overloaded: bool = False, quiet: bool = False) -> QueueLevel:
+    return QueueLevel(0, 0, overloaded=overloaded, quiet=quiet, detail={})
+
+
+def test_rate_meter_steady_adds() -> None:
+    clock = ManualClock()
+    m = RateMeter(clock, window_s=2.0)
+    for _ in range(20):
+        clock.advance(100)
+        m.add(500)
+    assert m.rate() == pytest.approx(5_000)
+
+
+def test_rate_meter_young_meter_divides_by_its_age() -> None:
+    clock = ManualClock()
+    m = RateMeter(clock, window_s=2.0)
+    clock.advance(500)
+    m.add(1_000)
+    assert m.rate() == pytest.approx(2_000)
+
+
+def test_rate_meter_sparse_lumps_are_lump_over_gap_not_zero() -> None:
+    """A Spark batch every 4 s: the rate is the newest batch over the gap since the one before."""
+    clock = ManualClock()
+    m = RateMeter(clock, window_s=2.0)
+    m.add(8_000)
+    clock.advance(4_000)
+    m.add(8_000)
+    clock.advance(1_000)
+    assert m.rate() == pytest.approx(8_000 / 5.0)
+
+
+def test_ratio_meter_counts_throttled_time_in_its_window() -> None:
+    clock = ManualClock()
+    ratio = RatioMeter(clock, window_s=10.0)
+    clock.advance(10_000)
+    ratio.set_throttled(True)
+    clock.advance(2_500)
+    ratio.set_throttled(False)
+    clock.advance(2_500)
+    assert ratio.ratio() == pytest.approx(0.25)
+    ratio.set_throttled(True)  # an open span counts up to now
+    clock.advance(5_000)
+    assert ratio.ratio() == pytest.approx(0.75)
+    clock.advance(20_000)
+    assert ratio.ratio() == pytest.approx(1.0)
+    ratio.set_throttled(False)
+    clock.advance(10_001)
+    assert ratio.ratio() == 0.0
+
+
+def test_token_bucket_paces_and_lets_a_big_batch_go_into_debt() -> None:
+    clock = ManualClock()
+    bucket = TokenBucket(clock, rate=1_000, burst_s=0.25)
+    assert bucket.wait_s(250) == 0.0
+    bucket.take(250)
+    assert bucket.wait_s(100) == pytest.approx(0.1)
+    clock.advance(100)
+    assert bucket.wait_s(100) == 0.0
+    # Bigger than the burst: waits for a full bucket, then goes into debt.
+    clock.advance(1_000)
+    assert bucket.wait_s(2_000) == 0.0
+    bucket.take(2_000)
+    assert bucket.wait_s(1) == pytest.approx(1.751)
+
+
+def test_token_bucket_unlimited_and_rate_changes() -> None:
+    clock = ManualClock()
+    bucket = TokenBucket(clock, rate=None)
+    assert bucket.wait_s(10**9) == 0.0
+    bucket.take(10**9)
+    bucket.set_rate(100.0)
+    assert bucket.rate == 100.0
+    assert bucket.wait_s(25) == 0.0
+    bucket.take(25)
+    assert bucket.wait_s(10) == pytest.approx(0.1)
+    bucket.set_rate(None)
+    assert bucket.wait_s(10**6) == 0.0
+
+
+def test_queue_watch_overload_at_once_underload_after_a_full_quiet_sensitivity() -> None:
+    clock = ManualClock()
+    watch = QueueWatch(sensitivity_ms=2_000, clock=clock)
+    assert watch.update(level(overloaded=True)) == OVERLOAD
+    assert watch.update(level(overloaded=True)) == OVERLOAD  # every look while overloaded
+    verdicts = []
+    for _ in range(9):  # quiet from t=0 to t=2000, looked at every 250 ms
+        verdicts.append(watch.update(level(quiet=True)))
+        clock.advance(250)
+    assert verdicts == [None] * 8 + [UNDERLOAD]
+    # The quiet timer restarts: the next step back needs another full sensitivity.
+    verdicts = []
+    for _ in range(7):  # t = 2.5 s .. 4 s
+        clock.advance(250)
+        verdicts.append(watch.update(level(quiet=True)))
+    assert verdicts == [None] * 6 + [UNDERLOAD]
+
+
+def test_queue_watch_between_the_watermarks_resets_the_quiet_timer() -> None:
+    clock = ManualClock()
+    watch = QueueWatch(sensitivity_ms=1_000, clock=clock)
+    watch.update(level(quiet=True))
+    clock.advance(900)
+    assert watch.update(level()) is None  # neither overloaded nor quiet
+    clock.advance(200)
+    assert watch.update(level(quiet=True)) is None
+    clock.advance(999)
+    assert watch.update(level(quiet=True)) is None
+    clock.advance(1)
+    assert watch.update(level(quiet=True)) == UNDERLOAD
