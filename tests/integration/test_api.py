@@ -155,6 +155,21 @@ def test_status_health_and_prometheus(api: TestClient) -> None:
     assert "<title>Sluice</title>" in api.get("/").text
 
 
+def test_prometheus_exports_each_stage_flow_state(api: TestClient) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    now = time.time_ns() // 1_000_000
+    body = [{"ts": now, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1}]
+    assert api.post("/v1/events", json=body).status_code == 202  # the ingest task publishes
+    families = {f.name: f for f in text_string_to_metric_families(api.get("/metrics").text)}
+    rates = {s.labels["stage"]: s.value for s in families["sluice_stage_rate"].samples}
+    assert rates["ingest"] == float("inf")  # unthrottled
+    flags = {s.labels["stage"]: s.value for s in families["sluice_stage_backpressure"].samples}
+    assert flags["ingest"] == 0.0
+    assert "sluice_stage_backpressure_ratio" in families
+    assert families["sluice_backlog_bytes"].samples[0].value > 0  # the event just ingested
+
+
 def test_redis_down_is_503(redis_url: str, tmp_path: Path) -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     api = TestClient(create_app(make_config(redis_url, tmp_path), dead))
