@@ -11,18 +11,46 @@ with every element as bytes. Output columns are the schema fields followed by:
     _eid  string  the stream entry id, for bad events only
     _idx  int     the event's index within its entry
     _raw  string  the offending input, truncated, for bad events only
+    _e    long    the event's 64-bit id, from (entry id, _idx): see source.ids.event_ids
+
+How many events an entry holds is `entry_event_count` (one rule, also applied by the
+completeness audit): one per `fields` entry, one per non-blank line of a `jsonl` entry's `d`,
+and one dead letter for an entry that is empty, has no `d`, has only blank lines or is over
+`max_entry_bytes`. A bad event never takes its neighbours down with it.
+
+The dead-letter reasons (`_err`) the decoder sets are `DECODE_REASONS`:
+
+    missing_field   a non-nullable field is absent or null (`_field` names it; `d` in jsonl)
+    bad_type        a value of the wrong type, or text that does not parse as its type
+    invalid_utf8    bytes that are not UTF-8 (or a JSON string with a lone surrogate)
+    non_finite      NaN or ±infinity in a double or float field
+    too_long        a string value over `max_string_bytes`
+    out_of_range    an integer outside its type's range
+    bad_json        a jsonl line that is not JSON
+    not_object      a jsonl line that is JSON but not an object
+    empty_entry     an entry with no fields, or whose `d` has no non-blank line
+    oversize_entry  an entry over `max_entry_bytes` (names and values): one dead letter, whose
+                    `_raw` describes the entry instead of holding it
+
+Fields (or JSON keys) that are not in the schema are ignored; the event still counts. JSON
+lines may use the non-standard `NaN`, `Infinity` and `-Infinity` that Python's `json.dumps`
+writes: in a double field they are `non_finite`, elsewhere as any other value.
 
 Each chunk of entries is first decoded with vectorised Arrow casts. Only a chunk in which a cast
-fails is decoded again event by event, to find which events are bad and why; so a trickle of bad
-input costs little, and nothing in a bad chunk is lost or blamed on its neighbours.
+fails, or which Arrow might read differently from the event-by-event path, is decoded again
+event by event, to find which events are bad and why; so a trickle of bad input costs little,
+and nothing in a bad chunk is lost or blamed on its neighbours.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import json
 import math
+import re
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -30,7 +58,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from sluice.source.ids import parse_id
+from sluice.source.ids import event_ids, parse_id
 from sluice.source.options import SourceOptions
 
 ARROW_TYPES: dict[str, pa.DataType] = {
@@ -50,6 +78,7 @@ META_FIELDS: list[tuple[str, pa.DataType]] = [
     ("_eid", pa.string()),
     ("_idx", pa.int32()),
     ("_raw", pa.string()),
+    ("_e", pa.int64()),
 ]
 SPARK_TYPES = {
     "string": "string",
@@ -61,7 +90,88 @@ SPARK_TYPES = {
 }
 RAW_LIMIT = 1024
 CHUNK_ENTRIES = 4096
+DECODE_REASONS: tuple[str, ...] = (
+    "missing_field",
+    "bad_type",
+    "invalid_utf8",
+    "non_finite",
+    "too_long",
+    "out_of_range",
+    "bad_json",
+    "not_object",
+    "empty_entry",
+    "oversize_entry",
+)
 _INT_RANGE = {"long": (-(2**63), 2**63 - 1), "int": (-(2**31), 2**31 - 1)}
+# Blank lines, as `bytes.strip` sees them: only b" \t\r\x0b\x0c" between two newlines.
+_BLANK_FIRST = re.compile(rb"[ \t\r\x0b\x0c]*(?:\n|\Z)")
+_BLANK_AFTER_NL = re.compile(rb"\n[ \t\r\x0b\x0c]*(?:\n|\Z)")
+# A line break not between `}` (or `}\r`) and `{`. The literal prefix keeps it fast.
+_ODD_LINE_BREAK = re.compile(rb"\n(?:(?!\{)|(?<!\}\n)(?<!\}\r\n))")
+# `Inf` or `-Inf` where a JSON value starts: after `:`, `,` or `[` and up to 3 whitespace
+# bytes, or after 4 whitespace bytes (so a longer run is caught too). Arrow's reader takes
+# these as infinity; orjson and Python's json refuse them. The literal prefix keeps it fast.
+_VALUE_START = (
+    rb"[:,\[]",
+    rb"[:,\[][ \t\r]",
+    rb"[:,\[][ \t\r]{2}",
+    rb"[:,\[][ \t\r]{3}",
+    rb"[ \t\r]{4}",
+)
+_ARROW_ONLY_INF = re.compile(
+    rb"Inf(?!inity)(?:"
+    + b"|".join(rb"(?<=" + v + sign + rb"Inf)" for v in _VALUE_START for sign in (b"", b"-"))
+    + b")"
+)
+
+
+def entry_event_count(fields: dict[bytes, bytes], fmt: str, max_entry_bytes: int) -> int:
+    """How many events (good or dead-lettered) one stream entry holds: the decoder yields
+    exactly this many rows for it. The completeness audit replicates this rule in Lua, so any
+    change here must be made there too.
+
+    1. The entry's size is the sum of `len(name) + len(value)` over `fields`. Over
+       `max_entry_bytes`: 1 (one `oversize_entry` dead letter).
+    2. `fmt == "fields"`: 1.
+    3. `fmt == "jsonl"` without a `d` field: 1 (`missing_field` on `d`, or `empty_entry` when
+       the entry has no fields at all).
+    4. `fmt == "jsonl"`: split `d` on b"\\n" only (a b"\\r" stays in its line) and keep the
+       lines with a non-empty `line.strip()` (Python's bytes.strip: b" \\t\\n\\r\\x0b\\x0c").
+       The count is the number of kept lines, or 1 when none is kept (`empty_entry`).
+
+    An event's `_idx` is its 0-based position among the kept lines (0 in cases 1 to 3).
+    `fields` is the entry's field map; with a repeated field name the last value wins (as in
+    a Lua table filled in order), and only the surviving pairs count towards the size.
+    """
+    if fmt not in ("fields", "jsonl"):
+        raise ValueError(f"unknown source format {fmt!r}; expected `fields` or `jsonl`")
+    if _entry_bytes(fields) > max_entry_bytes or fmt == "fields":
+        return 1
+    payload = fields.get(b"d")
+    if payload is None:
+        return 1
+    return max(1, len(_event_lines(payload)))
+
+
+def _entry_bytes(fields: dict[bytes, bytes]) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items())
+
+
+def _event_lines(payload: bytes) -> list[bytes]:
+    """The event lines of a jsonl payload, in order: its non-blank lines."""
+    return [ln for ln in payload.split(b"\n") if ln.strip()]
+
+
+def _has_blank_line(payload: bytes) -> bool:
+    return _BLANK_FIRST.match(payload) is not None or _BLANK_AFTER_NL.search(payload) is not None
+
+
+def _event_payload(payload: bytes) -> bytes:
+    """The payload's event lines joined by b"\\n" (the payload itself when it has no blank
+    line, which is checked without splitting it)."""
+    if not _has_blank_line(payload):
+        return payload
+    return b"\n".join(_event_lines(payload))
 
 
 def output_schema(opts: SourceOptions) -> pa.Schema:
@@ -80,6 +190,7 @@ def spark_schema_ddl(opts: SourceOptions) -> str:
         "_eid": "string",
         "_idx": "int",
         "_raw": "string",
+        "_e": "bigint",
     }
     return ", ".join(cols + [f"`{k}` {v}" for k, v in meta.items()])
 
@@ -135,7 +246,11 @@ def _convert_json(value: Any, typ: str, name: str, max_bytes: int) -> Any:
     if typ == "string":
         if not isinstance(value, str):
             raise _Bad("bad_type", name)
-        if len(value.encode("utf-8", errors="replace")) > max_bytes:
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate, which Python's json lets through
+            raise _Bad("invalid_utf8", name) from None
+        if size > max_bytes:
             raise _Bad("too_long", name)
         return value
     if typ in ("long", "int"):
@@ -157,6 +272,37 @@ def _convert_json(value: Any, typ: str, name: str, max_bytes: int) -> Any:
     return value
 
 
+def _loads(line: bytes) -> Any:
+    """One JSON line, or raise _Bad (`invalid_utf8` or `bad_json`).
+
+    orjson first; when it refuses, Python's json, which also reads the `NaN`, `Infinity` and
+    `-Infinity` that Arrow's reader accepts on the vectorised path, so that both paths agree.
+    """
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Bad("invalid_utf8") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise _Bad("bad_json") from None
+
+
+def _oversize_raw(eid: Any, fields: dict[bytes, bytes], max_entry_bytes: int) -> str:
+    """A short description of an oversize entry, for its dead letter (never the payload)."""
+    entry_id = eid.decode("utf-8", "replace") if isinstance(eid, bytes) else str(eid)
+    names = [_truncate(k[:64]) for k in list(fields)[:16]]
+    more = ", …" if len(fields) > 16 else ""
+    return _truncate(
+        f"entry {entry_id} is {_entry_bytes(fields)} bytes, over max_entry_bytes"
+        f" {max_entry_bytes}; fields: {', '.join(names)}{more}"
+    )
+
+
 class Decoder:
     """Turns raw entries into record batches. One per `read()` call; holds no connections."""
 
@@ -169,6 +315,8 @@ class Decoder:
         self.json_schema = pa.schema([(n, ARROW_TYPES[t]) for n, t, _ in opts.fields])
 
     def decode(self, entries: Sequence[Sequence[Any]]) -> Iterator[pa.RecordBatch]:
+        """One record batch per chunk of entries, with `entry_event_count` rows per entry, in
+        order. Never raises on bad input: bad events are rows with `_err` set."""
         for i in range(0, len(entries), CHUNK_ENTRIES):
             chunk = entries[i : i + CHUNK_ENTRIES]
             if self.opts.format == "jsonl":
@@ -176,25 +324,55 @@ class Decoder:
             else:
                 yield self._fields(chunk)
 
+    def _oversize(self, chunk: Sequence[Sequence[Any]], maps: list[dict[bytes, bytes]]) -> set[int]:
+        """Indexes of the entries over `max_entry_bytes`. The sum over the raw field list is an
+        upper bound of the map's (a repeated name counts once there), so it screens cheaply."""
+        limit = self.opts.max_entry_bytes
+        if sum(map(len, itertools.chain.from_iterable(e[1] for e in chunk))) <= limit:
+            return set()
+        return {
+            k
+            for k, e in enumerate(chunk)
+            if sum(map(len, e[1])) > limit and _entry_bytes(maps[k]) > limit
+        }
+
+    def _raw_entry(
+        self, chunk: Sequence[Sequence[Any]], maps: list[dict[bytes, bytes]], big: set[int], k: int
+    ) -> str:
+        """The dead-letter `_raw` of entry `k` as a whole."""
+        if k in big:
+            return _oversize_raw(chunk[k][0], maps[k], self.opts.max_entry_bytes)
+        return orjson_fields(maps[k])
+
     # -- fields format: one event per entry -------------------------------------------------
 
     def _fields(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
         maps = [dict(zip(fl[0::2], fl[1::2], strict=False)) for _, fl in chunk]
         ems = [parse_id(e[0])[0] for e in chunk]
         counts = np.ones(len(chunk), dtype=np.int64)
-        cols = self._fast_fields(maps)
+        big = self._oversize(chunk, maps)
+
+        def raw_of(i: int) -> str:
+            return self._raw_entry(chunk, maps, big, i)
+
+        cols = None if big else self._fast_fields(maps)
         if cols is not None:
-            return self._finish(chunk, counts, ems, cols, None, lambda i: orjson_fields(maps[i]))
+            return self._finish(chunk, counts, ems, cols, None, raw_of)
         values: list[list[Any]] = [[] for _ in self.names]
         errs: list[tuple[str, str | None] | None] = []
-        for m in maps:
+        for k, m in enumerate(maps):
             row: list[Any] = []
             err: tuple[str, str | None] | None = None
-            if not m:
+            if k in big:
+                err = ("oversize_entry", None)
+            elif not m:
                 err = ("empty_entry", None)
-            for (name, typ, _), bname in zip(self.opts.fields, self.bnames, strict=True):
+            for (name, typ, nullable), bname in zip(self.opts.fields, self.bnames, strict=True):
                 raw = m.get(bname)
                 if raw is None or err is not None:
+                    # The first problem in schema order, as `_finish` flags it on the fast path.
+                    if raw is None and err is None and not nullable:
+                        err = ("missing_field", name)
                     row.append(None)
                     continue
                 try:
@@ -209,7 +387,7 @@ class Decoder:
             n: pa.array(values[j], type=ARROW_TYPES[t])
             for j, (n, t, _) in enumerate(self.opts.fields)
         }
-        return self._finish(chunk, counts, ems, cols, errs, lambda i: orjson_fields(maps[i]))
+        return self._finish(chunk, counts, ems, cols, errs, raw_of)
 
     def _fast_fields(self, maps: list[dict[bytes, bytes]]) -> dict[str, pa.Array] | None:
         cols: dict[str, pa.Array] = {}
@@ -221,6 +399,8 @@ class Decoder:
                     cols[name] = text
                 elif typ == "boolean":
                     cols[name] = pc.cast(pc.utf8_lower(pc.utf8_trim_whitespace(text)), pa.bool_())
+                elif typ in ("long", "int") and pc.any(_has_x(text)).as_py():
+                    return None  # Arrow's cast reads hex, "0xFFFFFFFFFFFFFFFF" as -1; int() not
                 else:
                     cols[name] = pc.cast(text, ARROW_TYPES[typ])
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, UnicodeDecodeError):
@@ -234,27 +414,35 @@ class Decoder:
     def _jsonl(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
         maps = [dict(zip(fl[0::2], fl[1::2], strict=False)) for _, fl in chunk]
         ems = [parse_id(e[0])[0] for e in chunk]
-        # Blank lines (a trailing newline, say) are not events.
-        payloads = [_strip_blank(m.get(b"d")) for m in maps]
-        if all(p for p in payloads):
-            counts = np.fromiter(
-                (p.count(b"\n") + 1 for p in payloads),  # type: ignore[union-attr]
-                dtype=np.int64,
-                count=len(payloads),
-            )
-            table = self._read_json(b"\n".join(payloads))  # type: ignore[arg-type]
-            if table is not None and table.num_rows == int(counts.sum()):
-                cols = {n: table.column(n).combine_chunks() for n in self.names}
-                lines: list[bytes] | None = None
+        big = self._oversize(chunk, maps)
+        got = [m.get(b"d") for m in maps]
+        if big or any(p is None for p in got):
+            return self._jsonl_slow(chunk, maps, ems, big)
+        payloads = cast(list[bytes], got)
+        buf = b"\n".join(payloads)
+        if not _object_lines(buf):
+            # Blank lines (a trailing newline, say) are not events (see entry_event_count).
+            payloads = [_event_payload(p) for p in payloads]
+            buf = b"\n".join(payloads)
+            if not all(payloads) or not _object_lines(buf):
+                return self._jsonl_slow(chunk, maps, ems, big)
+        counts = np.fromiter(
+            (p.count(b"\n") + 1 for p in payloads), dtype=np.int64, count=len(payloads)
+        )
+        n = int(counts.sum())
+        table = None if _arrow_only_number(buf) else self._read_json(buf)
+        if table is None or table.num_rows != n:
+            return self._jsonl_slow(chunk, maps, ems, big)
+        cols = {name: table.column(name).combine_chunks() for name in self.names}
+        lines: list[bytes] | None = None
 
-                def raw_of(i: Any) -> str:
-                    nonlocal lines
-                    if lines is None:
-                        lines = [ln for p in payloads for ln in p.split(b"\n")]  # type: ignore[union-attr]
-                    return _truncate(lines[i])
+        def raw_of(i: Any) -> str:
+            nonlocal lines
+            if lines is None:
+                lines = buf.split(b"\n")
+            return _truncate(lines[i])
 
-                return self._finish(chunk, counts, ems, cols, None, raw_of)
-        return self._jsonl_slow(chunk, maps, ems)
+        return self._finish(chunk, counts, ems, cols, None, raw_of)
 
     def _read_json(self, buf: bytes) -> pa.Table | None:
         try:
@@ -271,55 +459,64 @@ class Decoder:
             return None
 
     def _jsonl_slow(
-        self, chunk: Sequence[Sequence[Any]], maps: list[dict[bytes, bytes]], ems: list[int]
+        self,
+        chunk: Sequence[Sequence[Any]],
+        maps: list[dict[bytes, bytes]],
+        ems: list[int],
+        big: set[int],
     ) -> pa.RecordBatch:
         values: list[list[Any]] = [[] for _ in self.names]
         errs: list[tuple[str, str | None] | None] = []
         raws: list[str] = []
         counts = np.zeros(len(chunk), dtype=np.int64)
         for k, m in enumerate(maps):
-            payload = _strip_blank(m.get(b"d"))
-            lines = payload.split(b"\n") if payload else [b""]
+            payload = None if k in big else m.get(b"d")
+            lines = _event_lines(payload) if payload is not None else []
+            if not lines:  # one dead letter for the whole entry
+                if k in big:
+                    errs.append(("oversize_entry", None))
+                elif payload is None and m:
+                    errs.append(("missing_field", "d"))
+                else:
+                    errs.append(("empty_entry", None))
+                raws.append(self._raw_entry(chunk, maps, big, k))
+                for col in values:
+                    col.append(None)
+                counts[k] = 1
+                continue
             counts[k] = len(lines)
             for line in lines:
-                row: list[Any] = [None] * len(self.names)
-                err: tuple[str, str | None] | None = None
-                if payload is None:
-                    err = ("empty_entry", None) if not m else ("missing_field", "d")
-                elif not payload:
-                    err = ("empty_entry", None)
-                else:
-                    try:
-                        obj = orjson.loads(line)
-                    except orjson.JSONDecodeError:
-                        try:
-                            line.decode("utf-8")
-                            err = ("bad_json", None)
-                        except UnicodeDecodeError:
-                            err = ("invalid_utf8", None)
-                    else:
-                        if not isinstance(obj, dict):
-                            err = ("not_object", None)
-                        else:
-                            for j, (name, typ, _) in enumerate(self.opts.fields):
-                                v = obj.get(name)
-                                if v is None:
-                                    continue
-                                try:
-                                    row[j] = _convert_json(v, typ, name, self.opts.max_string_bytes)
-                                except _Bad as b:
-                                    err = (b.reason, b.field)
-                                    row = [None] * len(self.names)
-                                    break
+                row, err = self._json_line(line)
                 for j, v in enumerate(row):
                     values[j].append(v)
                 errs.append(err)
-                raws.append(_truncate(line if payload is not None else orjson_fields(m)))
+                raws.append(_truncate(line))
         cols = {
             n: pa.array(values[j], type=ARROW_TYPES[t])
             for j, (n, t, _) in enumerate(self.opts.fields)
         }
         return self._finish(chunk, counts, ems, cols, errs, lambda i: raws[i])
+
+    def _json_line(self, line: bytes) -> tuple[list[Any], tuple[str, str | None] | None]:
+        """One jsonl event: its schema values, and its error (None for a good event)."""
+        row: list[Any] = [None] * len(self.names)
+        try:
+            obj = _loads(line)
+        except _Bad as b:
+            return row, (b.reason, b.field)
+        if not isinstance(obj, dict):
+            return row, ("not_object", None)
+        for j, (name, typ, nullable) in enumerate(self.opts.fields):
+            v = obj.get(name)
+            if v is None:
+                if not nullable:  # the first problem in schema order, as on the fast path
+                    return [None] * len(self.names), ("missing_field", name)
+                continue
+            try:
+                row[j] = _convert_json(v, typ, name, self.opts.max_string_bytes)
+            except _Bad as b:
+                return [None] * len(self.names), (b.reason, b.field)
+        return row, None
 
     # -- shared tail: validation, meta columns ----------------------------------------------
 
@@ -382,17 +579,48 @@ class Decoder:
             pa.array(eid, type=pa.string()),
             idx,
             pa.array(raw, type=pa.string()),
+            pa.array(self._event_ids(chunk, counts, idx)),
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
+    @staticmethod
+    def _event_ids(chunk: Sequence[Sequence[Any]], counts: np.ndarray, idx: pa.Array) -> np.ndarray:
+        parts = np.array([parse_id(e[0]) for e in chunk], dtype=np.uint64).reshape(-1, 2)
+        return event_ids(
+            np.repeat(parts[:, 0], counts).astype(np.int64),
+            np.repeat(parts[:, 1], counts),
+            idx.to_numpy(zero_copy_only=False),
+        )
 
-def _strip_blank(payload: bytes | None) -> bytes | None:
-    """The payload without blank lines (None stays None, so a missing `d` is still seen)."""
-    if payload is None:
-        return None
-    if b"\n\n" in payload or payload[:1] == b"\n" or payload[-1:] in (b"\n", b"\r"):
-        return b"\n".join(ln for ln in payload.splitlines() if ln.strip())
-    return payload
+
+def _has_x(text: pa.Array) -> pa.Array:
+    return pc.match_substring(text, "x", ignore_case=True)
+
+
+def _object_lines(buf: bytes) -> bool:
+    """Whether every line of `buf` starts with `{` and ends with `}` (or `}\\r`); one regex pass.
+
+    Only then is Arrow's reader used. No object can span two such lines (after a `}` inside an
+    object or array a `{` is a syntax error, and Arrow refuses raw newlines in strings), so
+    equal line and row counts mean one row per line. And Arrow never sees a line that is not
+    an object: it reads a `null` line as a row, and crashes when every line is `null`.
+    """
+    return (
+        buf[:1] == b"{"
+        and (buf[-1:] == b"}" or buf[-2:] == b"}\r")
+        and _ODD_LINE_BREAK.search(buf) is None
+    )
+
+
+def _arrow_only_number(buf: bytes) -> bool:
+    """Whether `buf` may hold a number literal that Arrow's reader accepts and the
+    event-by-event path refuses (`Inf`, `-Inf`, `-NaN`). One-byte searches first: they are
+    memchr-fast, and most buffers have neither an `I` nor an `N`."""
+    if b"N" in buf and b"-NaN" in buf:
+        return True
+    if b"I" in buf and b"Inf" in buf:
+        return _ARROW_ONLY_INF.search(buf) is not None
+    return False
 
 
 def orjson_fields(m: dict[bytes, bytes]) -> str:

@@ -26,6 +26,7 @@ class SourceOptions:
     partition_events: int = 50_000
     max_partitions_per_shard: int = 8
     flow: str | None = None  # JSON {"backpressure": {...}, "trigger_ms": n}; None = no valve
+    max_entry_bytes: int = 8_000_000  # a larger entry is one `oversize_entry` dead letter
 
     def to_spark(self) -> dict[str, str]:
         """Flatten to Spark's `option(k, v)` strings."""
@@ -55,6 +56,7 @@ class SourceOptions:
             time_field=cfg.source.time_field,
             max_events_per_batch=cfg.source.max_events_per_batch,
             max_string_bytes=cfg.source.max_string_bytes,
+            max_entry_bytes=cfg.source.max_entry_bytes,
             flow=json.dumps(
                 {
                     "backpressure": cfg.backpressure.model_dump(mode="json"),

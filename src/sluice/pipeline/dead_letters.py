@@ -1,0 +1,104 @@
+"""The dead-letter stream, read back: the newest records, how many there are, and why.
+
+The writer appends one record per bad event to `sluice:dead:{<stream>}` (see
+`lua/dead_letters.lua`: fields id, idx, reason, field, raw, ts, batch) and counts each reason in
+the stats hash as `dead_<reason>`. `sluice dead-letters` and `GET /v1/dead-letters` read them
+here. Redis only; nothing is written or removed.
+
+The stream is bounded (`source.dead_letter_maxlen`, trimmed approximately), while the counters
+are never trimmed: `total` is what the stream holds now, `by_reason` counts since the start.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sluice.config import Config
+from sluice.errors import BadQuery
+from sluice.redis.keys import STATS_KEY
+from sluice.source.ids import id_ms
+
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 1000
+PAGE_ENTRIES = 1000  # XREVRANGE page when filtering by reason
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
+def parse_limit(value: str | None) -> int:
+    """The `limit` query parameter: an integer from 1 to MAX_LIMIT, or BadQuery (400)."""
+    if value is None:
+        return DEFAULT_LIMIT
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_LIMIT:
+        raise BadQuery(f"`limit` must be an integer from 1 to {MAX_LIMIT}, got {value!r}", "limit")
+    return n
+
+
+def parse_reason(value: str | None) -> str | None:
+    """The `reason` query parameter: a reason name such as `bad_json`, or BadQuery (400)."""
+    if value is None:
+        return None
+    if not _REASON.fullmatch(value):
+        raise BadQuery(f"`reason` must be a reason name such as bad_json, got {value!r}", "reason")
+    return value
+
+
+def read_dead_letters(
+    client: Any, cfg: Config, limit: int = DEFAULT_LIMIT, reason: str | None = None
+) -> dict[str, Any]:
+    """`{"total", "by_reason", "items"}`: the newest `limit` records (of `reason`, if given),
+    newest first, as JSON-ready dicts.
+
+    Blocks on Redis. Without `reason` it costs one XREVRANGE; with one it pages back through the
+    stream until `limit` records match, so at worst it reads the whole (bounded) stream.
+    """
+    key = cfg.source.dead_letter_stream
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(key)
+    pipe.hgetall(STATS_KEY)
+    total, stats = pipe.execute()
+    by_reason = {
+        k.decode()[5:]: int(v)
+        for k, v in stats.items()
+        if k.startswith(b"dead_") and k != b"dead_letters" and v.isdigit()
+    }
+    items: list[dict[str, Any]] = []
+    end = "+"
+    while len(items) < limit:
+        count = limit - len(items) if reason is None else PAGE_ENTRIES
+        page = client.xrevrange(key, end, "-", count=count)
+        for dead_id, fields in page:
+            item = _item(dead_id, fields)
+            if reason is None or item["reason"] == reason:
+                items.append(item)
+                if len(items) == limit:
+                    break
+        if len(page) < count:
+            break
+        end = "(" + page[-1][0].decode()
+    return {"total": int(total), "by_reason": dict(sorted(by_reason.items())), "items": items}
+
+
+def _item(dead_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any]:
+    def text(name: bytes) -> str:
+        return fields.get(name, b"").decode("utf-8", "replace")
+
+    def number(name: bytes) -> int | None:
+        raw = text(name)
+        return int(raw) if raw.lstrip("-").isdigit() else None
+
+    return {
+        "dead_id": dead_id.decode(),
+        "written_ms": id_ms(dead_id),
+        "entry_id": text(b"id"),
+        "idx": number(b"idx") or 0,
+        "reason": text(b"reason"),
+        "field": text(b"field") or None,
+        "raw": text(b"raw"),
+        "ts": number(b"ts"),
+        "token": number(b"batch"),
+    }
