@@ -82,7 +82,7 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
     if port and not _port_free(port):
         print(f"port {port} is busy; using a free port instead", file=sys.stderr)
         port = 0
-    with open_redis(None, cfg.state_dir) as handle:
+    with open_redis(None, cfg.state_dir, durability=cfg.durability) as handle:
         server = uvicorn.Server(
             uvicorn.Config(create_app(cfg, handle.client), host="127.0.0.1", port=port,
                            log_level="warning")

@@ -1,5 +1,6 @@
 """Connections: a configured URL (redis://, rediss://, unix://, with password), or the embedded
-server under `state_dir`. `open_redis` returns a handle that owns the embedded server, if any.
+server under `state_dir`. `open_redis` returns a handle that owns the embedded server, if any,
+and has checked the server against `durability` (see `sluice.redis.durability`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from sluice.errors import RedisUnavailable
+from sluice.redis.durability import Durability, appendfsync_for, ensure_durability
 from sluice.redis.embedded import EmbeddedRedis
 
 
@@ -55,12 +57,17 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
 
 
 class RedisHandle:
-    """The Redis a Sluice process uses: `url` for executors, `client` for this process."""
+    """The Redis a Sluice process uses: `url` for executors, `client` for this process.
+
+    `persistence` holds the server's persistence settings (`appendonly`, `appendfsync`, ...) as
+    `open_redis` found or made them under `durability: strict`; it is empty otherwise.
+    """
 
     def __init__(self, url: str, embedded: EmbeddedRedis | None = None) -> None:
         self.url = url
         self.embedded = embedded
         self.client = client_for(url)
+        self.persistence: dict[str, str] = {}
 
     def close(self) -> None:
         self.client.close()
@@ -76,10 +83,27 @@ class RedisHandle:
         self.close()
 
 
-def open_redis(url: str | None, state_dir: Path) -> RedisHandle:
-    """Connect to `url`, or start/join the embedded server under `state_dir/redis` if it is None."""
+def open_redis(url: str | None, state_dir: Path, durability: Durability = "default") -> RedisHandle:
+    """Connect to `url`, or start/join the embedded server under `state_dir/redis` if it is None.
+
+    Under `durability: strict` an embedded server this call starts runs with `appendfsync
+    always`; a joined or external server is checked and, if needed, switched with `CONFIG SET`
+    (`ensure_durability`). Blocks until the server answers. Raises RedisUnavailable, or
+    ConfigError if strict durability cannot be had; on failure nothing this call started is
+    left running.
+    """
     if url is None:
-        server = EmbeddedRedis(Path(state_dir) / "redis").start()
-        return RedisHandle(server.url, server)
-    check_reachable(url)
-    return RedisHandle(url)
+        server = EmbeddedRedis(Path(state_dir) / "redis", appendfsync=appendfsync_for(durability))
+        handle = RedisHandle(server.start().url, server)
+        where = f"the embedded redis under {server.data_dir}"
+    else:
+        check_reachable(url)
+        handle = RedisHandle(url)
+        where = f"redis at {redact(url)}"
+    if durability == "strict":
+        try:
+            handle.persistence = ensure_durability(handle.client, durability, where)
+        except BaseException:
+            handle.close()
+            raise
+    return handle

@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -59,22 +60,37 @@ def _ping(url: str) -> bool:
 
 
 class EmbeddedRedis:
-    """A redis-server child process. Use as a context manager, or call start() / stop()."""
+    """A redis-server child process. Use as a context manager, or call start() / stop().
+
+    `appendfsync` applies only to a server this object starts: a joined server keeps its own
+    settings (`open_redis` checks them against `durability`). `extra_config` lines are appended
+    to the generated redis.conf (tests use it, e.g. `rename-command CONFIG ""`).
+    """
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, appendfsync: str = "everysec"
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        appendfsync: str = "everysec",
+        extra_config: Sequence[str] = (),
     ) -> None:
         if appendfsync not in APPENDFSYNC:
             raise ValueError(f"`appendfsync` must be one of {APPENDFSYNC}, got {appendfsync!r}")
         self.data_dir = Path(data_dir)
         self.port = port
         self.appendfsync = appendfsync
+        self.extra_config = list(extra_config)
         self.proc: subprocess.Popen[bytes] | None = None
         self.owned = False
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id if this object started it, else None."""
+        return self.proc.pid if self.proc is not None else None
 
     def _port_file(self) -> Path:
         return self.data_dir / "redis.port"
@@ -107,6 +123,7 @@ class EmbeddedRedis:
                     "loglevel warning",
                     'logfile "redis.log"',
                     "maxclients 4000",
+                    *self.extra_config,
                 ]
             )
             + "\n"
