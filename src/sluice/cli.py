@@ -1,4 +1,4 @@
-"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status."""
+"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status, dead-letters."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def run(config_path: str) -> None:
 
     cfg = _load(config_path)
     try:
-        handle = open_redis(cfg.redis, cfg.state_dir)
+        handle = open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability)
     except SluiceError as e:
         raise _fail(e) from None
     with handle:
@@ -107,7 +107,7 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
 
     cfg = _load(config_path)
     try:
-        handle = open_redis(cfg.redis, cfg.state_dir)
+        handle = open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability)
     except SluiceError as e:
         raise _fail(e) from None
     n_workers = workers if workers is not None else cfg.server.workers
@@ -148,7 +148,7 @@ def produce(config_path: str, rate: float, duration: float, profile: str, seed: 
         raise click.ClickException("`--rate` and `--duration` must be positive")
     cfg = _load(config_path)
     try:
-        handle = open_redis(cfg.redis, cfg.state_dir)
+        handle = open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability)
     except SluiceError as e:
         raise _fail(e) from None
 
@@ -181,7 +181,7 @@ def query(
 
     cfg = _load(config_path)
     try:
-        with open_redis(cfg.redis, cfg.state_dir) as handle:
+        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
             out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
     except SluiceError as e:
         raise _fail(e) from None
@@ -199,7 +199,7 @@ def status(config_path: str, as_json: bool) -> None:
 
     cfg = _load(config_path)
     try:
-        with open_redis(cfg.redis, cfg.state_dir) as handle:
+        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
             st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms())
     except SluiceError as e:
         raise _fail(e) from None
@@ -212,8 +212,14 @@ def status(config_path: str, as_json: bool) -> None:
 def format_status(st: dict[str, Any]) -> str:
     c = st["counters"]
     f = st["freshness_ms"]
+    pipe = st.get("pipeline") or {"state": "unknown"}
+    state = pipe["state"]
+    if pipe.get("consecutive_failures"):
+        state += f" ({pipe['consecutive_failures']} failures in a row: {pipe.get('last_error')})"
     rows = [
+        ("pipeline", state),
         ("backlog (entries)", f"{st['backlog']['entries']:,}"),
+        ("backlog (bytes)", _size(st["backlog"].get("bytes"))),
         ("processed events/s", f"{st['processed_events_per_s']:,.0f}"),
         ("freshness p50 / p99", f"{_ms(f['p50'])} / {_ms(f['p99'])}"),
         (
@@ -222,15 +228,39 @@ def format_status(st: dict[str, Any]) -> str:
             if st["last_batch_age_ms"] is not None
             else "none yet",
         ),
-        ("events in", f"{c.get('events_in', 0):,}"),
-        ("  aggregated", f"{c.get('events_aggregated', 0):,}"),
-        ("  dead-lettered", f"{c.get('dead_letters', 0):,}"),
         ("batches", f"{c.get('batches', 0):,}"),
     ]
-    for k in sorted(c):
-        if k.startswith("dead_") and k != "dead_letters":
-            rows.append((f"    {k[5:]}", f"{c[k]:,}"))
-    rows.insert(1, ("backlog (bytes)", _size(st["backlog"].get("bytes"))))
+    audit = st.get("audit")
+    if audit is None:
+        rows += [
+            ("events in", f"{c.get('events_in', 0):,}"),
+            ("  aggregated", f"{c.get('events_aggregated', 0):,}"),
+            ("  dead-lettered", f"{c.get('dead_letters', 0):,}"),
+        ]
+    else:
+        b = audit["books"]
+        verdict = "off"
+        if audit["enabled"]:
+            verdict = f"{audit['batches_ok']:,} batches complete"
+            if audit["failed_attempts"]:
+                verdict += f", {audit['failed_attempts']:,} failed attempts replayed"
+        rows += [
+            ("audit", verdict),
+            ("events admitted", f"{b['events_admitted']:,}"),
+            (
+                "events in",
+                f"{b['events_in']:,}  {'= ' if b['balanced'] else '!= '}"
+                "aggregated + dead-lettered + expired",
+            ),
+            ("  aggregated", f"{b['aggregated']:,}"),
+            ("  dead-lettered", f"{b['dead_lettered']:,}"),
+        ]
+        rows += [
+            (f"    {reason}", f"{n:,}")
+            for reason, n in sorted(b["dead_by_reason"].items())
+            if reason != "expired"
+        ]
+        rows.append(("  expired", f"{b['expired']:,}"))
     width = max(len(k) for k, _ in rows)
     out = [f"{k.ljust(width)}  {v}" for k, v in rows]
     flow = st.get("flow")
@@ -320,6 +350,78 @@ def demo(duration: float | None, rate: float, port: int, state_dir: str) -> None
         run_demo(Path(state_dir), duration, rate, port)
     except SluiceError as e:
         raise _fail(e) from None
+
+
+@main.command("dead-letters")
+@config_option
+@click.option(
+    "--limit", type=click.IntRange(1, 1000), default=20, show_default=True, help="how many"
+)
+@click.option("--reason", default=None, help="only this reason, e.g. bad_json")
+@click.option("--json", "as_json", is_flag=True, help="JSON lines on stdout, totals on stderr")
+def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool) -> None:
+    """Show the newest dead letters (newest first), their total and the count per reason."""
+    from sluice.pipeline.dead_letters import parse_reason, read_dead_letters
+    from sluice.redis.connection import open_redis
+
+    cfg = _load(config_path)
+    try:
+        reason = parse_reason(reason)
+        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
+            out = read_dead_letters(handle.client, cfg, limit, reason)
+    except SluiceError as e:
+        raise _fail(e) from None
+    summary = format_dead_summary(out, cfg.source.dead_letter_stream, reason)
+    if as_json:
+        for item in out["items"]:
+            click.echo(json.dumps(item, ensure_ascii=False))
+        click.echo(summary, err=True)
+        return
+    click.echo(summary)
+    if out["items"]:
+        import shutil
+
+        click.echo(format_dead_letters(out["items"], shutil.get_terminal_size((120, 24)).columns))
+
+
+def format_dead_summary(out: dict[str, Any], stream: str, reason: str | None) -> str:
+    by = ", ".join(f"{r} {n:,}" for r, n in out["by_reason"].items())
+    counted = f"\ncounted since the start, by reason: {by}" if by else ""
+    which = f" with reason `{reason}`" if reason else ""
+    if not out["items"]:
+        return f"no dead letters{which} in {stream} ({out['total']:,} in all){counted}"
+    return (
+        f"{out['total']:,} dead letters in {stream}; the newest {len(out['items']):,}{which},"
+        f" newest first{counted}"
+    )
+
+
+def format_dead_letters(items: list[dict[str, Any]], width: int = 120) -> str:
+    """One line per dead letter; `raw` (control characters escaped) is cut to fit `width`."""
+    import datetime as dt
+
+    head = ("time (UTC)", "entry id", "idx", "reason", "field", "raw")
+    rows = [head]
+    for it in items:
+        when = dt.datetime.fromtimestamp(it["written_ms"] / 1000, dt.UTC)
+        raw = json.dumps(it["raw"], ensure_ascii=False)[1:-1]
+        rows.append(
+            (
+                when.strftime("%Y-%m-%d %H:%M:%S"),
+                it["entry_id"],
+                str(it["idx"]),
+                it["reason"],
+                it["field"] or "-",
+                raw,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    room = max(20, width - sum(widths) - 2 * len(widths))
+    lines = []
+    for r in rows:
+        raw = r[-1] if len(r[-1]) <= room else r[-1][: room - 1] + "…"
+        lines.append("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), raw]))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -76,6 +76,9 @@ class SourceConfig(_Model):
     max_future: DurationMs = Field(3_600_000, description="events further ahead are dead-lettered")
     dead_letter_maxlen: int = Field(100_000, ge=100)
     max_string_bytes: int = Field(4096, ge=16, description="longer string values are rejected")
+    max_entry_bytes: SizeBytes = Field(
+        8_000_000, description="a larger stream entry is dead-lettered whole (`oversize_entry`)"
+    )
 
     @field_validator("stream")
     @classmethod
@@ -322,9 +325,22 @@ class ServerConfig(_Model):
     workers: int = Field(2, ge=1, le=64, description="`sluice serve` worker processes")
 
 
+class AuditConfig(_Model):
+    """The per-batch XOR completeness audit (see pipeline.audit)."""
+
+    enabled: bool = True
+    ledger_shards: int = Field(16, ge=1, le=1024, description="ledger keys, spread by slot")
+    retries: int = Field(2, ge=0, le=10, description="in-place replays before the batch fails")
+
+
 class Config(_Model):
     redis: str | None = None
     state_dir: Path = Path(".sluice")
+    durability: Literal["default", "strict"] = Field(
+        "default",
+        description="strict: Redis fsyncs every write (appendfsync always) before acknowledging",
+    )
+    audit: AuditConfig = Field(default_factory=AuditConfig)
     source: SourceConfig = Field(default_factory=SourceConfig)
     metrics: list[MetricConfig] = Field(min_length=1)
     derived: list[DerivedConfig] = Field(default_factory=list)

@@ -8,6 +8,7 @@
      │    └── BadQuery          malformed window, end or key (HTTP 400 / 422)
      ├── BackpressureError      the input is over its high watermark; carries `retry_after_s`
      └── PipelineError          the streaming job failed to start or stopped with an error
+          └── AuditError        a batch's completeness audit stayed non-zero after its replays
 
 Messages say what was wrong, which value caused it, and what to do.
 """
@@ -66,3 +67,19 @@ class BackpressureError(SluiceError):
 
 class PipelineError(SluiceError):
     """The streaming job could not start, or stopped with an error."""
+
+
+class AuditError(PipelineError):
+    """A batch did not balance: its events, their updates and the applied updates disagree.
+
+    Raised after the in-place replays; the batch is neither committed nor trimmed, so the
+    restarted query replays it from Spark's offset log.
+    """
+
+    def __init__(self, batch_id: int, residual: int, attempts: int) -> None:
+        self.batch_id = batch_id
+        self.residual = residual
+        super().__init__(
+            f"batch {batch_id} failed its completeness audit {attempts} times"
+            f" (residual {residual:#018x}); it will be replayed from the offset log"
+        )

@@ -10,6 +10,7 @@ import redis
 
 from sluice.config import Config
 from sluice.source.decode import output_schema
+from sluice.source.ids import event_ids
 from sluice.source.options import SourceOptions
 
 
@@ -33,6 +34,7 @@ def decoded_table(cfg: Config, events: Sequence[dict[str, Any]], ref_ms: int) ->
         cols["_eid"].append(f"{ems}-{i}" if ev.get("_err") else None)
         cols["_idx"].append(0)
         cols["_raw"].append("{}" if ev.get("_err") else None)
+        cols["_e"].append(int(event_ids([ems], [i], [0])[0]))
     return pa.Table.from_pydict(cols, schema=schema)
 
 

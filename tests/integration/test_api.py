@@ -149,10 +149,30 @@ def test_bearer_token(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
 def test_status_health_and_prometheus(api: TestClient) -> None:
     status = api.get("/v1/status").json()
     assert status["backlog"]["entries"] == 0
-    assert api.get("/healthz").json() == {"status": "ok"}
+    assert api.get("/healthz").json() == {"status": "ok", "redis": "ok", "pipeline": "not_running"}
     text = api.get("/metrics").text
     assert "sluice_backlog_entries 0.0" in text
     assert "<title>Sluice</title>" in api.get("/").text
+
+
+def test_healthz_is_503_while_the_pipeline_keeps_failing(api: TestClient, r: redis.Redis) -> None:
+    from sluice.clock import SYSTEM_CLOCK
+    from sluice.pipeline.job import FAILING_AFTER, Health
+
+    health = Health(r, SYSTEM_CLOCK)
+    for i in range(FAILING_AFTER - 1):
+        health.failed(f"boom {i}")
+    body = api.get("/healthz").json()
+    assert body["pipeline"] == "restarting"
+    health.failed("redis went away")
+    resp = api.get("/healthz")
+    assert resp.status_code == 503
+    assert "3 times in a row" in resp.json()["error"]["message"]
+    assert "redis went away" in resp.json()["error"]["message"]
+    status = api.get("/v1/status").json()["pipeline"]
+    assert status["state"] == "failing" and status["consecutive_failures"] == FAILING_AFTER
+    health.recovered()
+    assert api.get("/healthz").json()["pipeline"] == "running"
 
 
 def test_prometheus_exports_each_stage_flow_state(api: TestClient) -> None:

@@ -115,7 +115,7 @@ def test_cli_status_shows_each_stage_throttle(
 
     path = _config_file(tmp_path, redis_url)
     valve = IngestValve.from_config(load_config(path), r)
-    valve.try_admit(1)  # publishes its state
+    valve.try_admit(1_000_000)  # publishes its state; measures a rate far above min_rate
     Board(r).send(valve.task.id, "overload", "spark/test", 60_000_000, SYSTEM_CLOCK.now_ms())
     valve.task._next_tick = 0  # look at the signals now
     valve.try_admit(1)

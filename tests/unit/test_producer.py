@@ -62,3 +62,18 @@ def test_spreads_keys_over_all_shards() -> None:
 @pytest.mark.parametrize("shards", [2, 3, 1024])
 def test_same_key_same_shard(shards: int) -> None:
     assert len({shard_of("merchant-9", shards) for _ in range(10)}) == 1
+
+
+def test_a_failed_write_keeps_the_buffer() -> None:
+    """A Redis error during flush (here: no server) leaves every event buffered for the retry."""
+    import pytest
+    import redis as redis_lib
+
+    from sluice.source.producer import Producer
+
+    down = redis_lib.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)  # nothing there
+    p = Producer(down, shards=2, format="jsonl", shard_by="card")
+    p.send_many({"card": f"c{i}", "ts": i} for i in range(10))
+    with pytest.raises(redis_lib.ConnectionError):
+        p.flush()
+    assert p.pending() == 10 and p.sent_events == 0

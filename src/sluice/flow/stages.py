@@ -112,5 +112,7 @@ def store_level(client: Any, write_ms: float | None, bp: BackpressureConfig) -> 
             "memory_fraction": round(frac, 4),
             "latency_high_ms": w.latency_high,
             "latency_low_ms": w.latency_low,
+            "memory_high": w.memory_high,
+            "memory_low": w.memory_low,
         },
     )

@@ -21,8 +21,9 @@ from pyspark.sql.streaming import StreamingQuery
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
-from sluice.errors import PipelineError
+from sluice.errors import AuditError, PipelineError
 from sluice.flow.valves import StoreMonitor
+from sluice.pipeline.audit import AuditResult, Ledger, batch_offsets, source_xor, writer_xors
 from sluice.pipeline.plan import (
     check_expressions,
     explode_updates,
@@ -32,12 +33,64 @@ from sluice.pipeline.plan import (
 )
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition, writer_token
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import BATCHES_KEY, EPOCH_KEY, STATS_KEY
+from sluice.redis.keys import BATCHES_KEY, EPOCH_KEY, HEALTH_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
 from sluice.source.options import SourceOptions
 from sluice.source.reader import FORMAT
 
 log = logging.getLogger(__name__)
+
+
+FAILING_AFTER = 3
+
+
+class Health:
+    """The supervisor's state in Redis (`sluice:{stats}:health`). Writes never raise: a Redis
+    outage is itself a state the supervisor lives through."""
+
+    def __init__(self, client: Any, clock: Clock) -> None:
+        self.client = client
+        self.clock = clock
+        self.state = "starting"
+        self.failures = 0
+        self.restarts = 0
+        self.last_error: str | None = None
+
+    def set(self, state: str, error: str | None = None) -> None:
+        changed = state != self.state
+        self.state = state
+        if error is not None:
+            self.last_error = error
+        self._write(changed)
+
+    def failed(self, error: str) -> None:
+        self.failures += 1
+        self.restarts += 1
+        self.set("failing" if self.failures >= FAILING_AFTER else "restarting", error)
+
+    def recovered(self) -> None:
+        if self.failures or self.state != "running":
+            self.failures = 0
+            self.set("running")
+
+    def beat(self) -> None:
+        self._write(False)
+
+    def _write(self, changed: bool) -> None:
+        now = self.clock.now_ms()
+        fields: dict[str, Any] = {
+            "state": self.state,
+            "consecutive_failures": self.failures,
+            "restarts": self.restarts,
+            "last_error": self.last_error or "",
+            "heartbeat_ms": now,
+        }
+        if changed:
+            fields["changed_ms"] = now
+        try:
+            self.client.hset(HEALTH_KEY, mapping=fields)
+        except Exception as e:  # noqa: BLE001 - Redis may be the thing that is down
+            log.debug("could not publish health: %s", e)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -111,6 +164,7 @@ class Pipeline:
         on_batch: Callable[[dict[str, Any]], None] | None = None,
         fault_drop_every: int = 0,
         write_delay_ms: float = 0.0,
+        fault_lose_one: bool = False,
     ) -> None:
         self.cfg = cfg
         self.redis = redis
@@ -119,6 +173,7 @@ class Pipeline:
         self.on_batch = on_batch
         self.fault_drop_every = fault_drop_every
         self.write_delay_ms = write_delay_ms
+        self.fault_lose_one = fault_lose_one
         self.query: StreamingQuery | None = None
         self._stop = threading.Event()
         types = check_expressions(spark, cfg)
@@ -126,7 +181,8 @@ class Pipeline:
         self.ckpt = checkpoint_dir(cfg)
         self.epoch = writer_epoch(self.ckpt, redis.client)
         self._record = redis.client.register_script(script_source(RECORD_BATCH))
-        self._folds = fold_columns(list(self.specs))
+        self._folds = fold_columns(list(self.specs), cfg.audit.enabled)
+        self.ledger = Ledger(redis.client, cfg.source.stream, cfg.audit.ledger_shards)
         self.store = StoreMonitor(
             redis.client, cfg.backpressure, tuple(cfg.source.shard_keys()), clock
         )
@@ -139,9 +195,11 @@ class Pipeline:
         return explode_updates(events, self.cfg, list(self.specs))
 
     def process_batch(self, exploded: DataFrame, batch_id: int) -> dict[str, Any]:
-        """foreachBatch body: fold and write one micro-batch of exploded updates.
+        """foreachBatch body: fold and write one micro-batch of exploded updates, then audit it.
 
-        Safe to re-run with the same batch id (idempotent writes, see pipeline.writer).
+        Safe to re-run with the same batch id (idempotent writes, see pipeline.writer). A batch
+        that fails the audit is written again in place; after `audit.retries` replays it raises
+        AuditError, so Spark neither commits nor trims it and replays it after the restart.
         """
         started = self.clock.now_ms()
         token = writer_token(self.epoch, batch_id)
@@ -154,14 +212,37 @@ class Pipeline:
             fault_drop_every=self.fault_drop_every,
             write_delay_ms=self.write_delay_ms,
         )
-        updates = fold_updates(exploded, self._folds)
-        rows = [
-            r.asDict()
-            for r in updates.mapInArrow(
-                functools.partial(write_partition, ctx), RESULT_DDL
-            ).collect()
-        ]
+        source = self._audit_source(batch_id)
+        attempts = 1 + self.cfg.audit.retries
+        for attempt in range(1, attempts + 1):
+            run_ctx = self._fault_context(ctx)
+            updates = fold_updates(exploded, self._folds)
+            rows = [
+                r.asDict()
+                for r in updates.mapInArrow(
+                    functools.partial(write_partition, run_ctx), RESULT_DDL
+                ).collect()
+            ]
+            if run_ctx.fault_lose_one and self.redis.client.exists(run_ctx.fault_lose_one):
+                self.fault_lose_one = False  # done: one update was lost, once
+            audit = self._audit(batch_id, attempt, source, rows)
+            if audit is None or audit.ok:
+                break
+            log.warning(
+                "batch %d: audit residual %#018x on attempt %d of %d; writing it again",
+                batch_id, audit.residual, attempt, attempts,
+            )  # fmt: skip
+        else:
+            assert audit is not None
+            raise AuditError(batch_id, audit.residual, attempts)
         rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
+        if audit is not None:
+            rec["audit"] = {
+                "ok": True,
+                "attempts": attempt,
+                "events_admitted": audit.events,
+                "audit_ms": round(audit.audit_ms, 1),
+            }
         counters: list[Any] = [
             "batches", 1,
             "events_in", rec["events"],
@@ -173,6 +254,8 @@ class Pipeline:
         ]  # fmt: skip
         for reason, n in rec["dead_by_reason"].items():
             counters += [f"dead_{reason}", n]
+        if audit is not None:
+            counters += ["events_admitted", audit.events, "audit_replays", attempt - 1]
         self._record(keys=[STATS_KEY, BATCHES_KEY], args=[token, orjson.dumps(rec), *counters])
         if rec["events"]:
             log.info(
@@ -183,6 +266,47 @@ class Pipeline:
         if self.on_batch is not None:
             self.on_batch(rec)
         return rec
+
+    def _fault_context(self, ctx: WriterContext) -> WriterContext:
+        """The test hook `fault_lose_one`: the next attempt loses one slice update."""
+        if not self.fault_lose_one:
+            return ctx
+        import dataclasses
+        import uuid
+
+        return dataclasses.replace(ctx, fault_lose_one=f"sluice:fault:{{{uuid.uuid4().hex}}}")
+
+    def _audit_source(self, batch_id: int) -> tuple[int, int, int, float] | None:
+        """The source side of the audit: (xor, events, entries, ms), or None when it is off."""
+        if not self.cfg.audit.enabled:
+            return None
+        t0 = time.perf_counter()
+        try:
+            start, end = batch_offsets(self.ckpt, batch_id)
+        except FileNotFoundError:
+            # Only a batch handed in directly (not by the streaming query) has no offset log.
+            log.warning("batch %d has no offset log entry: it is not audited", batch_id)
+            return None
+        x, events, entries = source_xor(
+            self.redis.client, start, end, self.cfg.source.format,
+            self.cfg.source.max_entry_bytes,
+        )  # fmt: skip
+        return x, events, entries, (time.perf_counter() - t0) * 1000
+
+    def _audit(
+        self,
+        batch_id: int,
+        attempt: int,
+        source: tuple[int, int, int, float] | None,
+        rows: list[dict[str, Any]],
+    ) -> AuditResult | None:
+        if source is None:
+            return None
+        fan, applied = writer_xors(rows)
+        x, events, entries, ms = source
+        result = AuditResult(batch_id, attempt, x, fan, applied, events, entries, ms)
+        self.ledger.record(result)
+        return result
 
     def _observe_store(self, write_ms: float | None) -> None:
         try:
@@ -263,25 +387,45 @@ class Pipeline:
             time.sleep(0.1)
         return False
 
-    def run_forever(self, max_backoff_s: float = 60.0) -> None:
-        """Run until request_stop(); restart a failed query with exponential backoff."""
+    def run_forever(self, max_backoff_s: float = 15.0) -> None:
+        """Run until request_stop(): the supervisor (seed 001's two-stage fault handling).
+
+        A failed query is restarted from its checkpoint with exponential backoff (1 s doubling
+        up to `max_backoff_s`). While Redis is unreachable the pipeline waits for it, and starts
+        again as soon as it answers. The state is published for `/healthz` and `sluice status`:
+        `running`, `restarting`, `waiting_for_redis`, `failing` (FAILING_AFTER or more failures
+        in a row) or `stopped`; a batch with input resets the failure count.
+        """
         backoff = 1.0
+        health = Health(self.redis.client, self.clock)
+        health.set("starting")
         while not self._stop.is_set():
             if self.query is None:
+                if not self._redis_up():
+                    health.set("waiting_for_redis", "redis is unreachable")
+                    self._sleep(1.0)
+                    continue
                 try:
                     self.start()
+                    health.set("running" if health.failures == 0 else health.state)
                 except Exception as e:  # noqa: BLE001 - start errors are retried like failures
                     log.error("could not start the streaming query: %s", e)
+                    health.failed(str(e))
                     self._sleep(backoff)
                     backoff = min(backoff * 2, max_backoff_s)
                     continue
             q = self.query
             assert q is not None
-            if q.awaitTermination(1):
+            try:
+                ended = q.awaitTermination(1)
+            except Exception:  # noqa: BLE001 - StreamingQueryException: the query failed
+                ended = True
+            if ended:
                 err = q.exception()
                 self.query = None
                 if self._stop.is_set():
                     break
+                health.failed(str(err).splitlines()[0] if err else "query stopped")
                 log.error("streaming query stopped: %s; restarting in %.0fs", err, backoff)
                 self._sleep(backoff)
                 backoff = min(backoff * 2, max_backoff_s)
@@ -289,7 +433,17 @@ class Pipeline:
                 p = q.lastProgress
                 if p and p.get("numInputRows", 0) > 0:
                     backoff = 1.0
+                    health.recovered()
+                health.beat()
         self.stop()
+        health.set("stopped")
+
+    def _redis_up(self) -> bool:
+        try:
+            self.redis.client.ping()
+        except Exception:  # noqa: BLE001 - any failure means not reachable
+            return False
+        return True
 
     def _sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -176,6 +177,15 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
     good = F.col("_reason").isNull()
     values = {sp.index: _value_column(cfg, sp, good) for sp in specs}
     n_groups = max(sp.group for sp in specs) + 1
+    touched_by: dict[int, Column] = {}
+    for g in range(n_groups):
+        members = [sp for sp in specs if sp.group == g]
+        touched_by[g] = good
+        if g != 0:
+            touched_by[g] = functools.reduce(
+                Column.__or__, [values[sp.index].isNotNull() for sp in members]
+            )
+    audit = _audit_columns(touched_by, ~good) if cfg.audit.enabled else None
     rows: list[Column] = []
     for g in range(n_groups):
         members = [sp for sp in specs if sp.group == g]
@@ -188,15 +198,13 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
             F.col("_ems").alias("ems"),
             ts.alias("t"),
         ]
+        if audit is not None:
+            u, fx = audit
+            cols += [u(g).alias("u"), (fx if g == 0 else F.lit(0).cast("bigint")).alias("fx")]
         for sp in specs:
             v = values[sp.index] if sp.group == g else F.lit(None)
             cols.append(v.cast(value_type(sp)).alias(f"v{sp.index}"))
-        touched = good
-        if g != 0:
-            touched = functools.reduce(
-                Column.__or__, [values[sp.index].isNotNull() for sp in members]
-            )
-        rows.append(F.when(touched, F.struct(*cols)))
+        rows.append(F.when(touched_by[g], F.struct(*cols)))
     dead = F.to_json(
         F.struct(
             F.coalesce(F.col("_eid"), F.lit("")).alias("id"),
@@ -216,19 +224,47 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
         F.col("_ems").alias("ems"),
         F.col("_ts").alias("t"),
     ]
+    if audit is not None:
+        u, fx = audit
+        dead_cols += [u(DEAD_G).alias("u"), fx.alias("fx")]
     dead_cols += [F.lit(None).cast(value_type(sp)).alias(f"v{sp.index}") for sp in specs]
     rows.append(F.when(~good, F.struct(*dead_cols)))
     exploded = flagged.select(F.explode(F.array(*rows)).alias("u")).where(F.col("u").isNotNull())
     return exploded.select("u.*")
 
 
-def fold_columns(specs: list[MetricSpec]) -> list[Column]:
+def _audit_columns(touched_by: dict[int, Column], bad: Column) -> tuple[Any, Column]:
+    """The completeness audit's ids (see pipeline.audit).
+
+    `u(g)`: the id of the update event `_e` fans out into for group g: xxhash64(_e, g).
+    `fx`: `_e` XOR the ids of every update it fans out into (every touched group, or the
+    dead-letter row). It rides on one row per event (group 0 for a good event, which always
+    touches it; the dead-letter row for a bad one), so the XOR of `fx` over a batch is the XOR of
+    the events and all their updates, computed before any update is written.
+    """
+    e = F.col("_e")
+
+    def u(g: int) -> Column:
+        return F.xxhash64(e, F.lit(g))
+
+    fx = e
+    for g, touched in touched_by.items():
+        fx = fx.bitwiseXOR(F.when(touched, u(g)).otherwise(F.lit(0).cast("bigint")))
+    fx = fx.bitwiseXOR(F.when(bad, u(DEAD_G)).otherwise(F.lit(0).cast("bigint")))
+    return u, fx
+
+
+def fold_columns(specs: list[MetricSpec], audit: bool = True) -> list[Column]:
     """The aggregate columns of `fold_updates`; build once and reuse for every batch."""
     aggs = [
         F.count(F.lit(1)).alias("cnt"),
         F.min("ems").alias("min_ems"),
         F.max("ems").alias("max_ems"),
     ]
+    if audit:
+        # Per folded row: the XOR of the update ids it carries (what the store must apply), and
+        # of the events' fan-out ids (what the plan produced).
+        aggs += [F.bit_xor("u").alias("ux"), F.bit_xor("fx").alias("fx")]
     for sp in specs:
         v = F.col(f"v{sp.index}")
         aggs.append(F.count(v).alias(f"n{sp.index}"))
@@ -269,4 +305,5 @@ def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:
 
 def slice_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
     """`explode_updates` then `fold_updates`, for a batch DataFrame of decoded events."""
-    return fold_updates(explode_updates(events, cfg, specs), fold_columns(specs))
+    exploded = explode_updates(events, cfg, specs)
+    return fold_updates(exploded, fold_columns(specs, cfg.audit.enabled))

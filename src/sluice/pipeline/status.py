@@ -15,7 +15,7 @@ import orjson
 from sluice.config import Config
 from sluice.flow.stages import stream_level
 from sluice.flow.status import flow_status
-from sluice.redis.keys import BATCHES_KEY, OFFSETS_KEY, STATS_KEY
+from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, OFFSETS_KEY, STATS_KEY
 
 
 def backlog(client: Any, cfg: Config) -> tuple[int, dict[str, int]]:
@@ -93,4 +93,63 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "last_batch": last,
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
         "flow": flow_status(client, cfg, now_ms),
+        "pipeline": pipeline_health(client, now_ms),
+        "audit": audit_status(client, cfg, counters, last),
+    }
+
+
+HEARTBEAT_STALE_MS = 10_000
+
+
+def pipeline_health(client: Any, now_ms: int) -> dict[str, Any]:
+    """The supervisor's published state; `not_running` when no heartbeat came for a while."""
+    raw = {k.decode(): v.decode() for k, v in client.hgetall(HEALTH_KEY).items()}
+    if not raw:
+        return {"state": "not_running", "consecutive_failures": 0, "restarts": 0}
+    beat = int(raw.get("heartbeat_ms", 0))
+    state = raw.get("state", "unknown")
+    if now_ms - beat > HEARTBEAT_STALE_MS and state != "stopped":
+        state = "not_running"
+    return {
+        "state": state,
+        "consecutive_failures": int(raw.get("consecutive_failures", 0)),
+        "restarts": int(raw.get("restarts", 0)),
+        "last_error": raw.get("last_error") or None,
+        "heartbeat_age_ms": now_ms - beat,
+        "changed_ms": int(raw["changed_ms"]) if "changed_ms" in raw else None,
+    }
+
+
+def audit_status(
+    client: Any, cfg: Config, counters: dict[str, int], last: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The audit's totals and its books: events in = aggregated + dead-lettered + expired."""
+    from sluice.pipeline.audit import Ledger
+
+    ledger = Ledger(client, cfg.source.stream, cfg.audit.ledger_shards)
+    recent = ledger.recent(int(last["batch"]), 10) if last else []
+    dead = counters.get("dead_letters", 0)
+    expired = counters.get("dead_expired", 0)
+    by_reason = {
+        k[5:]: v for k, v in counters.items() if k.startswith("dead_") and k != "dead_letters"
+    }
+    events_in = counters.get("events_in", 0)
+    aggregated = counters.get("events_aggregated", 0)
+    return {
+        "enabled": cfg.audit.enabled,
+        "batches_ok": counters.get("audit_ok", 0),
+        "failed_attempts": counters.get("audit_failed", 0),
+        "replays": counters.get("audit_replays", 0),
+        "all_complete": bool(recent) and all(r["ok"] for r in recent),
+        "recent": recent,
+        "failures": ledger.failures(5),
+        "books": {
+            "events_admitted": counters.get("events_admitted", 0),
+            "events_in": events_in,
+            "aggregated": aggregated,
+            "dead_lettered": dead - expired,
+            "expired": expired,
+            "dead_by_reason": by_reason,
+            "balanced": events_in == aggregated + dead,
+        },
     }

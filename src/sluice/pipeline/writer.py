@@ -35,6 +35,7 @@ TOKEN_EPOCH = 10**12
 PIPELINE_CHUNK = 50
 KEYS_PER_CALL = 100
 DEAD_MARKER_TTL_S = 7 * 86400
+MASK64 = (1 << 64) - 1
 
 RESULT_SCHEMA = pa.schema(
     [
@@ -48,11 +49,13 @@ RESULT_SCHEMA = pa.schema(
         ("max_ems", pa.int64()),
         ("reason", pa.string()),
         ("write_ms", pa.float64()),
+        ("fan_x", pa.int64()),
+        ("applied_x", pa.int64()),
     ]
 )
 RESULT_DDL = (
     "kind string, m int, applied long, dups long, expired long, events long,"
-    " min_ems long, max_ems long, reason string, write_ms double"
+    " min_ems long, max_ems long, reason string, write_ms double, fan_x long, applied_x long"
 )
 
 
@@ -70,6 +73,8 @@ class WriterContext:
     cluster: bool = False
     fault_drop_every: int = 0  # test hook: drop every n-th script call (0 = never)
     write_delay_ms: float = 0.0  # test hook: a slow store, this much extra per 1000 updates
+    # Test hook: the store loses one slice update, in the one partition that claims this key.
+    fault_lose_one: str | None = None
 
 
 def _num(x: Any) -> str:
@@ -121,10 +126,17 @@ class PartitionUpdates:
     min_ems: int | None = None
     max_ems: int | None = None
     dead: list[str] = field(default_factory=list)
+    # The audit's view (see pipeline.audit): XOR of the rows' fan-out ids, and per row the XOR
+    # of its update ids with the writes it depends on; a row is applied when all of them are.
+    audited: bool = False
+    fan_x: int = 0
+    rows: list[tuple[int, list[tuple[Any, ...]]]] = field(default_factory=list)
 
     def add_batch(self, batch: pa.RecordBatch, by_group: dict[int, list[MetricSpec]]) -> None:
         cols = {name: batch.column(name).to_pylist() for name in batch.schema.names}
         gs, ks, ss = cols["g"], cols["k"], cols["s"]
+        self.audited = "ux" in cols
+        deps: list[list[tuple[Any, ...]]] = [[] for _ in gs]
         lo = [v for v in cols["min_ems"] if v is not None]
         hi = [v for v in cols["max_ems"] if v is not None]
         if lo:
@@ -133,6 +145,7 @@ class PartitionUpdates:
         for row, g in enumerate(gs):
             if g == DEAD_G:
                 self.dead.append(ks[row])
+                deps[row].append(("d",))
             elif g == 0:
                 self.good += cols["cnt"][row]
         for g, members in by_group.items():
@@ -145,13 +158,28 @@ class PartitionUpdates:
                     k, s = ks[row], ss[row]
                     if sp.agg == "distinct":
                         self.hll[(sp.index, k, s)] = cols[f"set{sp.index}"][row]
+                        deps[row].append(("h", sp.index, k, s))
                     elif sp.agg == "quantile":
                         sketch = cols[f"kll{sp.index}"][row]
                         self.kll.setdefault((sp.index, k), []).append((s, sketch))
+                        deps[row].append(("l", sp.index, k))
                     else:
                         self.lua.setdefault((sp.index, k), []).extend(
                             (str(s), *lua_state(sp, cols, row))
                         )
+                        deps[row].append(("l", sp.index, k))
+        if self.audited:
+            for row, (ux, fx) in enumerate(zip(cols["ux"], cols["fx"], strict=True)):
+                self.fan_x ^= fx & MASK64
+                self.rows.append((ux & MASK64, deps[row]))
+
+    def applied_x(self, failed: set[tuple[Any, ...]]) -> int:
+        """XOR of the update ids of the rows whose every write was acknowledged."""
+        out = 0
+        for ux, deps in self.rows:
+            if not failed or not any(d in failed for d in deps):
+                out ^= ux
+        return out
 
 
 def write_partition(
@@ -168,10 +196,11 @@ def write_partition(
         updates.add_batch(batch, by_group)
     client = redis.Redis.from_url(ctx.url, socket_timeout=60, socket_connect_timeout=10)
     t0 = time.perf_counter()
+    failed: set[tuple[Any, ...]] = set()
     try:
-        totals = _apply_lua(client, ctx, updates)
+        totals = _apply_lua(client, ctx, updates, failed)
         totals[0] += _apply_hll(client, ctx, updates.hll)
-        kll = _apply_kll(client, ctx, updates.kll)
+        kll = _apply_kll(client, ctx, updates.kll, failed)
         totals = [a + b for a, b in zip(totals, kll, strict=True)]
         reasons = _write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
     finally:
@@ -189,56 +218,95 @@ def write_partition(
             "applied": totals[0],
             "dups": totals[1],
             "expired": totals[2],
+            "fan_x": _signed(updates.fan_x) if updates.audited else None,
+            "applied_x": _signed(updates.applied_x(failed)) if updates.audited else None,
         }
     ]
     out += [{"kind": "dead", "reason": r, "events": n} for r, n in reasons.items()]
     yield pa.RecordBatch.from_pylist(out, schema=RESULT_SCHEMA)
 
 
-def _run_write_script(
-    client: Any, ctx: WriterContext, calls: list[tuple[str, list[Any]]]
-) -> list[int]:
-    """Run write_slices.lua over (key, args) pairs: KEYS_PER_CALL keys a call, pipelined.
+def _signed(x: int) -> int:
+    """An unsigned 64-bit id as Spark's signed long (same bits)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
 
+
+def _run_write_script(
+    client: Any,
+    ctx: WriterContext,
+    calls: list[tuple[str, list[Any], tuple[Any, ...]]],
+    failed: set[tuple[Any, ...]],
+) -> list[int]:
+    """Run write_slices.lua over (key, args, dep) triples: KEYS_PER_CALL keys a call, pipelined.
+
+    Each call's reply counts the slices it applied, skipped as duplicates and dropped as expired;
+    a call whose counts do not add up to the slices sent (or that was never sent) puts the deps
+    of its keys in `failed`, so the audit sees those updates as not applied.
     On Redis Cluster the keys of one call must share a slot, so they are grouped by slot.
     """
     from sluice.redis.keys import key_slot
     from sluice.redis.scripts import WRITE_SLICES, script_source
 
     client.script_load(script_source(WRITE_SLICES))  # once per partition; then EVALSHA only
-    by_slot: dict[int, list[tuple[str, list[Any]]]] = {}
-    for key, args in calls:
-        by_slot.setdefault(key_slot(key) if ctx.cluster else 0, []).append((key, args))
+    by_slot: dict[int, list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
+    for item in calls:
+        by_slot.setdefault(key_slot(item[0]) if ctx.cluster else 0, []).append(item)
+    lose_one = bool(calls) and ctx.fault_lose_one is not None and _claim(client, ctx.fault_lose_one)
     totals = [0, 0, 0]
     pipe = client.pipeline(transaction=False)
-    queued = 0
+    queued: list[tuple[int, list[tuple[Any, ...]]]] = []  # (slices sent, deps) per call
     n_calls = 0
 
     def drain() -> None:
-        for res in pipe.execute():
+        for res, (expected, deps) in zip(pipe.execute(), queued, strict=True):
             for j in range(3):
                 totals[j] += int(res[j])
+            if sum(int(x) for x in res[:3]) != expected:
+                failed.update(deps)
+        queued.clear()
 
     for items in by_slot.values():
         for j in range(0, len(items), KEYS_PER_CALL):
             chunk = items[j : j + KEYS_PER_CALL]
             n_calls += 1
+            deps = [dep for _, _, dep in chunk]
             if ctx.fault_drop_every and n_calls % ctx.fault_drop_every == 0:
+                failed.update(deps)
                 continue
             flat: list[Any] = [str(ctx.token)]
-            for _, args in chunk:
+            keys: list[str] = []
+            expected = 0
+            for key, args, _ in chunk:
+                n_slices, width = int(args[3]), int(args[4])
+                expected += n_slices
+                if lose_one:
+                    # The store "loses" one slice update: Redis never sees it.
+                    lose_one = False
+                    if n_slices == 1:
+                        continue
+                    args = [*args[:3], str(n_slices - 1), *args[4 : len(args) - width - 1]]
+                keys.append(key)
                 flat.extend(args)
-            evalsha_on(pipe, WRITE_SLICES, [key for key, _ in chunk], flat)
-            queued += 1
-            if queued >= PIPELINE_CHUNK:
+            if not keys:
+                failed.update(deps)
+                continue
+            evalsha_on(pipe, WRITE_SLICES, keys, flat)
+            queued.append((expected, deps))
+            if len(queued) >= PIPELINE_CHUNK:
                 drain()
-                queued = 0
     if queued:
         drain()
     return totals
 
 
-def _apply_lua(client: Any, ctx: WriterContext, updates: PartitionUpdates) -> list[int]:
+def _claim(client: Any, key: str) -> bool:
+    """True for exactly one writer partition (fault hooks only)."""
+    return bool(client.set(key, 1, nx=True, ex=3600))
+
+
+def _apply_lua(
+    client: Any, ctx: WriterContext, updates: PartitionUpdates, failed: set[tuple[Any, ...]]
+) -> list[int]:
     specs = {sp.index: sp for sp in ctx.specs}
     calls = []
     for (i, k), flat in updates.lua.items():
@@ -252,8 +320,8 @@ def _apply_lua(client: Any, ctx: WriterContext, updates: PartitionUpdates) -> li
             str(len(flat) // (width + 1)),
             str(width),
         ]
-        calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat]))
-    return _run_write_script(client, ctx, calls)
+        calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], ("l", i, k)))
+    return _run_write_script(client, ctx, calls, failed)
 
 
 def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], list[str]]) -> int:
@@ -274,7 +342,10 @@ def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], 
 
 
 def _apply_kll(
-    client: Any, ctx: WriterContext, kll: dict[tuple[int, str], list[tuple[int, bytes]]]
+    client: Any,
+    ctx: WriterContext,
+    kll: dict[tuple[int, str], list[tuple[int, bytes]]],
+    failed: set[tuple[Any, ...]],
 ) -> list[int]:
     """quantile: merge each slice's KLL sketch into the stored one, then write it back guarded by
     the writer token (a slice already holding this batch's token is left alone)."""
@@ -307,8 +378,10 @@ def _apply_kll(
         if flat:
             sp = specs[i]
             head = ["blob", str(sp.slice_ms), str(sp.retention_ms), str(len(flat) // 2), "1"]
-            calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat]))
-    totals = _run_write_script(client, ctx, calls)
+            calls.append(
+                (slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], ("l", i, k))
+            )
+    totals = _run_write_script(client, ctx, calls, failed)
     totals[1] += dups
     return totals
 

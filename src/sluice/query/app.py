@@ -228,13 +228,35 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         """Backlog, processed rate, freshness and the audit counters."""
         return read_status(client, cfg, clock.now_ms())
 
+    @app.get("/v1/dead-letters")
+    def dead_letters(
+        limit: str | None = Query(default=None, description="how many, 1 to 1000; default 50"),
+        reason: str | None = Query(default=None, description="only this reason, e.g. bad_json"),
+    ) -> dict[str, Any]:
+        """The newest dead letters, newest first: `total` in the stream, `by_reason` counted
+        since the start, and `items` (entry id, idx, reason, field, raw, ts, written_ms)."""
+        from sluice.pipeline.dead_letters import parse_limit, parse_reason, read_dead_letters
+
+        return read_dead_letters(client, cfg, parse_limit(limit), parse_reason(reason))
+
     @app.get("/healthz")
     def healthz() -> Response:
+        """200 while Redis answers and the pipeline is not failing; 503 otherwise."""
+        from sluice.pipeline.status import pipeline_health
+
         try:
             client.ping()
+            pipeline = pipeline_health(client, clock.now_ms())
         except redis.RedisError as e:
             return error(503, "unavailable", f"redis: {e}")
-        return ORJSONResponse({"status": "ok"})
+        if pipeline["state"] == "failing":
+            return error(
+                503,
+                "pipeline_failing",
+                f"the pipeline failed {pipeline['consecutive_failures']} times in a row;"
+                f" last error: {pipeline['last_error']}",
+            )
+        return ORJSONResponse({"status": "ok", "redis": "ok", "pipeline": pipeline["state"]})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> Response:
@@ -277,6 +299,10 @@ def _parse_events(raw: bytes) -> list[dict[str, Any]]:
             raise QueryError(f"event {i} is not a JSON object", "body")
     if len(events) > MAX_EVENTS_PER_REQUEST:
         raise QueryError(f"at most {MAX_EVENTS_PER_REQUEST} events per request", "body")
+    try:  # orjson reads deeper nesting than it writes: refuse it before anything is sent
+        orjson.dumps(events)
+    except orjson.JSONEncodeError as e:
+        raise QueryError(f"body cannot be re-encoded as JSON: {e}", "body") from None
     return list(events)
 
 

@@ -11,6 +11,7 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats}                 hash: pipeline counters and the last batch record
     sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
     sluice:{stats}:offsets         hash: shard -> last committed entry id
+    sluice:{stats}:health          hash: the supervisor's state, failures, last error, heartbeat
     sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
     sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
     sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
@@ -28,6 +29,7 @@ SLICE_PREFIX = f"{PREFIX}:s:"
 STATS_KEY = f"{PREFIX}:{{stats}}"
 BATCHES_KEY = f"{PREFIX}:{{stats}}:batches"
 OFFSETS_KEY = f"{PREFIX}:{{stats}}:offsets"
+HEALTH_KEY = f"{PREFIX}:{{stats}}:health"
 EPOCH_KEY = f"{PREFIX}:epoch"
 FLOW_STATE_KEY = f"{PREFIX}:{{flow}}:state"
 FLOW_SIGNALS_KEY = f"{PREFIX}:{{flow}}:signals"

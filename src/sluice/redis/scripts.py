@@ -15,6 +15,7 @@ READ_SLICES = "read_slices"
 DEAD_LETTERS = "dead_letters"
 ADVANCE = "advance"
 RECORD_BATCH = "record_batch"
+AUDIT_SOURCE = "audit_source"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)

@@ -12,7 +12,9 @@ when a shard's buffer is full) writes with one pipelined round trip.
 Flow control: with a `valve` (`from_config` attaches one), `flush` first asks it to admit the
 events, which blocks while the input is backpressured (seed 000's throttled upstream) and raises
 `BackpressureError` after `block_timeout_s`. A refused flush keeps everything buffered, so the
-caller can retry; nothing is dropped.
+caller can retry; nothing is dropped. The same holds for a Redis error during `flush`: the
+buffer is kept, and since a pipeline is not atomic, a retry may repeat entries that were written
+before the error (at least once, never lost).
 """
 
 from __future__ import annotations
@@ -129,14 +131,16 @@ class Producer:
                 pipe.xadd(key, {"d": b"\n".join(part), "n": len(part)})
                 entries += 1
                 events += len(part)
-            self._buf[i] = []
             for ev in self._fields[i]:
                 pipe.xadd(key, {k: _field_value(v) for k, v in ev.items() if v is not None})
                 entries += 1
                 events += 1
-            self._fields[i] = []
         if entries:
+            # The buffer is emptied only once Redis has answered: after a connection error the
+            # caller still holds every event (a retry may repeat the entries that did land).
             pipe.execute()
+        self._buf = [[] for _ in self.keys]
+        self._fields = [[] for _ in self.keys]
         self.sent_events += events
         self.sent_entries += entries
         return events
