@@ -65,10 +65,24 @@ def test_stepwise_seed_sequence_from_unlimited() -> None:
 
     clock.advance(2_000)
     assert c.on_underload() is True
-    # Back at the measured origin: the flag clears and the rate returns to unlimited.
-    assert (c.rate, c.origin_rate, c.backpressured) == (None, None, False)
+    # Back at the measured origin: the flag clears, and the origin stays as a provisional cap.
+    assert (c.rate, c.origin_rate, c.backpressured) == (10_000, None, False)
     assert c.changed_ms == 3_500
     assert c.on_underload() is False
+    clock.advance(2_000)
+    assert c.release() is True  # the owner saw the cap hold nothing back: unlimited again
+    assert (c.rate, c.changed_ms) == (None, 5_500)
+    assert c.release() is False
+
+
+def test_stepwise_release_lifts_only_a_measured_cap_and_never_while_throttled() -> None:
+    c = stepwise(ManualClock(), rate=8_000)
+    assert c.release() is False  # a configured rate is not provisional
+    c.on_overload(1)
+    assert c.release() is False and c.rate == 4_000
+    m = stepwise(ManualClock())
+    m.on_overload(6_000)
+    assert m.release() is False and m.backpressured  # throttled: nothing to lift
 
 
 def test_stepwise_finite_rate_keeps_its_own_origin() -> None:
@@ -118,7 +132,8 @@ def test_stepwise_never_below_min_rate() -> None:
     c.on_overload(150)
     assert (c.rate, c.origin_rate) == (100, 150)  # 75 would be under the floor
     assert c.on_underload() is True
-    assert (c.rate, c.backpressured) == (None, False)
+    assert (c.rate, c.backpressured) == (150, False)
+    assert c.release() is True and c.rate is None
 
     c.on_overload(20)  # a measurement under the floor: the origin is the floor
     assert (c.rate, c.origin_rate) == (100, 100)
@@ -152,7 +167,9 @@ def test_stepwise_snapshot_restore_round_trip() -> None:
     assert resumed.snapshot() == c.snapshot()
     assert resumed.changed_ms == 7_000
     resumed.on_underload()
-    assert resumed.rate is None  # the measured origin survives the restart as "was unlimited"
+    assert resumed.rate == 10_000
+    assert resumed.release() is True  # the measured origin survives the restart as provisional
+    assert resumed.rate is None
 
 
 def test_stepwise_ignores_batches_and_foreign_snapshots() -> None:

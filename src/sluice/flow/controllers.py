@@ -104,6 +104,11 @@ class Controller(ABC):
         """A micro-batch completed or failed."""
         return False
 
+    def release(self) -> bool:
+        """The owner saw the cap hold nothing back for a whole `sensitivity`: a provisional cap
+        may go. Only `stepwise` has one."""
+        return False
+
     def batch_limit(self) -> int | None:
         """Events to admit in the next micro-batch (>= 1); None = unlimited.
 
@@ -146,7 +151,10 @@ class Stepwise(Controller):
     """Seed 000: `rate *= step` once per overload episode, `rate /= step` per underload.
 
     When the rate was unlimited before the first throttle, the origin is the measured rate
-    (at least `min_rate`), and clearing the flag returns to unlimited, not to that measurement.
+    (at least `min_rate`). Clearing the flag returns to that origin, as the seed says; the cap is
+    then provisional, and `release()` lifts it once the owner sees it has not held anything back
+    for a whole `sensitivity` (going straight back to unlimited would re-admit the very burst
+    that overloaded the downstream, and the stage would cycle).
     """
 
     name = "stepwise"
@@ -154,7 +162,7 @@ class Stepwise(Controller):
     _rate: float | None = None
     _origin_rate: float | None = None
     _backpressure = False
-    _origin_measured = False  # the origin came from a measurement: clearing → unlimited
+    _origin_measured = False  # the origin came from a measurement: the cap may be released
 
     @property
     def rate(self) -> float | None:
@@ -184,10 +192,17 @@ class Stepwise(Controller):
             return False
         rate = self._rate / self._cfg.step
         if rate >= self._origin_rate * (1 - _REL_TOL):
-            self._rate = None if self._origin_measured else self._origin_rate
-            self._origin_rate, self._backpressure, self._origin_measured = None, False, False
+            self._rate = self._origin_rate
+            self._origin_rate, self._backpressure = None, False
         else:
             self._rate = rate
+        return self._touch()
+
+    def release(self) -> bool:
+        """Lift a provisional cap (an origin that was measured, not set): unlimited again."""
+        if self._backpressure or not self._origin_measured or self._rate is None:
+            return False
+        self._rate, self._origin_measured = None, False
         return self._touch()
 
     def _restored(self) -> None:
@@ -195,7 +210,9 @@ class Stepwise(Controller):
         if None in (self._rate, self._origin_rate):
             self._backpressure = False
         if not self._backpressure:
-            self._origin_rate, self._origin_measured = None, False
+            self._origin_rate = None
+            if self._rate is None:
+                self._origin_measured = False
 
 
 class Aimd(Controller):

@@ -117,6 +117,9 @@ class StageTask:
         self._changed |= changed
         return changed
 
+    def mark_changed(self) -> None:
+        self._changed = True
+
     def on_batch(self, sample: BatchSample) -> None:
         self._changed |= self.controller.on_batch(sample)
 

@@ -83,6 +83,7 @@ class IngestValve:
         self.gate_open = True
         self.level: QueueLevel | None = None
         self._lock = threading.Lock()
+        self._held_ms = clock.now_ms()  # when the bucket or the gate last held events back
 
     @classmethod
     def from_config(cls, cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> IngestValve:
@@ -93,6 +94,10 @@ class IngestValve:
         if not self.task.due():
             return
         self.task.poll()
+        ctl = self.task.controller
+        quiet_ms = self.clock.now_ms() - max(self._held_ms, ctl.changed_ms)
+        if quiet_ms >= self.bp.sensitivity and ctl.release():
+            self.task.mark_changed()
         self.bucket.set_rate(self.task.controller.rate)
         if self.enabled:
             self.level = stream_level(self.client, self.streams, self.bp)
@@ -112,7 +117,9 @@ class IngestValve:
             self._tick()
             wait = self._wait_s(n)
             self.task.ratio.set_throttled(wait > 0)
-            if wait <= 0:
+            if wait > 0:
+                self._held_ms = self.clock.now_ms()
+            else:
                 self._take(n)
             return wait
 
@@ -174,6 +181,7 @@ class AdmissionValve:
         self._last_token = self._newest_batch_token()
         self._admit_ms: int | None = None
         self._prev_admit_ms: int | None = None
+        self._held_ms = clock.now_ms()  # when the budget last left data behind
         inflight = (previous or {}).get("inflight_ms")
         if inflight is not None and self._last_done_ms() <= int(inflight):
             # The batch admitted before a restart never completed: that is AIMD's BUSY.
@@ -230,6 +238,11 @@ class AdmissionValve:
         if events:
             self._prev_admit_ms, self._admit_ms = self._admit_ms, now
             self.task.meter.add(events)
+        ctl = self.task.controller
+        if held_back:
+            self._held_ms = now
+        elif now - max(self._held_ms, ctl.changed_ms) >= self.bp.sensitivity and ctl.release():
+            self.task.mark_changed()
         self.task.ratio.set_throttled(held_back)
         self.task.extra = {
             "inflight_ms": now if events else None,
