@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sluice.pipeline.audit import Ledger, source_xor
 from sluice.pipeline.job import Pipeline
@@ -170,3 +172,35 @@ def test_a_batch_that_stays_unbalanced_fails_and_is_replayed_after_the_restart(
     assert _stored_count(r) == sent == int(st["events_in"])
     key = slice_hash_key("txn_count", "c0")
     assert r.exists(key)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.text(alphabet=" \t\r\n\x0b\x0cab{}", max_size=40).map(str.encode),
+            st.binary(max_size=40),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    st.booleans(),
+)
+def test_the_audit_script_counts_events_exactly_as_the_decoder(
+    redis_server: Any, payloads: list[bytes], with_d: bool
+) -> None:
+    """The Lua count and `entry_event_count` agree on any payload (blank, \\r, \\x0b, binary)."""
+    from sluice.redis.scripts import AUDIT_SOURCE, script_source
+    from sluice.source.decode import entry_event_count
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete("fuzz")
+    maps = [({b"d": p} if with_d else {b"x": p}) for p in payloads]
+    for m in maps:
+        client.xadd("fuzz", m)  # type: ignore[arg-type]
+    reply = client.register_script(script_source(AUDIT_SOURCE))(
+        keys=["fuzz"], args=["0-0", "+", "jsonl", 64, 100]
+    )
+    counts = [int(c) for c in reply[2::2]]
+    assert counts == [entry_event_count(m, "jsonl", 64) for m in maps]
+    client.close()

@@ -39,7 +39,9 @@ from sluice.redis.scripts import AUDIT_SOURCE, script_source
 from sluice.source.ids import ZERO_ID, event_ids, parse_id, xor_all
 
 LEDGER_KEEP = 1024  # records kept per ledger shard
-SOURCE_CHUNK = 5000  # entries per Lua call
+# Entries per Lua call: a jsonl entry holds hundreds of events and tens of KB, so fewer of them
+# keep each call short (Redis serves no one else meanwhile) and its memory small.
+SOURCE_CHUNK = {"fields": 5000, "jsonl": 20}
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,15 @@ def source_xor(
             continue
         cursor = lo
         while True:
-            reply = script(keys=[shard], args=[cursor, hi, fmt, max_entry_bytes, SOURCE_CHUNK])
+            reply = script(keys=[shard], args=[cursor, hi, fmt, max_entry_bytes, SOURCE_CHUNK[fmt]])
             pairs = reply[1:]
             if pairs:
-                ids = [parse_id(x) for x in pairs[0::2]]
-                counts = np.asarray(pairs[1::2], dtype=np.int64)
+                ids = [parse_id(x) for x in (pairs[0::2] if fmt == "jsonl" else pairs)]
+                counts = (
+                    np.asarray(pairs[1::2], dtype=np.int64)
+                    if fmt == "jsonl"
+                    else np.ones(len(ids), dtype=np.int64)
+                )
                 parts = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
                 n = int(counts.sum())
                 starts = np.cumsum(counts) - counts
