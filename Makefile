@@ -27,3 +27,6 @@ test: lint
 bench: $(STAMP)
 	$(PY) bench/throughput.py
 	$(PY) bench/query.py
+	$(PY) bench/burst.py
+	$(PY) bench/audit.py
+	$(PY) bench/durability.py
