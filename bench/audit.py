@@ -725,7 +725,7 @@ def audit_ms_by_position(runs: Sequence[DrainRun]) -> list[float | None]:
 
 def scaling_table(mem: MemoryResult) -> list[str]:
     out = [
-        "| jsonl entries in the Lua call | events | `source_xor` time | per event | another"
+        "| jsonl entries read | events | `source_xor` time | per event | another"
         " client's longest PING meanwhile | PINGs answered BUSY |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
