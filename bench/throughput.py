@@ -645,7 +645,7 @@ def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path) -> int:
     ref_ms = now_ms()
     opts = SourceOptions.from_config(cfg, url="redis://unused")
     entries = xrange_entries(cfg, n_events, seed, ref_ms)
-    batches = list(Decoder(opts, ref_ms).decode(entries))
+    batches = list(Decoder(opts, ref_ms, "events:0").decode(entries))
     table = pa.Table.from_batches(batches, schema=output_schema(opts))
     if table.schema != output_schema(opts):
         raise RuntimeError("decoded batches do not have the source's output schema")

@@ -34,7 +34,7 @@ def decoded_table(cfg: Config, events: Sequence[dict[str, Any]], ref_ms: int) ->
         cols["_eid"].append(f"{ems}-{i}" if ev.get("_err") else None)
         cols["_idx"].append(0)
         cols["_raw"].append("{}" if ev.get("_err") else None)
-        cols["_e"].append(int(event_ids([ems], [i], [0])[0]))
+        cols["_e"].append(int(event_ids([ems], [i], [0], "events:0")[0]))
     return pa.Table.from_pydict(cols, schema=schema)
 
 

@@ -34,7 +34,10 @@ def _cfg(redis_url: str, tmp_path: Path, **kw: Any) -> Any:
 
 
 def _produce(r: redis.Redis, n_entries: int, per_entry: int, bad_every: int = 0) -> int:
-    """jsonl entries over both shards; some lines bad, some blank. Returns the events written."""
+    """jsonl entries over both shards; some lines bad, some blank. Returns the events written.
+
+    The two shards get the same entry ids (`<now>-0`, `<now>-1`, ...), as two shards written in
+    the same millisecond do: their events must still have distinct audit ids."""
     now = time.time_ns() // 1_000_000
     events = 0
     for i in range(n_entries):
@@ -48,7 +51,7 @@ def _produce(r: redis.Redis, n_entries: int, per_entry: int, bad_every: int = 0)
                 lines.append(orjson.dumps(ev))
             events += 1
         payload = b"\n".join(lines) + b"\n\n   \n"  # trailing blank lines are not events
-        r.xadd(f"events:{i % 2}", {"d": payload, "n": per_entry})
+        r.xadd(f"events:{i % 2}", {"d": payload, "n": per_entry}, id=f"{now}-{i // 2}")
     return events
 
 
@@ -83,7 +86,7 @@ def test_event_ids_agree_between_the_decoder_and_the_audit_script(r: redis.Redis
     cfg = _cfg("redis://unused", Path("."))
     opts = SourceOptions.from_config(cfg, r.connection_pool.connection_kwargs and "redis://x")
     url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}"
-    decoder = Decoder(opts, 0)
+    decoder = Decoder(opts, 0, "events:0")
     decoded = []
     for chunk in read_range(raw_client(url), "events:0", "0-0", ids[-1].decode()):
         for batch in decoder.decode(chunk):
@@ -91,7 +94,7 @@ def test_event_ids_agree_between_the_decoder_and_the_audit_script(r: redis.Redis
     assert len(decoded) == events
     assert xor_all(decoded) == x
     ms, seq = parse_id(ids[0])
-    assert decoded[:3] == event_ids([ms] * 3, [seq] * 3, [0, 1, 2]).tolist()
+    assert decoded[:3] == event_ids([ms] * 3, [seq] * 3, [0, 1, 2], "events:0").tolist()
 
 
 def test_every_batch_balances_and_the_counters_add_up(

@@ -346,7 +346,7 @@ def test_dead_letters_of_decoded_bad_input_are_listed(
         [f"{T0}-1".encode(), [b"d", b"x" * 2000, b"n", b"1"]],
         [f"{T0}-2".encode(), [b"other", b"1"]],
     ]
-    rows = [row for b in Decoder(opts, T0).decode(entries) for row in b.to_pylist()]
+    rows = [row for b in Decoder(opts, T0, "events:0").decode(entries) for row in b.to_pylist()]
     assert len(rows) == sum(
         entry_event_count(dict(zip(fl[0::2], fl[1::2], strict=True)), "jsonl", 1000)
         for _, fl in entries

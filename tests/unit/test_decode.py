@@ -35,7 +35,7 @@ def decode(
     entries: list[list[Any]], fmt: str = "fields", max_string_bytes: int = 64
 ) -> list[dict[str, Any]]:
     opts = options(fmt, max_string_bytes)
-    batches = list(Decoder(opts, REF_MS).decode(entries))
+    batches = list(Decoder(opts, REF_MS, "events:0").decode(entries))
     for b in batches:
         assert b.schema == output_schema(opts)
     return [row for b in batches for row in b.to_pylist()]
@@ -117,7 +117,7 @@ def test_good_rows_decode_with_types() -> None:
 
 
 def test_no_entries_no_batches() -> None:
-    assert list(Decoder(options(), REF_MS).decode([])) == []
+    assert list(Decoder(options(), REF_MS, "events:0").decode([])) == []
 
 
 def test_missing_time_field_falls_back_to_entry_time() -> None:
@@ -226,7 +226,7 @@ def test_large_input_is_chunked_and_keeps_order() -> None:
     n = 4096 + 10
     entries = [good(i) for i in range(n)]
     entries[4100] = entry(f"{T0 + 4100}-0", b"card", b"c")
-    batches = list(Decoder(options(), REF_MS).decode(entries))
+    batches = list(Decoder(options(), REF_MS, "events:0").decode(entries))
     assert [b.num_rows for b in batches] == [4096, 10]
     rows = [r for b in batches for r in b.to_pylist()]
     assert [r["_ems"] for r in rows] == [T0 + i for i in range(n)]
@@ -317,7 +317,7 @@ def test_jsonl_bad_line_among_good_lines(line: bytes, reason: str, field: str | 
 def test_jsonl_non_utf8_inside_a_string_is_flagged() -> None:
     good_line = json.dumps({"ts": T0, "card": "a", "amount": 1.0}).encode()
     payload = good_line + b'\n{"card": "\xff", "amount": 1}'
-    (batch,) = Decoder(options("jsonl"), REF_MS).decode([[b"5-0", [b"d", payload]]])
+    (batch,) = Decoder(options("jsonl"), REF_MS, "events:0").decode([[b"5-0", [b"d", payload]]])
     assert batch.column("_err").to_pylist() == [None, "invalid_utf8"]
     batch.validate(full=True)
 

@@ -63,7 +63,7 @@ def options(fmt: str, max_entry_bytes: int = MAX_ENTRY) -> SourceOptions:
 
 
 def decode(entries: list[list[Any]], opts: SourceOptions) -> list[dict[str, Any]]:
-    batches = list(Decoder(opts, REF_MS).decode(entries))
+    batches = list(Decoder(opts, REF_MS, "events:0").decode(entries))
     for b in batches:
         assert b.schema == output_schema(opts)
         b.validate(full=True)

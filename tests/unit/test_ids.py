@@ -1,14 +1,26 @@
-"""sluice.source.ids: stream entry ids as offsets, and splitting (start, end] into ranges."""
+"""sluice.source.ids: stream entry ids as offsets, splitting (start, end] into ranges, and the
+64-bit event ids of the completeness audit."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.source.ids import MAX_SEQ, ZERO_ID, format_id, id_ms, parse_id, split_range
+from sluice.source.ids import (
+    MAX_SEQ,
+    ZERO_ID,
+    event_ids,
+    format_id,
+    id_ms,
+    parse_id,
+    split_range,
+    stream_salt,
+    xor_all,
+)
 
 FAST = settings(max_examples=120, deadline=None, database=None)
 
@@ -117,3 +129,33 @@ def test_split_range_spreads_by_time(s_ms: int, span: int, parts: int) -> None:
         assert max(widths) - min(widths) <= 1
     else:
         assert ranges == [(f"{s_ms}-0", f"{s_ms + span}-0")]
+
+
+def test_event_ids_differ_between_shards_that_share_an_entry_id() -> None:
+    """Two shards written in the same millisecond both hold `<ms>-0`. Their events must not share
+    ids: the audit XORs ids, and equal ids would cancel in pairs and hide lost updates."""
+    ms, seq, idx = [1_795_335_220_118] * 40, [0] * 40, list(range(40))
+    a = event_ids(ms, seq, idx, "events:0")
+    b = event_ids(ms, seq, idx, "events:1")
+    assert not set(a.tolist()) & set(b.tolist())
+    assert xor_all(np.concatenate([a, b])) != 0
+    assert stream_salt("events:0") != stream_salt("events:1")
+
+
+@FAST
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**48), st.integers(0, 3), st.integers(0, 500),
+                  st.sampled_from(["events:0", "events:1", "orders:0"])),
+        min_size=2, max_size=200, unique=True,
+    )
+)  # fmt: skip
+def test_event_ids_are_distinct_and_deterministic(
+    events: list[tuple[int, int, int, str]],
+) -> None:
+    ids = []
+    for ms, seq, idx, stream in events:
+        (one,) = event_ids([ms], [seq], [idx], stream).tolist()
+        ids.append(one)
+        assert event_ids([ms], [seq], [idx], stream).tolist() == [one]
+    assert len(set(ids)) == len(ids)

@@ -1,7 +1,7 @@
 """The per-batch XOR completeness audit: seed 003's acker, adapted to micro-batches.
 
-Every source event has a 64-bit id derived from its stream entry id and its index in the entry
-(`source.ids.event_ids`). Three XORs are taken per batch:
+Every source event has a 64-bit id derived from its stream, its entry id and its index in the
+entry (`source.ids.event_ids`). Three XORs are taken per batch:
 
 - **source**: the ids of the events the batch admitted, read from Redis by this module with a
   Lua script over the batch's offset range (taken from Spark's offset log), independently of
@@ -119,6 +119,7 @@ def source_xor(
                         np.repeat(parts[:, 0], counts).astype(np.int64),
                         np.repeat(parts[:, 1], counts),
                         idx,
+                        shard,
                     )
                 )
                 events += n

@@ -11,7 +11,7 @@ with every element as bytes. Output columns are the schema fields followed by:
     _eid  string  the stream entry id, for bad events only
     _idx  int     the event's index within its entry
     _raw  string  the offending input, truncated, for bad events only
-    _e    long    the event's 64-bit id, from (entry id, _idx): see source.ids.event_ids
+    _e    long    the event's 64-bit id, from (stream, entry id, _idx): see source.ids.event_ids
 
 How many events an entry holds is `entry_event_count` (one rule, also applied by the
 completeness audit): one per `fields` entry, one per non-blank line of a `jsonl` entry's `d`,
@@ -306,9 +306,10 @@ def _oversize_raw(eid: Any, fields: dict[bytes, bytes], max_entry_bytes: int) ->
 class Decoder:
     """Turns raw entries into record batches. One per `read()` call; holds no connections."""
 
-    def __init__(self, opts: SourceOptions, ref_ms: int) -> None:
+    def __init__(self, opts: SourceOptions, ref_ms: int, stream: str) -> None:
         self.opts = opts
         self.ref_ms = ref_ms
+        self.stream = stream  # the shard read: part of every event id
         self.schema = output_schema(opts)
         self.names = [n for n, _, _ in opts.fields]
         self.bnames = [n.encode() for n in self.names]
@@ -579,17 +580,20 @@ class Decoder:
             pa.array(eid, type=pa.string()),
             idx,
             pa.array(raw, type=pa.string()),
-            pa.array(self._event_ids(chunk, counts, idx)),
+            pa.array(self._event_ids(chunk, counts, idx, self.stream)),
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
     @staticmethod
-    def _event_ids(chunk: Sequence[Sequence[Any]], counts: np.ndarray, idx: pa.Array) -> np.ndarray:
+    def _event_ids(
+        chunk: Sequence[Sequence[Any]], counts: np.ndarray, idx: pa.Array, stream: str
+    ) -> np.ndarray:
         parts = np.array([parse_id(e[0]) for e in chunk], dtype=np.uint64).reshape(-1, 2)
         return event_ids(
             np.repeat(parts[:, 0], counts).astype(np.int64),
             np.repeat(parts[:, 1], counts),
             idx.to_numpy(zero_copy_only=False),
+            stream,
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -59,18 +60,29 @@ def _mix64(z: Any) -> Any:
     return z ^ (z >> np.uint64(31))
 
 
-def event_ids(ms: Any, seq: Any, idx: Any) -> Any:
-    """The 64-bit id of each event: a hash of (entry ms, entry seq, index within the entry).
+def stream_salt(stream: str) -> int:
+    """A stream's share of its events' ids: 64 bits of BLAKE2b of its key name.
+
+    Entry ids are only unique within one stream: two shards written in the same millisecond
+    both hold `<ms>-0`. Without the salt their events would share ids, and the audit's XOR
+    would cancel them in pairs, hiding exactly the losses it exists to catch.
+    """
+    return int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
+
+
+def event_ids(ms: Any, seq: Any, idx: Any, stream: str) -> Any:
+    """The 64-bit id of each event: a hash of (stream, entry ms, entry seq, index in the entry).
 
     Arrays in, int64 array out (the same bits as an unsigned id, as Spark's `long`). The source
-    and the audit compute it independently from the same three numbers, so the only contract is
+    and the audit compute it independently from the same four values, so the only contract is
     this function; it is pseudo-random, so distinct events collide with probability ~2^-64.
     """
     ms64 = np.asarray(ms, dtype=np.int64).astype(np.uint64)
     seq64 = np.asarray(seq, dtype=np.uint64)
     idx64 = np.asarray(idx, dtype=np.int64).astype(np.uint64)
+    salt = np.uint64(stream_salt(stream))
     with np.errstate(over="ignore"):
-        h = _mix64(_mix64(ms64) ^ seq64) ^ _mix64(idx64 ^ np.uint64(0xD6E8FEB86659FD93))
+        h = _mix64(_mix64(ms64 ^ salt) ^ seq64) ^ _mix64(idx64 ^ np.uint64(0xD6E8FEB86659FD93))
         return _mix64(h).view(np.int64)
 
 

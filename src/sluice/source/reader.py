@@ -255,7 +255,7 @@ class RedisStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         shard, lo, hi, ref_ms = partition.value
-        decoder = Decoder(self.opts, ref_ms)
+        decoder = Decoder(self.opts, ref_ms, shard)
         client = raw_client(self.opts.url)
         for chunk in read_range(client, shard, lo, hi):
             yield from decoder.decode(chunk)
