@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +16,10 @@ import click
 
 from sluice.config import Config, load_config
 from sluice.errors import SluiceError
+from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
+from sluice.views import format_dead_letters, format_dead_summary, format_status
 
 log = logging.getLogger("sluice")
-
-
-def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-        stream=sys.stderr,
-    )
-    for noisy in ("py4j", "uvicorn.access", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def _load(path: str) -> Config:
@@ -46,11 +40,30 @@ config_option = click.option(
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", is_flag=True, help="debug logging")
+@click.option(
+    "--log-level",
+    type=click.Choice(LEVELS, case_sensitive=False),
+    default=None,
+    help="sluice's own log level (default info; logs are key=value lines on stderr)",
+)
+@click.option("-v", "--verbose", is_flag=True, help="same as --log-level debug")
+@click.option(
+    "--spark-log-level",
+    type=click.Choice(["error", "warn", "info", "debug"], case_sensitive=False),
+    default=None,
+    help="Spark's (JVM) log level (default error)",
+)
 @click.version_option(package_name="sluice")
-def main(verbose: bool) -> None:
+@click.pass_context
+def main(
+    ctx: click.Context, log_level: str | None, verbose: bool, spark_log_level: str | None
+) -> None:
     """Sluice: real-time per-entity metrics over any window."""
-    setup_logging(verbose)
+    level = "debug" if verbose else (log_level or os.environ.get(LOG_LEVEL_ENV) or "info")
+    setup_logging(level)
+    ctx.obj = {"log_level": level.lower()}
+    if spark_log_level:
+        os.environ[SPARK_LOG_LEVEL_ENV] = spark_log_level.upper()
 
 
 @main.command()
@@ -74,12 +87,17 @@ def run(config_path: str) -> None:
             raise _fail(e) from None
 
         def on_signal(signum: int, _: Any) -> None:
-            log.info("signal %s: stopping after the batch in flight", signal.Signals(signum).name)
+            log.info(
+                "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
+            )
             pipeline.request_stop()
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        log.info("pipeline running; redis=%s checkpoint=%s", _redact(handle.url), pipeline.ckpt)
+        log.info(
+            "pipeline starting",
+            extra={"redis": _redact(handle.url), "checkpoint": str(pipeline.ckpt)},
+        )
         pipeline.run_forever()
         spark.stop()
     log.info("stopped")
@@ -116,21 +134,53 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
     bind = {
         "host": host or cfg.server.host,
         "port": port if port is not None else cfg.server.port,
+        # uvicorn logs through our handler (key=value lines); per-request lines stay off; the
+        # latency of every request is in the Prometheus histogram instead.
+        "log_config": None,
         "log_level": "warning",
+        "access_log": False,
     }
+    log.info(
+        "serving",
+        extra={"url": f"http://{bind['host']}:{bind['port']}/", "workers": n_workers},
+    )
     with handle:
         if n_workers == 1:
             uvicorn.run(create_app(cfg, handle.client), **bind)  # type: ignore[arg-type]
-        else:
-            # Worker processes import the app factory; they find the config and Redis by env.
-            os.environ["SLUICE_CONFIG"] = str(Path(config_path).resolve())
-            os.environ["SLUICE_REDIS_URL"] = handle.url
+            return
+        # Worker processes import the app factory; they find the config and Redis by env, and
+        # write their request latencies where any of them can read all of them for a scrape.
+        os.environ["SLUICE_CONFIG"] = str(Path(config_path).resolve())
+        os.environ["SLUICE_REDIS_URL"] = handle.url
+        os.environ[LOG_LEVEL_ENV] = (click.get_current_context().obj or {}).get("log_level", "info")
+        with _multiprocess_metrics_dir():
             uvicorn.run(
                 "sluice.query.app:app_from_env",
                 factory=True,
                 workers=n_workers,
                 **bind,  # type: ignore[arg-type]
             )
+
+
+@contextlib.contextmanager
+def _multiprocess_metrics_dir() -> Iterator[None]:
+    """A fresh PROMETHEUS_MULTIPROC_DIR for this server's workers (the official client's
+    multiprocess mode), removed on exit. One set by the caller is used as it is."""
+    import shutil
+    import tempfile
+
+    from sluice.query.prom import MULTIPROC_ENV
+
+    if os.environ.get(MULTIPROC_ENV):
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="sluice-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @main.command()
@@ -190,151 +240,69 @@ def query(
 
 @main.command()
 @config_option
-@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def status(config_path: str, as_json: bool) -> None:
-    """Show backlog, rates, freshness and counters."""
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output (one line)")
+@click.option("-w", "--watch", is_flag=True, help="redraw every --interval seconds until Ctrl-C")
+@click.option(
+    "--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+    help="seconds between redraws with --watch",
+)  # fmt: skip
+@click.option(
+    "--count", type=click.IntRange(min=1), default=None, help="with --watch: stop after N views"
+)
+def status(
+    config_path: str, as_json: bool, watch: bool, interval: float, count: int | None
+) -> None:
+    """Show the pipeline's state: rates, backlog, freshness, stages, audit books.
+
+    With --watch, a terminal shows one view redrawn in place; a pipe or file gets one block per
+    interval (one JSON line each with --json).
+    """
+    import time
+
+    import redis
+
     from sluice.clock import SYSTEM_CLOCK
     from sluice.pipeline.status import read_status
     from sluice.redis.connection import open_redis
 
     cfg = _load(config_path)
+    views = count if watch else 1
+    redraw = watch and not as_json and sys.stdout.isatty()
     try:
         with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
-            st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms())
+            shown = 0
+            while views is None or shown < views:
+                if shown:
+                    time.sleep(interval)
+                shown += 1
+                try:
+                    st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms())
+                except redis.RedisError as e:
+                    if not watch:
+                        raise _fail(e) from None
+                    click.echo(f"--- {_stamp()}: redis is unavailable: {e}", err=True)
+                    continue
+                if as_json:
+                    click.echo(json.dumps(st))
+                    continue
+                text = format_status(st)
+                if redraw:
+                    # Home the cursor and clear the screen, so the view stays in one place.
+                    click.echo("\x1b[H\x1b[2J" + _stamp() + "\n" + text, nl=True)
+                elif watch:
+                    click.echo(f"--- {_stamp()}\n{text}\n")
+                else:
+                    click.echo(text)
+    except KeyboardInterrupt:
+        return
     except SluiceError as e:
         raise _fail(e) from None
-    if as_json:
-        click.echo(json.dumps(st))
-        return
-    click.echo(format_status(st))
 
 
-def format_status(st: dict[str, Any]) -> str:
-    c = st["counters"]
-    f = st["freshness_ms"]
-    pipe = st.get("pipeline") or {"state": "unknown"}
-    state = pipe["state"]
-    if pipe.get("consecutive_failures"):
-        state += f" ({pipe['consecutive_failures']} failures in a row: {pipe.get('last_error')})"
-    rows = [
-        ("pipeline", state),
-        ("backlog (entries)", f"{st['backlog']['entries']:,}"),
-        ("backlog (bytes)", _size(st["backlog"].get("bytes"))),
-        ("processed events/s", f"{st['processed_events_per_s']:,.0f}"),
-        ("freshness p50 / p99", f"{_ms(f['p50'])} / {_ms(f['p99'])}"),
-        (
-            "last batch",
-            _ms(st["last_batch_age_ms"]) + " ago"
-            if st["last_batch_age_ms"] is not None
-            else "none yet",
-        ),
-        ("batches", f"{c.get('batches', 0):,}"),
-    ]
-    audit = st.get("audit")
-    if audit is None:
-        rows += [
-            ("events in", f"{c.get('events_in', 0):,}"),
-            ("  aggregated", f"{c.get('events_aggregated', 0):,}"),
-            ("  dead-lettered", f"{c.get('dead_letters', 0):,}"),
-        ]
-    else:
-        b = audit["books"]
-        verdict = "off"
-        if audit["enabled"]:
-            verdict = f"{audit['batches_ok']:,} batches complete"
-            if audit["failed_attempts"]:
-                verdict += f", {audit['failed_attempts']:,} failed attempts replayed"
-        rows += [
-            ("audit", verdict),
-            ("events admitted", f"{b['events_admitted']:,}"),
-            (
-                "events in",
-                f"{b['events_in']:,}  {'= ' if b['balanced'] else '!= '}"
-                "aggregated + dead-lettered + expired",
-            ),
-            ("  aggregated", f"{b['aggregated']:,}"),
-            ("  dead-lettered", f"{b['dead_lettered']:,}"),
-        ]
-        rows += [
-            (f"    {reason}", f"{n:,}")
-            for reason, n in sorted(b["dead_by_reason"].items())
-            if reason != "expired"
-        ]
-        rows.append(("  expired", f"{b['expired']:,}"))
-    width = max(len(k) for k, _ in rows)
-    out = [f"{k.ljust(width)}  {v}" for k, v in rows]
-    flow = st.get("flow")
-    if flow:
-        out += ["", *format_flow(flow)]
-    return "\n".join(out)
-
-
-def format_flow(flow: dict[str, Any]) -> list[str]:
-    """One row per stage: throttle state, rates and backpressure ratio; then recent changes."""
-    head = ("stage", "tasks", "state", "rate/s", "origin/s", "measured/s", "bp ratio", "queue")
-    rows = [head]
-    for name, s in flow["stages"].items():
-        q = s.get("queue") or {}
-        queue = "-"
-        if "write_ms" in q:
-            queue = f"write {_ms(q.get('write_ms'))}, mem {_size(q.get('used_memory'))}"
-        elif q:
-            queue = f"{q.get('entries', 0):,} entries, {_size(q.get('bytes'))}"
-        state = "overloaded" if s["overloaded"] else "ok"
-        if s["backpressure"]:
-            state = "throttled" + (", overloaded" if s["overloaded"] else "")
-        rows.append(
-            (
-                name,
-                str(s["tasks"]),
-                state,
-                "unlimited" if s["rate"] is None else f"{s['rate']:,.0f}",
-                "-" if s["origin_rate"] is None else f"{s['origin_rate']:,.0f}",
-                f"{s['measured_rate']:,.0f}",
-                f"{s['backpressure_ratio']:.2f}",
-                queue,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = [
-        f"backpressure: {flow['controller']}, high {_size(flow['high_watermark'])},"
-        f" low {_size(flow['low_watermark'])}"
-    ]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    changes = flow.get("timeline") or []
-    if changes:
-        lines += ["", "recent changes (newest first):"]
-        for ev in changes[:5]:
-            rate = ev.get("rate")
-            lines.append(
-                f"  {_clock(ev.get('changed_ms'))}  {ev.get('task')}  "
-                f"{'throttled' if ev.get('backpressure') else 'free'}  "
-                f"rate {'unlimited' if rate is None else f'{rate:,.0f}/s'}"
-            )
-    return lines
-
-
-def _size(n: Any) -> str:
-    if n is None:
-        return "-"
-    v = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if v < 1000 or unit == "GB":
-            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
-        v /= 1000
-    return f"{v:,.1f} GB"
-
-
-def _clock(ms: Any) -> str:
+def _stamp() -> str:
     import datetime as dt
 
-    if ms is None:
-        return "--:--:--"
-    return dt.datetime.fromtimestamp(int(ms) / 1000, dt.UTC).strftime("%H:%M:%S")
-
-
-def _ms(v: float | None) -> str:
-    return "–" if v is None else f"{v:,.0f} ms"
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 @main.command()
@@ -382,46 +350,6 @@ def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool
         import shutil
 
         click.echo(format_dead_letters(out["items"], shutil.get_terminal_size((120, 24)).columns))
-
-
-def format_dead_summary(out: dict[str, Any], stream: str, reason: str | None) -> str:
-    by = ", ".join(f"{r} {n:,}" for r, n in out["by_reason"].items())
-    counted = f"\ncounted since the start, by reason: {by}" if by else ""
-    which = f" with reason `{reason}`" if reason else ""
-    if not out["items"]:
-        return f"no dead letters{which} in {stream} ({out['total']:,} in all){counted}"
-    return (
-        f"{out['total']:,} dead letters in {stream}; the newest {len(out['items']):,}{which},"
-        f" newest first{counted}"
-    )
-
-
-def format_dead_letters(items: list[dict[str, Any]], width: int = 120) -> str:
-    """One line per dead letter; `raw` (control characters escaped) is cut to fit `width`."""
-    import datetime as dt
-
-    head = ("time (UTC)", "entry id", "idx", "reason", "field", "raw")
-    rows = [head]
-    for it in items:
-        when = dt.datetime.fromtimestamp(it["written_ms"] / 1000, dt.UTC)
-        raw = json.dumps(it["raw"], ensure_ascii=False)[1:-1]
-        rows.append(
-            (
-                when.strftime("%Y-%m-%d %H:%M:%S"),
-                it["entry_id"],
-                str(it["idx"]),
-                it["reason"],
-                it["field"] or "-",
-                raw,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    room = max(20, width - sum(widths) - 2 * len(widths))
-    lines = []
-    for r in rows:
-        raw = r[-1] if len(r[-1]) <= room else r[-1][: room - 1] + "…"
-        lines.append("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), raw]))
-    return "\n".join(line.rstrip() for line in lines)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -69,8 +69,6 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
 
     state_dir.mkdir(parents=True, exist_ok=True)
     cfg = demo_config(state_dir)
-    # The live status line says what the per-batch log lines would; keep the terminal readable.
-    logging.getLogger("sluice.pipeline.job").setLevel(logging.WARNING)
     produced = {"events": 0}
     stop = threading.Event()
 
@@ -92,7 +90,7 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
         while not server.started and api.is_alive():
             time.sleep(0.05)
         bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
-        print(f"Sluice demo: dashboard and API at http://127.0.0.1:{bound}/", flush=True)
+        print(f"Sluice demo: open the dashboard at http://127.0.0.1:{bound}/", flush=True)
         print("starting Spark (takes a few seconds)...", flush=True)
         spark = build_spark(cfg, app_name="sluice-demo")
         pipeline = Pipeline(cfg, handle, spark)
@@ -111,6 +109,7 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
         example = f"http://127.0.0.1:{bound}/v1/metrics/txn_count?key=card-0&window=5m"
         print(f"example: curl '{example}'", flush=True)
         started = time.monotonic()
+        bad = _BadEvents(cfg, handle.client)
         tty = sys.stdout.isatty()
         prev_in: tuple[float, int] | None = None
         try:
@@ -118,6 +117,7 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
                 if duration_s is not None and time.monotonic() - started >= duration_s:
                     break
                 stop.wait(1.0 if tty else 2.0)
+                bad.maybe_send()
                 st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms(), window_s=5)
                 events_in = st["counters"].get("events_in", 0)
                 now = time.monotonic()
@@ -147,6 +147,38 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
             spark.stop()
             server.should_exit = True
             api.join(timeout=10)
+
+
+class _BadEvents:
+    """A malformed event now and then, so the dashboard's dead letters and audit books have
+    something to show: one every `every_s`, cycling through a few kinds of damage."""
+
+    KINDS = (
+        b'{"ts": %d, "card": "card-7", "merchant": "merchant-2", "amount": "twelve"}',
+        b'{"ts": %d, "card": "card-3", "merchant": "merchant-1", "amount": 4.5',
+        b'{"ts": %d, "merchant": "merchant-5", "amount": 9.99}',
+        b'["ts", %d, "card-1"]',
+    )
+
+    def __init__(self, cfg: Config, client: Any, every_s: float = 7.0) -> None:
+        from sluice.source.producer import Producer
+
+        self.producer = Producer.from_config(cfg, client, flow=False)
+        self.every_s = every_s
+        self.next_s = time.monotonic() + every_s
+        self.n = 0
+
+    def maybe_send(self) -> None:
+        if time.monotonic() < self.next_s:
+            return
+        self.next_s = time.monotonic() + self.every_s
+        line = self.KINDS[self.n % len(self.KINDS)] % SYSTEM_CLOCK.now_ms()
+        self.n += 1
+        self.producer.send_lines(self.n % len(self.producer.keys), [line])
+        try:
+            self.producer.flush()
+        except Exception as e:  # noqa: BLE001 - decoration only; the line stays buffered
+            log.debug("bad event not sent", extra={"error": str(e)})
 
 
 def _flow(stage: dict[str, Any]) -> str:

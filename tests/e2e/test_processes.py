@@ -60,6 +60,13 @@ def test_run_processes_events_and_stops_cleanly_on_sigterm(
     output = (tmp_path / "run.log").read_text()
     assert "stopping after the batch in flight" in output
     assert "msg=stopped" in output
+    # One key=value line per event; Spark's INFO and WARN chatter stays out by default.
+    ours = [line for line in output.splitlines() if " logger=sluice" in line]
+    assert len(ours) >= 3, output
+    assert all(re.match(r"^ts=\S+Z level=[A-Z]+ logger=sluice\S* msg=", line) for line in ours)
+    assert 'msg="pipeline state" state=running' in output
+    assert "log4j" not in output and "Setting default log level" not in output
+    assert " level=INFO logger=org.apache" not in output
     assert r.xlen("events") <= 1  # committed input was trimmed
 
 

@@ -157,7 +157,7 @@ def test_status_health_and_prometheus(api: TestClient) -> None:
 
 def test_healthz_is_503_while_the_pipeline_keeps_failing(api: TestClient, r: redis.Redis) -> None:
     from sluice.clock import SYSTEM_CLOCK
-    from sluice.pipeline.job import FAILING_AFTER, Health
+    from sluice.pipeline.health import FAILING_AFTER, Health
 
     health = Health(r, SYSTEM_CLOCK)
     for i in range(FAILING_AFTER - 1):
@@ -305,6 +305,29 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path) 
                 assert time.monotonic() < deadline, "serve did not start"
                 time.sleep(0.2)
         assert resp.json()["value"] == 5
+        for _ in range(19):  # a new connection each: both workers answer some
+            assert httpx.get(resp.url).status_code == 200
+        # Every worker's latencies are in every scrape (the client's multiprocess mode).
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for _ in range(4):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            hist = next(
+                f
+                for f in text_string_to_metric_families(text)
+                if f.name == "sluice_http_request_duration_seconds"
+            )
+            count = sum(
+                s.value
+                for s in hist.samples
+                if s.name.endswith("_count") and s.labels["route"] == "/v1/metrics/{name}"
+            )
+            assert count == 20
+        # The workers' samplers keep one shared history.
+        deadline = time.monotonic() + 10
+        while not httpx.get(f"http://127.0.0.1:{port}/v1/status?history=5").json()["history"]:
+            assert time.monotonic() < deadline, "no history sample"
+            time.sleep(0.2)
     finally:
         proc.terminate()
         proc.wait(timeout=20)

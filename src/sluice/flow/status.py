@@ -29,6 +29,7 @@ def flow_status(client: Any, cfg: Config, now_ms: int, timeline: int = 50) -> di
             "rate": None if not live or any(r is None for r in rates) else sum(rates),
             "origin_rate": sum(origins) if origins else None,
             "measured_rate": sum(float(t.get("measured_rate") or 0.0) for t in live),
+            "emitted_total": sum(int(t.get("emitted_total") or 0) for t in live),
             "backpressure_ratio": max(
                 (float(t.get("backpressure_ratio") or 0.0) for t in live), default=0.0
             ),
@@ -41,5 +42,5 @@ def flow_status(client: Any, cfg: Config, now_ms: int, timeline: int = 50) -> di
         "high_watermark": cfg.backpressure.high_watermark,
         "low_watermark": cfg.backpressure.low_watermark,
         "stages": stages,
-        "timeline": board.timeline(timeline),
+        "timeline": board.timeline(timeline) if timeline > 0 else [],
     }

@@ -89,6 +89,7 @@ class StageTask:
         self.id = task or task_id(stage.name)
         self.meter = RateMeter(clock)
         self.ratio = RatioMeter(clock)
+        self.emitted_total = 0  # events emitted since this task started: rates by difference
         self.queue: dict[str, Any] | None = None
         self.extra: dict[str, Any] = {}
         self._cursor = board.signals_tail()
@@ -117,6 +118,11 @@ class StageTask:
         self._changed |= changed
         return changed
 
+    def emit(self, n: int) -> None:
+        """`n` events left this task: metered, and counted in `emitted_total`."""
+        self.meter.add(n)
+        self.emitted_total += n
+
     def mark_changed(self) -> None:
         self._changed = True
 
@@ -132,6 +138,7 @@ class StageTask:
             "upstreams": list(self.stage.upstreams),
             "listens": self.listens,
             "measured_rate": round(self.meter.rate(), 1),
+            "emitted_total": self.emitted_total,
             "backpressure_ratio": round(self.ratio.ratio(), 4),
             "queue": self.queue,
             "updated_ms": self.clock.now_ms(),

@@ -145,7 +145,7 @@ class IngestValve:
 
     def _take(self, n: int) -> None:
         self.bucket.take(n)
-        self.task.meter.add(n)
+        self.task.emit(n)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # best effort on the way out
@@ -237,7 +237,7 @@ class AdmissionValve:
         now = self.clock.now_ms()
         if events:
             self._prev_admit_ms, self._admit_ms = self._admit_ms, now
-            self.task.meter.add(events)
+            self.task.emit(events)
         ctl = self.task.controller
         if held_back:
             self._held_ms = now

@@ -23,7 +23,9 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import AuditError, PipelineError
 from sluice.flow.valves import StoreMonitor
+from sluice.pipeline import freshness
 from sluice.pipeline.audit import AuditResult, Ledger, batch_offsets, source_xor, writer_xors
+from sluice.pipeline.health import Health, Progress
 from sluice.pipeline.plan import (
     check_expressions,
     explode_updates,
@@ -33,64 +35,12 @@ from sluice.pipeline.plan import (
 )
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition, writer_token
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import BATCHES_KEY, EPOCH_KEY, HEALTH_KEY, STATS_KEY
+from sluice.redis.keys import BATCHES_KEY, EPOCH_KEY, FRESHNESS_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
 from sluice.source.options import SourceOptions
 from sluice.source.reader import FORMAT
 
 log = logging.getLogger(__name__)
-
-
-FAILING_AFTER = 3
-
-
-class Health:
-    """The supervisor's state in Redis (`sluice:{stats}:health`). Writes never raise: a Redis
-    outage is itself a state the supervisor lives through."""
-
-    def __init__(self, client: Any, clock: Clock) -> None:
-        self.client = client
-        self.clock = clock
-        self.state = "starting"
-        self.failures = 0
-        self.restarts = 0
-        self.last_error: str | None = None
-
-    def set(self, state: str, error: str | None = None) -> None:
-        changed = state != self.state
-        self.state = state
-        if error is not None:
-            self.last_error = error
-        self._write(changed)
-
-    def failed(self, error: str) -> None:
-        self.failures += 1
-        self.restarts += 1
-        self.set("failing" if self.failures >= FAILING_AFTER else "restarting", error)
-
-    def recovered(self) -> None:
-        if self.failures or self.state != "running":
-            self.failures = 0
-            self.set("running")
-
-    def beat(self) -> None:
-        self._write(False)
-
-    def _write(self, changed: bool) -> None:
-        now = self.clock.now_ms()
-        fields: dict[str, Any] = {
-            "state": self.state,
-            "consecutive_failures": self.failures,
-            "restarts": self.restarts,
-            "last_error": self.last_error or "",
-            "heartbeat_ms": now,
-        }
-        if changed:
-            fields["changed_ms"] = now
-        try:
-            self.client.hset(HEALTH_KEY, mapping=fields)
-        except Exception as e:  # noqa: BLE001 - Redis may be the thing that is down
-            log.debug("could not publish health: %s", e)
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -229,8 +179,9 @@ class Pipeline:
             if audit is None or audit.ok:
                 break
             log.warning(
-                "batch %d: audit residual %#018x on attempt %d of %d; writing it again",
-                batch_id, audit.residual, attempt, attempts,
+                "audit did not balance; writing the batch again",
+                extra={"batch": batch_id, "residual": f"{audit.residual:#018x}",
+                       "attempt": attempt, "attempts": attempts},
             )  # fmt: skip
         else:
             assert audit is not None
@@ -256,11 +207,20 @@ class Pipeline:
             counters += [f"dead_{reason}", n]
         if audit is not None:
             counters += ["events_admitted", audit.events, "audit_replays", attempt - 1]
-        self._record(keys=[STATS_KEY, BATCHES_KEY], args=[token, orjson.dumps(rec), *counters])
+        wait_ms = freshness.observation(rec)
+        if wait_ms is not None:
+            counters += ["|", *freshness.increments(wait_ms)]
+        self._record(
+            keys=[STATS_KEY, BATCHES_KEY, FRESHNESS_KEY], args=[token, orjson.dumps(rec), *counters]
+        )
         if rec["events"]:
-            log.info(
-                "batch %d: %d events, %d dead, %d slice updates in %d ms",
-                batch_id, rec["events"], rec["dead"], rec["applied"], rec["done_ms"] - started,
+            log.debug(
+                "batch written",
+                extra={
+                    "batch": batch_id, "events": rec["events"], "dead": rec["dead"],
+                    "updates": rec["applied"], "duration_ms": rec["done_ms"] - started,
+                    "attempts": attempt,
+                },
             )  # fmt: skip
         self._observe_store(rec["write_ms"])
         if self.on_batch is not None:
@@ -285,7 +245,7 @@ class Pipeline:
             start, end = batch_offsets(self.ckpt, batch_id)
         except FileNotFoundError:
             # Only a batch handed in directly (not by the streaming query) has no offset log.
-            log.warning("batch %d has no offset log entry: it is not audited", batch_id)
+            log.warning("batch not audited: no offset log entry", extra={"batch": batch_id})
             return None
         x, events, entries = source_xor(
             self.redis.client, start, end, self.cfg.source.format,
@@ -312,7 +272,7 @@ class Pipeline:
         try:
             self.store.observe(write_ms)
         except Exception as e:  # noqa: BLE001 - flow control must never fail a batch
-            log.warning("store monitor: %s", e)
+            log.warning("store monitor failed", extra={"error": str(e)})
 
     def _flow_loop(self) -> None:
         """Between batches the store is still watched, so quiet periods count (seed 000)."""
@@ -324,7 +284,7 @@ class Pipeline:
             try:
                 self.store.tick()
             except Exception as e:  # noqa: BLE001 - retried next tick
-                log.debug("store monitor: %s", e)
+                log.debug("store monitor failed", extra={"error": str(e)})
 
     def _on_batch(self, exploded: DataFrame, batch_id: int) -> None:
         self.process_batch(exploded, batch_id)
@@ -399,7 +359,9 @@ class Pipeline:
         backoff = 1.0
         health = Health(self.redis.client, self.clock)
         health.set("starting")
+        progress = Progress(self.redis.client)
         while not self._stop.is_set():
+            progress.maybe_log()
             if self.query is None:
                 if not self._redis_up():
                     health.set("waiting_for_redis", "redis is unreachable")
@@ -409,7 +371,7 @@ class Pipeline:
                     self.start()
                     health.set("running" if health.failures == 0 else health.state)
                 except Exception as e:  # noqa: BLE001 - start errors are retried like failures
-                    log.error("could not start the streaming query: %s", e)
+                    log.error("query start failed", extra={"error": str(e), "retry_in_s": backoff})
                     health.failed(str(e))
                     self._sleep(backoff)
                     backoff = min(backoff * 2, max_backoff_s)
@@ -426,7 +388,7 @@ class Pipeline:
                 if self._stop.is_set():
                     break
                 health.failed(str(err).splitlines()[0] if err else "query stopped")
-                log.error("streaming query stopped: %s; restarting in %.0fs", err, backoff)
+                log.error("query failed", extra={"error": str(err), "retry_in_s": backoff})
                 self._sleep(backoff)
                 backoff = min(backoff * 2, max_backoff_s)
             else:

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from sluice.config import Config
-from sluice.flow.stages import stream_level
+from sluice.flow.stages import memory_fraction, stream_level
 from sluice.flow.status import flow_status
 from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, OFFSETS_KEY, STATS_KEY
 
@@ -71,10 +71,10 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
     span_s = window_s
     if recent:
         span_s = max(0.5, min(window_s, (now_ms - min(b["started_ms"] for b in recent)) / 1000))
-    # Freshness of a batch: how long its oldest and newest events waited to become queryable.
-    oldest = [b["done_ms"] - b["min_ems"] for b in recent if b.get("min_ems") is not None]
-    newest = [b["done_ms"] - b["max_ems"] for b in recent if b.get("max_ems") is not None]
     last = orjson.loads(stats["last_batch"]) if "last_batch" in stats else None
+    flow = flow_status(client, cfg, now_ms)
+    processed = events / span_s if recent else 0.0
+    used, cap = memory_fraction(client)
     return {
         "backlog": {
             "entries": total,
@@ -83,19 +83,40 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
             "low_watermark": cfg.backpressure.low_watermark,
             "shards": per_shard,
         },
-        "processed_events_per_s": events / span_s if recent else 0.0,
-        "freshness_ms": {
-            "p50": _percentile(newest + oldest, 0.5),
-            "p99": _percentile(oldest, 0.99),
-            "max": max(oldest) if oldest else None,
+        "processed_events_per_s": processed,
+        "rates": {
+            # Events per second: sent by producers (the SDK and POST /v1/events, metered by
+            # their ingest tasks), admitted into micro-batches, and folded into the store.
+            "input_events_per_s": _stage_rate(flow, "ingest"),
+            "admitted_events_per_s": _stage_rate(flow, "spark"),
+            "processed_events_per_s": processed,
         },
+        "freshness_ms": freshness_of(recent),
         "counters": counters,
         "last_batch": last,
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
-        "flow": flow_status(client, cfg, now_ms),
+        "redis": {"used_memory": used, "maxmemory": cap},
+        "flow": flow,
         "pipeline": pipeline_health(client, now_ms),
         "audit": audit_status(client, cfg, counters, last),
     }
+
+
+def freshness_of(batches: list[dict[str, Any]]) -> dict[str, float | None]:
+    """p50, p99 and max of how long the batches' events waited to become queryable: p50 over
+    the oldest and newest entry of each batch, p99 and max over the oldest."""
+    oldest = [b["done_ms"] - b["min_ems"] for b in batches if b.get("min_ems") is not None]
+    newest = [b["done_ms"] - b["max_ems"] for b in batches if b.get("max_ems") is not None]
+    return {
+        "p50": _percentile(newest + oldest, 0.5),
+        "p99": _percentile(oldest, 0.99),
+        "max": max(oldest) if oldest else None,
+    }
+
+
+def _stage_rate(flow: dict[str, Any], stage: str) -> float:
+    st = flow["stages"].get(stage)
+    return float(st["measured_rate"]) if st else 0.0
 
 
 HEARTBEAT_STALE_MS = 10_000

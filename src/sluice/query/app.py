@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import threading
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -11,16 +14,19 @@ import redis
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
-from sluice.errors import BackpressureError, QueryError, SluiceError
+from sluice.errors import BackpressureError, BadQuery, QueryError, SluiceError
 from sluice.flow.valves import IngestValve
+from sluice.pipeline.history import HISTORY_LEN, Sampler, read_history
 from sluice.pipeline.status import read_status
 from sluice.query.engine import QueryEngine
+from sluice.query.prom import RequestTimer
 from sluice.source.producer import Producer
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -59,6 +65,29 @@ class _Guard:
                 big = error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
                 return await big(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _Timer:
+    """Records each request's latency by route template into the Prometheus histogram.
+
+    Outermost, so it times the whole request, including the response's serialisation. The
+    route is read after the app ran: Starlette's router leaves the matched route in the scope.
+    """
+
+    def __init__(self, app: ASGIApp, timer: RequestTimer) -> None:
+        self.app = app
+        self.timer = timer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is not None:
+                self.timer.observe(scope["method"], route, time.perf_counter() - t0)
 
 
 class Lookup(BaseModel):
@@ -116,22 +145,44 @@ def app_from_env() -> FastAPI:
     import os
 
     from sluice.config import load_config
+    from sluice.logs import LOG_LEVEL_ENV, setup_logging
     from sluice.redis.connection import client_for
 
+    setup_logging(os.environ.get(LOG_LEVEL_ENV, "info"))  # a fresh process: no handler yet
     cfg = load_config(os.environ["SLUICE_CONFIG"])
     return create_app(cfg, client_for(os.environ["SLUICE_REDIS_URL"]))
 
 
-def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+def create_app(
+    cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK, history: bool = True
+) -> FastAPI:
+    """The API and dashboard over `client`. With `history`, the app's lifespan runs a
+    `Sampler` that records the per-second history the dashboard charts (one small write a
+    second, shared by every worker); the lifespan runs under uvicorn, not under a bare
+    TestClient."""
     engine = QueryEngine(cfg, client, clock)
     aclients = AsyncClients(client)
+    timer = RequestTimer()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sampler = Sampler(client, cfg, clock).start() if history else None
+        try:
+            yield
+        finally:
+            if sampler is not None:
+                await run_in_threadpool(sampler.stop)
+
     app = FastAPI(
         title="Sluice",
         version="0.1.0",
         description="Per-entity metrics over any window, merged from time slices.",
         default_response_class=ORJSONResponse,
+        lifespan=lifespan,
     )
     app.add_middleware(_Guard, token=cfg.server.token)
+    app.add_middleware(_Timer, timer=timer)
+    app.mount("/static", StaticFiles(packages=[("sluice.web", "static")]), name="static")
     app.state.engine = engine
     valves: list[IngestValve] = []
     valve_lock = threading.Lock()
@@ -224,9 +275,18 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
         return {"accepted": len(events)}
 
     @app.get("/v1/status")
-    def status() -> dict[str, Any]:
-        """Backlog, processed rate, freshness and the audit counters."""
-        return read_status(client, cfg, clock.now_ms())
+    def status(
+        history: str | None = Query(
+            default=None, description="also the per-second history of the last N seconds (≤ 600)"
+        ),
+    ) -> dict[str, Any]:
+        """Backlog, rates, freshness, flow state, supervisor health and the audit's books;
+        with `history=N`, also the samples of the last N seconds, oldest first."""
+        seconds = _parse_history(history)
+        out = read_status(client, cfg, clock.now_ms())
+        if seconds is not None:
+            out["history"] = read_history(client, seconds)
+        return out
 
     @app.get("/v1/dead-letters")
     def dead_letters(
@@ -260,18 +320,41 @@ def create_app(cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> FastAPI
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> Response:
-        from sluice.query.prom import exposition
+        """Prometheus text format: the pipeline's state from Redis, and request latency."""
+        from sluice.pipeline.freshness import read_histogram
+        from sluice.query.prom import exposition, redis_health
 
-        body, ctype = exposition(read_status(client, cfg, clock.now_ms()))
+        health = redis_health(client)
+        st = fresh = None
+        if health["up"]:
+            try:
+                st = read_status(client, cfg, clock.now_ms())
+                fresh = read_histogram(client)
+            except redis.RedisError:
+                health = {"up": 0}
+        body, ctype = exposition(st, health, fresh, timer)
         return Response(body, media_type=ctype)
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> Response:
+        """The dashboard: one page, its scripts and styles under /static."""
         from sluice.web.page import dashboard_html
 
         return HTMLResponse(dashboard_html())
 
     return app
+
+
+def _parse_history(value: str | None) -> int | None:
+    """The `history` query parameter: seconds from 0 to HISTORY_LEN, or QueryError (400)."""
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()) or int(value) > HISTORY_LEN:
+        raise BadQuery(
+            f"`history` must be a number of seconds from 0 to {HISTORY_LEN}, got {value!r}",
+            "history",
+        )
+    return int(value)
 
 
 def _parse_events(raw: bytes) -> list[dict[str, Any]]:

@@ -12,6 +12,9 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
     sluice:{stats}:offsets         hash: shard -> last committed entry id
     sluice:{stats}:health          hash: the supervisor's state, failures, last error, heartbeat
+    sluice:{stats}:freshness       hash: the freshness histogram (bucket counts, count, sum)
+    sluice:{stats}:history         list: per-second samples for the dashboard (JSON, newest first)
+    sluice:{stats}:history:t       string: the second of the newest sample
     sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
     sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
     sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
@@ -30,6 +33,9 @@ STATS_KEY = f"{PREFIX}:{{stats}}"
 BATCHES_KEY = f"{PREFIX}:{{stats}}:batches"
 OFFSETS_KEY = f"{PREFIX}:{{stats}}:offsets"
 HEALTH_KEY = f"{PREFIX}:{{stats}}:health"
+FRESHNESS_KEY = f"{PREFIX}:{{stats}}:freshness"
+HISTORY_KEY = f"{PREFIX}:{{stats}}:history"
+HISTORY_SECOND_KEY = f"{PREFIX}:{{stats}}:history:t"
 EPOCH_KEY = f"{PREFIX}:epoch"
 FLOW_STATE_KEY = f"{PREFIX}:{{flow}}:state"
 FLOW_SIGNALS_KEY = f"{PREFIX}:{{flow}}:signals"

@@ -16,6 +16,7 @@ DEAD_LETTERS = "dead_letters"
 ADVANCE = "advance"
 RECORD_BATCH = "record_batch"
 AUDIT_SOURCE = "audit_source"
+RECORD_SAMPLE = "record_sample"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)

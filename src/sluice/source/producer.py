@@ -15,6 +15,9 @@ events, which blocks while the input is backpressured (seed 000's throttled upst
 caller can retry; nothing is dropped. The same holds for a Redis error during `flush`: the
 buffer is kept, and since a pipeline is not atomic, a retry may repeat entries that were written
 before the error (at least once, never lost).
+
+Each flush also adds its event count to the `events_produced` counter in the same round trip;
+the dashboard's input rate is taken from it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import orjson
 
 from sluice.config import Config
 from sluice.errors import SluiceError
+from sluice.redis.keys import STATS_KEY
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
@@ -136,6 +140,9 @@ class Producer:
                 entries += 1
                 events += 1
         if entries:
+            # For the input rate on the dashboard and in /v1/status history (a rate, not an
+            # audit: a retried flush may count its events twice).
+            pipe.hincrby(STATS_KEY, "events_produced", events)
             # The buffer is emptied only once Redis has answered: after a connection error the
             # caller still holds every event (a retry may repeat the entries that did land).
             pipe.execute()

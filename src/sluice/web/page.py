@@ -1,4 +1,5 @@
-"""The dashboard page served at `GET /`: one self-contained file, no external assets."""
+"""The dashboard page served at `GET /`. Its script and styles are package data under
+`static/`, served by the app at `/static/…`; nothing is loaded from another origin."""
 
 from __future__ import annotations
 

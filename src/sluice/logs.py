@@ -1,0 +1,89 @@
+"""Structured logs: one line per event, `key=value` pairs (logfmt), on stderr.
+
+    ts=2025-01-02T03:04:05.678Z level=INFO logger=sluice.pipeline.job msg=progress batches=120
+
+`msg` names the event; the facts ride as fields, passed with `extra=`:
+`log.info("progress", extra={"batches": 120})`. A value with a space, a quote, `=` or a control
+character is written as a JSON string, so a line always splits back into its pairs, and a
+traceback stays on the event's line (`exc="Traceback …\\n…"`). Levels stay upper-case
+(`level=ERROR`): scripts count them.
+
+Spark's own (JVM) logs are not routed here: `pipeline.spark` sets their level, ERROR by default.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import sys
+from typing import Any
+
+LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVEL_ENV = "SLUICE_LOG_LEVEL"  # read by `sluice serve`'s worker processes
+SPARK_LOG_LEVEL_ENV = "SLUICE_SPARK_LOG_LEVEL"  # read by `pipeline.spark.build_spark`
+# Libraries whose INFO lines are per request or per connection: quiet unless asked for.
+NOISY = ("py4j", "uvicorn.access", "httpx", "httpcore", "selenium", "urllib3")
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+
+def _value(v: Any) -> str:
+    text = v if isinstance(v, str) else str(v)
+    if text and all(c > " " and c not in '"=\\' and c != "\x7f" for c in text):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+class KeyValueFormatter(logging.Formatter):
+    """`ts level logger msg` first, then the record's extra fields in the order given."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = dt.datetime.fromtimestamp(record.created, dt.UTC)
+        parts = [
+            f"ts={ts.strftime('%Y-%m-%dT%H:%M:%S')}.{int(record.msecs):03d}Z",
+            f"level={record.levelname}",
+            f"logger={record.name}",
+            f"msg={_value(record.getMessage())}",
+        ]
+        for k, v in record.__dict__.items():
+            if k not in _STANDARD and not k.startswith("_"):
+                parts.append(f"{k}={_value(v)}")
+        if record.exc_info:
+            parts.append(f"exc={_value(self.formatException(record.exc_info))}")
+        return " ".join(parts)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (test runners swap it)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
+def setup_logging(level: str = "info") -> None:
+    """Route every logger to stderr as key=value lines at `level` (debug, info, warning, error).
+
+    Idempotent: a second call replaces the handler and the level.
+    """
+    if level.lower() not in LEVELS:
+        raise ValueError(f"`level` must be one of {', '.join(LEVELS)}, got {level!r}")
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_sluice", False):
+            root.removeHandler(h)
+    handler = _StderrHandler()
+    handler.setFormatter(KeyValueFormatter())
+    handler._sluice = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for noisy in NOISY:
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

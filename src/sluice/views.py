@@ -1,0 +1,183 @@
+"""Terminal views of the pipeline's state: the `sluice status` table and the dead-letter list.
+
+Pure functions from the JSON of `pipeline.status.read_status` and
+`pipeline.dead_letters.read_dead_letters` to text, so the CLI, tests and scripts share them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+
+def format_status(st: dict[str, Any]) -> str:
+    c = st["counters"]
+    f = st["freshness_ms"]
+    pipe = st.get("pipeline") or {"state": "unknown"}
+    state = pipe["state"]
+    if pipe.get("consecutive_failures"):
+        state += f" ({pipe['consecutive_failures']} failures in a row: {pipe.get('last_error')})"
+    rows = [
+        ("pipeline", state),
+        ("backlog (entries)", f"{st['backlog']['entries']:,}"),
+        ("backlog (bytes)", _size(st["backlog"].get("bytes"))),
+        ("events/s in / admitted / processed", _rates(st)),
+        ("freshness p50 / p99", f"{_ms(f['p50'])} / {_ms(f['p99'])}"),
+        (
+            "last batch",
+            _ms(st["last_batch_age_ms"]) + " ago"
+            if st["last_batch_age_ms"] is not None
+            else "none yet",
+        ),
+        ("batches", f"{c.get('batches', 0):,}"),
+        ("redis memory", _size((st.get("redis") or {}).get("used_memory"))),
+    ]
+    audit = st.get("audit")
+    if audit is None:
+        rows += [
+            ("events in", f"{c.get('events_in', 0):,}"),
+            ("  aggregated", f"{c.get('events_aggregated', 0):,}"),
+            ("  dead-lettered", f"{c.get('dead_letters', 0):,}"),
+        ]
+    else:
+        b = audit["books"]
+        verdict = "off"
+        if audit["enabled"]:
+            verdict = f"{audit['batches_ok']:,} batches complete"
+            if audit["failed_attempts"]:
+                verdict += f", {audit['failed_attempts']:,} failed attempts replayed"
+        rows += [
+            ("audit", verdict),
+            ("events admitted", f"{b['events_admitted']:,}"),
+            (
+                "events in",
+                f"{b['events_in']:,}  {'= ' if b['balanced'] else '!= '}"
+                "aggregated + dead-lettered + expired",
+            ),
+            ("  aggregated", f"{b['aggregated']:,}"),
+            ("  dead-lettered", f"{b['dead_lettered']:,}"),
+        ]
+        rows += [
+            (f"    {reason}", f"{n:,}")
+            for reason, n in sorted(b["dead_by_reason"].items())
+            if reason != "expired"
+        ]
+        rows.append(("  expired", f"{b['expired']:,}"))
+    width = max(len(k) for k, _ in rows)
+    out = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    flow = st.get("flow")
+    if flow:
+        out += ["", *format_flow(flow)]
+    return "\n".join(out)
+
+
+def _rates(st: dict[str, Any]) -> str:
+    r = st.get("rates") or {}
+    parts = (r.get("input_events_per_s"), r.get("admitted_events_per_s"))
+    shown = [("-" if v is None else f"{v:,.0f}") for v in parts]
+    return " / ".join([*shown, f"{st['processed_events_per_s']:,.0f}"])
+
+
+def format_flow(flow: dict[str, Any]) -> list[str]:
+    """One row per stage: throttle state, rates and backpressure ratio; then recent changes."""
+    head = ("stage", "tasks", "state", "rate/s", "origin/s", "measured/s", "bp ratio", "queue")
+    rows = [head]
+    for name, s in flow["stages"].items():
+        q = s.get("queue") or {}
+        queue = "-"
+        if "write_ms" in q:
+            queue = f"write {_ms(q.get('write_ms'))}, mem {_size(q.get('used_memory'))}"
+        elif q:
+            queue = f"{q.get('entries', 0):,} entries, {_size(q.get('bytes'))}"
+        state = "overloaded" if s["overloaded"] else "ok"
+        if s["backpressure"]:
+            state = "throttled" + (", overloaded" if s["overloaded"] else "")
+        rows.append(
+            (
+                name,
+                str(s["tasks"]),
+                state,
+                "unlimited" if s["rate"] is None else f"{s['rate']:,.0f}",
+                "-" if s["origin_rate"] is None else f"{s['origin_rate']:,.0f}",
+                f"{s['measured_rate']:,.0f}",
+                f"{s['backpressure_ratio']:.2f}",
+                queue,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [
+        f"backpressure: {flow['controller']}, high {_size(flow['high_watermark'])},"
+        f" low {_size(flow['low_watermark'])}"
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    changes = flow.get("timeline") or []
+    if changes:
+        lines += ["", "recent changes (newest first):"]
+        for ev in changes[:5]:
+            rate = ev.get("rate")
+            lines.append(
+                f"  {_clock(ev.get('changed_ms'))}  {ev.get('task')}  "
+                f"{'throttled' if ev.get('backpressure') else 'free'}  "
+                f"rate {'unlimited' if rate is None else f'{rate:,.0f}/s'}"
+            )
+    return lines
+
+
+def _size(n: Any) -> str:
+    if n is None:
+        return "-"
+    v = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if v < 1000 or unit == "GB":
+            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
+        v /= 1000
+    return f"{v:,.1f} GB"
+
+
+def _clock(ms: Any) -> str:
+    if ms is None:
+        return "--:--:--"
+    return dt.datetime.fromtimestamp(int(ms) / 1000, dt.UTC).strftime("%H:%M:%S")
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:,.0f} ms"
+
+
+def format_dead_summary(out: dict[str, Any], stream: str, reason: str | None) -> str:
+    by = ", ".join(f"{r} {n:,}" for r, n in out["by_reason"].items())
+    counted = f"\ncounted since the start, by reason: {by}" if by else ""
+    which = f" with reason `{reason}`" if reason else ""
+    if not out["items"]:
+        return f"no dead letters{which} in {stream} ({out['total']:,} in all){counted}"
+    return (
+        f"{out['total']:,} dead letters in {stream}; the newest {len(out['items']):,}{which},"
+        f" newest first{counted}"
+    )
+
+
+def format_dead_letters(items: list[dict[str, Any]], width: int = 120) -> str:
+    """One line per dead letter; `raw` (control characters escaped) is cut to fit `width`."""
+    head = ("time (UTC)", "entry id", "idx", "reason", "field", "raw")
+    rows = [head]
+    for it in items:
+        when = dt.datetime.fromtimestamp(it["written_ms"] / 1000, dt.UTC)
+        raw = json.dumps(it["raw"], ensure_ascii=False)[1:-1]
+        rows.append(
+            (
+                when.strftime("%Y-%m-%d %H:%M:%S"),
+                it["entry_id"],
+                str(it["idx"]),
+                it["reason"],
+                it["field"] or "-",
+                raw,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    room = max(20, width - sum(widths) - 2 * len(widths))
+    lines = []
+    for r in rows:
+        raw = r[-1] if len(r[-1]) <= room else r[-1][: room - 1] + "…"
+        lines.append("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), raw]))
+    return "\n".join(line.rstrip() for line in lines)
