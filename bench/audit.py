@@ -894,10 +894,8 @@ def exactness_line(rec: RecoveryResult) -> str:
         f" {'yes' if rec.drained else '**no**'}): {produced:,} events produced, counters"
         f" {f}, `txn_count` summed over the store {rec.txn_count_total:,}. {verdicts}."
         f" `sluice run` exit code on the final SIGTERM: {rec.exit_code}; ERROR lines in its log:"
-        f" {rec.errors_logged}. (By the code, `audit_ok` is counted by `Ledger.record` on every"
-        " audited attempt, while `batches` is deduplicated by writer token: a kill after a"
-        " batch's ledger write and before Spark commits it makes the replay count it twice in"
-        " `audit_ok`; no kill here landed in that window if the two are equal.)"
+        f" {rec.errors_logged}. (`audit_ok` and `batches` are both counted once per writer token,"
+        " so a batch replayed after a kill counts once in each.)"
     )
 
 

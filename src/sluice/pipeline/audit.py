@@ -157,8 +157,11 @@ class Ledger:
         old = result.batch - self.shards * LEDGER_KEEP
         if old >= 0:
             pipe.hdel(self.key(old), str(old))
-        pipe.hincrby(STATS_KEY, "audit_ok" if result.ok else "audit_failed", 1)
         if not result.ok:
+            # Every failed attempt counts. A balanced batch is counted as `audit_ok` with the
+            # batch's other counters, once per writer token, so a batch replayed after a crash
+            # (audited again) is not counted twice.
+            pipe.hincrby(STATS_KEY, "audit_failed", 1)
             pipe.lpush(self.failures_key, orjson.dumps(result.as_dict()))
             pipe.ltrim(self.failures_key, 0, 999)
         pipe.execute()

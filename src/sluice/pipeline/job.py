@@ -206,7 +206,8 @@ class Pipeline:
         for reason, n in rec["dead_by_reason"].items():
             counters += [f"dead_{reason}", n]
         if audit is not None:
-            counters += ["events_admitted", audit.events, "audit_replays", attempt - 1]
+            counters += ["events_admitted", audit.events, "audit_replays", attempt - 1,
+                         "audit_ok", 1]  # fmt: skip
         wait_ms = freshness.observation(rec)
         if wait_ms is not None:
             counters += ["|", *freshness.increments(wait_ms)]
