@@ -26,6 +26,7 @@ from sluice.flow.valves import IngestValve
 from sluice.pipeline.history import HISTORY_LEN, Sampler, read_history
 from sluice.pipeline.status import read_status
 from sluice.query.engine import QueryEngine
+from sluice.query.fast import FastLookups
 from sluice.query.prom import RequestTimer
 from sluice.source.producer import Producer
 
@@ -180,6 +181,7 @@ def create_app(
         default_response_class=ORJSONResponse,
         lifespan=lifespan,
     )
+    app.add_middleware(FastLookups, engine=engine, clients=aclients)  # inside the guard
     app.add_middleware(_Guard, token=cfg.server.token)
     app.add_middleware(_Timer, timer=timer)
     app.mount("/static", StaticFiles(packages=[("sluice.web", "static")]), name="static")
