@@ -55,6 +55,11 @@ def spark() -> Iterator[Any]:
 
 def make_config(redis_url: str, state_dir: Path, **overrides: Any) -> Config:
     """The test config: DESIGN §3's example, plus an integer field for exact sums."""
+    return config_from_dict(config_data(redis_url, state_dir, **overrides))
+
+
+def config_data(redis_url: str, state_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """`make_config`'s config as the plain data a sluice.yaml holds."""
     data: dict[str, Any] = {
         "redis": redis_url,
         "state_dir": str(state_dir),
@@ -111,7 +116,7 @@ def make_config(redis_url: str, state_dir: Path, **overrides: Any) -> Config:
             data[k] = {**data[k], **v}
         else:
             data[k] = v
-    return config_from_dict(data)
+    return data
 
 
 def free_port() -> int:

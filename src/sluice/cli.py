@@ -320,6 +320,14 @@ def demo(duration: float | None, rate: float, port: int, state_dir: str) -> None
         raise _fail(e) from None
 
 
+@main.command("submit-path")
+def submit_path() -> None:
+    """Print the Python file to give spark-submit: spark-submit … "$(sluice submit-path)" run."""
+    import sluice.submit.spark_main
+
+    click.echo(sluice.submit.spark_main.__file__)
+
+
 @main.command("dead-letters")
 @config_option
 @click.option(

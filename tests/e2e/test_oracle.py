@@ -31,21 +31,21 @@ SEED = 7
 SPAN_MS = 40 * 60_000
 
 
-def make_events(now_ms: int) -> pd.DataFrame:
+def make_events(now_ms: int, n: int = N_EVENTS) -> pd.DataFrame:
     """Events in arrival order over the last 40 minutes; 5% arrive up to 20 minutes late."""
     rng = np.random.default_rng(SEED)
-    arrival = np.sort(rng.integers(now_ms - SPAN_MS, now_ms - 1000, N_EVENTS))
-    late = rng.random(N_EVENTS) < 0.05
-    ts = np.where(late, arrival - rng.integers(0, 20 * 60_000, N_EVENTS), arrival)
-    amount = np.round(rng.lognormal(3.0, 1.2, N_EVENTS), 2)
-    amount[rng.random(N_EVENTS) < 0.03] *= -1  # refunds: excluded by amount_sum's filter
+    arrival = np.sort(rng.integers(now_ms - SPAN_MS, now_ms - 1000, n))
+    late = rng.random(n) < 0.05
+    ts = np.where(late, arrival - rng.integers(0, 20 * 60_000, n), arrival)
+    amount = np.round(rng.lognormal(3.0, 1.2, n), 2)
+    amount[rng.random(n) < 0.03] *= -1  # refunds: excluded by amount_sum's filter
     return pd.DataFrame(
         {
             "ts": ts.astype(np.int64),
-            "card": [f"card-{i}" for i in (rng.zipf(1.2, N_EVENTS) - 1) % 5000],
-            "merchant": [f"m-{i}" for i in (rng.zipf(1.4, N_EVENTS) - 1) % 400],
+            "card": [f"card-{i}" for i in (rng.zipf(1.2, n) - 1) % 5000],
+            "merchant": [f"m-{i}" for i in (rng.zipf(1.4, n) - 1) % 400],
             "amount": amount,
-            "qty": rng.integers(0, 100, N_EVENTS),
+            "qty": rng.integers(0, 100, n),
         }
     )
 
@@ -133,26 +133,17 @@ def check(con: Any, ans: dict[str, Any]) -> None:
         assert got == want, (ans, want)
 
 
-def test_random_queries_match_the_reference(
-    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
-) -> None:
-    cfg = make_config(redis_url, tmp_path, source={"max_events_per_batch": 200_000})
-    now = time.time_ns() // 1_000_000
-    events = make_events(now)
+def produce(cfg: Any, r: redis.Redis, events: pd.DataFrame, now: int) -> None:
+    """The events in arrival order, in chunks, then 40 malformed ones."""
     producer = Producer.from_config(cfg, r, batch_events=500)
-    for start in range(0, N_EVENTS, 20_000):  # arrival order, in chunks
+    for start in range(0, len(events), 20_000):
         produce_frame(producer, events.iloc[start : start + 20_000], producer.shard_by)
     for fields in malformed_entries(now):
         r.xadd("events:0", fields)
-    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
-    pipeline.start()
-    try:
-        assert pipeline.wait_idle(600), "the pipeline did not drain its input"
-    finally:
-        pipeline.stop()
 
-    con = duckdb.connect()
-    con.register("ev", events)
+
+def random_queries(events: pd.DataFrame, now: int, n: int = 300) -> list[dict[str, Any]]:
+    """Random metrics, keys (mostly frequent ones, 5% absent), windows and ends."""
     rnd = random.Random(SEED)
     cards = events["card"].value_counts()
     merchants = events["merchant"].value_counts()
@@ -163,7 +154,7 @@ def test_random_queries_match_the_reference(
         return str(counts.index[min(int(rnd.expovariate(1 / 30)), len(counts) - 1)])
 
     queries = []
-    for _ in range(300):
+    for _ in range(n):
         metric = rnd.choice([*REFERENCE_SQL, "avg_ticket"])
         if metric == "pair_count":
             key = [pick(cards), pick(merchants)]
@@ -178,7 +169,15 @@ def test_random_queries_match_the_reference(
             end = end // 10_000 * 10_000 - 1
             window = f"{rnd.randint(1, 600) * 10}s"
         queries.append({"metric": metric, "key": key, "window": window, "end": end})
+    return queries
 
+
+def check_answers(cfg: Any, r: redis.Redis, events: pd.DataFrame, now: int) -> dict[str, Any]:
+    """Random queries over real HTTP (GETs, then one batch) against DuckDB over the events;
+    then the counters and dead letters. Returns /v1/status."""
+    con = duckdb.connect()
+    con.register("ev", events)
+    queries = random_queries(events, now)
     with ServerThread(create_app(cfg, r)) as server, httpx.Client(base_url=server.url) as http:
         for q in queries[:100]:  # one GET each
             resp = http.get(
@@ -194,11 +193,11 @@ def test_random_queries_match_the_reference(
         assert len(results) == len(queries) - 100
         for ans in results:
             check(con, ans)
-        status = http.get("/v1/status").json()
+        status: dict[str, Any] = http.get("/v1/status").json()
 
     c = status["counters"]
-    assert c["events_in"] == N_EVENTS + 40
-    assert c["events_aggregated"] == N_EVENTS
+    assert c["events_in"] == len(events) + 40
+    assert c["events_aggregated"] == len(events)
     assert c["dead_letters"] == 40
     assert c["updates_duplicate"] == 0
     reasons = sorted(
@@ -206,3 +205,20 @@ def test_random_queries_match_the_reference(
     )
     assert reasons == sorted(["bad_type", "bad_json", "not_object", "missing_field"] * 10)
     assert orjson.loads(r.hget("sluice:{stats}", "last_batch"))["events"] > 0
+    return status
+
+
+def test_random_queries_match_the_reference(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = make_config(redis_url, tmp_path, source={"max_events_per_batch": 200_000})
+    now = time.time_ns() // 1_000_000
+    events = make_events(now)
+    produce(cfg, r, events, now)
+    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline.start()
+    try:
+        assert pipeline.wait_idle(600), "the pipeline did not drain its input"
+    finally:
+        pipeline.stop()
+    check_answers(cfg, r, events, now)

@@ -6,28 +6,36 @@ import logging
 import os
 import sys
 from importlib import resources
+from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.logs import SPARK_LOG_LEVEL_ENV
+from sluice.pipeline.ship import is_local, package_zip
 
 log = logging.getLogger(__name__)
 
 
 def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     """Create (or join) the session for `cfg.spark`. Spark's own logs go to stderr as key=value
-    lines at SLUICE_SPARK_LOG_LEVEL (default ERROR), so its INFO and WARN chatter stays out."""
-    # Executors must run the same interpreter (and so see the same installed `sluice`).
+    lines at SLUICE_SPARK_LOG_LEVEL (default ERROR), so its INFO and WARN chatter stays out.
+
+    The master is `spark.master`, unless this process was launched by `spark-submit`, whose
+    `--master` then wins. On any master but a local one, Sluice's own code is shipped to the
+    executors (see `sluice.pipeline.ship`).
+    """
+    # Executors run this interpreter unless `spark.pyspark.python` says otherwise (a cluster
+    # whose workers keep Python elsewhere sets it in `spark.conf`).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    local = cfg.spark.master.startswith("local")
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM
+    local = not submitted and is_local(cfg.spark.master)
     if local:
         # Keep a local Spark on loopback: nothing of it should listen on other interfaces.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
         SparkSession.builder.appName(app_name)
-        .master(cfg.spark.master)
         .config("spark.sql.shuffle.partitions", str(cfg.spark.shuffle_partitions))
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
@@ -37,6 +45,8 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
     )
+    if not submitted:
+        builder = builder.master(cfg.spark.master)
     if local:
         builder = builder.config("spark.driver.host", "127.0.0.1").config(
             "spark.driver.bindAddress", "127.0.0.1"
@@ -54,6 +64,11 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(level)
+    master = spark.sparkContext.master or cfg.spark.master
+    if not is_local(master):
+        shipped = package_zip(Path(cfg.state_dir) / "dist")
+        spark.sparkContext.addPyFile(str(shipped))
+        log.info("spark cluster", extra={"master": master, "shipped": shipped.name})
     from sluice.source.reader import RedisStreamDataSource
 
     spark.dataSource.register(RedisStreamDataSource)
