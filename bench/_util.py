@@ -9,7 +9,10 @@ benchmark's own Python.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import platform
 import socket
 import sys
 import threading
@@ -52,20 +55,23 @@ def log(msg: str) -> None:
 
 def bench_config(fmt: str, state_dir: Path, max_events_per_batch: int) -> Config:
     """The benchmark's config: 3 metrics, 2 shards, 10 s slices, 1 h retention, default Spark."""
-    return config_from_dict(
-        {
-            "state_dir": str(state_dir),
-            "source": {
-                "stream": "events",
-                "shards": SHARDS,
-                "format": fmt,
-                "schema": SCHEMA,
-                "time_field": "ts",
-                "max_events_per_batch": max_events_per_batch,
-            },
-            "metrics": METRICS,
-        }
-    )
+    return config_from_dict(bench_config_data(fmt, state_dir, max_events_per_batch))
+
+
+def bench_config_data(fmt: str, state_dir: Path, max_events_per_batch: int) -> dict[str, Any]:
+    """`bench_config` as the plain data of a sluice.yaml."""
+    return {
+        "state_dir": str(state_dir),
+        "source": {
+            "stream": "events",
+            "shards": SHARDS,
+            "format": fmt,
+            "schema": SCHEMA,
+            "time_field": "ts",
+            "max_events_per_batch": max_events_per_batch,
+        },
+        "metrics": METRICS,
+    }
 
 
 # -- load: pre-encoded XADD commands ------------------------------------------------------------
@@ -413,6 +419,20 @@ class Deadline:
 
 
 # -- docs -------------------------------------------------------------------------------------
+
+
+def machine_note(load_start: float | None, load_end: float | None) -> str:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    loads = "n/a" if load_start is None else f"{load_start:.2f} at start, {load_end:.2f} at end"
+    return (
+        f"{os.cpu_count()} cores{f' ({model})' if model else ''}, {platform.system()}; shared"
+        f" with other work, so noisy (1-min load average {loads})"
+    )
 
 
 def replace_section(path: Path, heading: str, body: str) -> None:

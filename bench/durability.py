@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import datetime as dt
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -53,6 +52,7 @@ from _util import (
     RespWriter,
     build_pool,
     log,
+    machine_note,
     percentile,
     replace_section,
     resp_command,
@@ -346,20 +346,6 @@ class RunInfo:
 
 def load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def machine_note(load_start: float | None, load_end: float | None) -> str:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    loads = "n/a" if load_start is None else f"{load_start:.2f} at start, {load_end:.2f} at end"
-    return (
-        f"{os.cpu_count()} cores{f' ({model})' if model else ''}, {platform.system()}; shared"
-        f" with other work, so noisy (1-min load average {loads})"
-    )
 
 
 def display_path(p: str) -> str:

@@ -27,7 +27,6 @@ import contextlib
 import datetime as dt
 import math
 import os
-import platform
 import shlex
 import shutil
 import sys
@@ -54,6 +53,7 @@ from _util import (
     build_pool,
     judge_step,
     log,
+    machine_note,
     percentile,
     prefill,
     probe_fields,
@@ -731,20 +731,6 @@ def display_path(p: str) -> str:
 
 def load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-
-
-def machine_note(load_start: float | None, load_end: float | None) -> str:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    loads = "n/a" if load_start is None else f"{load_start:.2f} at start, {load_end:.2f} at end"
-    return (
-        f"{os.cpu_count()} cores{f' ({model})' if model else ''}, {platform.system()}; shared"
-        f" with other work, so noisy (1-min load average {loads})"
-    )
 
 
 def format_section(res: FormatResult, plan: Plan) -> list[str]:
