@@ -19,6 +19,7 @@ from sluice.flow.status import flow_status
 from sluice.flow.valves import AdmissionValve, IngestValve, StoreMonitor, spark_task_id
 from sluice.query.app import create_app
 from sluice.redis.keys import STATS_KEY
+from sluice.source.producer import Producer
 from tests.conftest import make_config
 
 NOW = 1_800_000_000_000
@@ -148,13 +149,14 @@ def test_stepwise_round_trip_through_redis(r: redis.Redis, redis_url: str, tmp_p
     assert ctl.rate == pytest.approx(measured * cfg.backpressure.step, rel=0.01)
     assert ingest.bucket.rate == ctl.rate
 
-    # Still overloaded: the flagged task gets no more overload signals, and its rate holds.
+    # Still overloaded: the rate holds (one throttle per episode). The flagged task still hears
+    # of the overload, since its origin was measured: it must not probe while it goes on.
     for _ in range(4):
         spark.limit()
         clock.advance(250)
         ingest.try_admit(1)
     assert ctl.rate == pytest.approx(measured * cfg.backpressure.step, rel=0.01)
-    assert ingest.task.signals_seen == 1
+    assert ingest.task.signals_seen == 5
 
     _drain(r, cfg)
     # Quiet, but not yet for a whole sensitivity (0 .. 1.75 s): no change.
@@ -194,7 +196,8 @@ def test_slow_store_throttles_the_spark_stage(
     ctl = spark.task.controller
     assert ctl.backpressured
     assert ctl.rate == pytest.approx(16_000 * cfg.backpressure.step, rel=0.1)
-    assert limit == pytest.approx(ctl.rate * cfg.spark.trigger / 1000, rel=0.01)
+    # Planned 250 ms after the previous batch (the trigger is 200 ms): the budget covers 250 ms.
+    assert limit == pytest.approx(ctl.rate * 250 / 1000, rel=0.01)
     spark.admitted(limit, held_back=True)
 
     st = flow_status(r, cfg, clock.now_ms())
@@ -221,6 +224,187 @@ def test_spark_task_resumes_its_throttle_after_a_restart(
     assert rate is not None
     again = _spark(r, cfg, clock)  # a new reader after a query restart
     assert again.task.controller.backpressured and again.task.controller.rate == rate
+
+
+def _provisional(spark: AdmissionValve, clock: ManualClock) -> None:
+    """Admit 4,000 events per 250 ms (16,000 events/s), then an overload from the store and,
+    later, an underload: the spark task is back at its measured origin, flag clear."""
+    for _ in range(8):
+        spark.limit()
+        spark.admitted(4_000, held_back=False)
+        clock.advance(250)
+    board = spark.task.board
+    board.send(spark.task.id, "overload", "store/x", 0, clock.now_ms())
+    spark.admitted(spark.limit() or 0, held_back=True)
+    clock.advance(250)
+    board.send(spark.task.id, "underload", "store/x", 0, clock.now_ms())
+    spark.admitted(spark.limit() or 0, held_back=True)
+
+
+def test_spark_probes_its_provisional_cap_until_an_overload(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A provisional cap that keeps holding input back while the store sends no overload rises
+    one step per quiet sensitivity; an overload throttles from the probed cap."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    _provisional(spark, clock)
+    ctl = spark.task.controller
+    origin = ctl.rate
+    assert origin is not None and not ctl.backpressured
+
+    rates = []
+    for _ in range(16):  # 4 s of batches, every one held back by the cap
+        clock.advance(250)
+        spark.admitted(spark.limit() or 0, held_back=True)
+        rates.append(ctl.rate)
+    assert rates == [origin] * 7 + [origin * 2] * 8 + [origin * 4]  # once per 2 s
+    state = Board(r).tasks(clock.now_ms(), "spark")[spark.task.id]
+    assert (state["rate"], state["backpressure"]) == (origin * 4, False)
+    assert state["batch_limit"] == int(origin * 2 * 250 / 1000)  # the batch planned before
+    clock.advance(250)
+    assert spark.limit() == int(origin * 4 * 250 / 1000)
+
+    Board(r).send(spark.task.id, "overload", "store/x", 0, clock.now_ms())
+    clock.advance(250)
+    spark.admitted(spark.limit() or 0, held_back=True)
+    assert (ctl.rate, ctl.origin_rate, ctl.backpressured) == (origin * 2, origin * 4, True)
+
+
+def test_flagged_spark_steps_back_once_the_store_stops_overloading(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Throttled from a measured origin, the spark task still hears the store's overloads and
+    holds; once they stop for a sensitivity it steps back, even though the store's write time
+    stays between its watermarks and so never sends an underload."""
+    cfg = _cfg(redis_url, tmp_path, store={"latency_high": "500ms", "latency_low": "100ms"})
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    for _ in range(8):  # 16,000 events/s
+        spark.limit()
+        spark.admitted(4_000, held_back=False)
+        clock.advance(250)
+    store = StoreMonitor(r, cfg.backpressure, tuple(cfg.source.shard_keys()), clock)
+    ctl = spark.task.controller
+    for _ in range(12):  # 3 s of overload, every batch held back by the cap
+        store.observe(write_ms=900.0)
+        spark.admitted(spark.limit() or 0, held_back=True)
+        clock.advance(250)
+    assert (ctl.rate, ctl.origin_rate, ctl.backpressured) == (8_000, 16_000, True)
+    assert spark.task.signals_seen == 12  # heard, not acted on again
+
+    rates = []
+    for _ in range(9):  # between the watermarks: neither overload nor underload
+        store.observe(write_ms=300.0)
+        spark.admitted(spark.limit() or 0, held_back=True)
+        rates.append(ctl.rate)
+        clock.advance(250)
+    assert rates == [8_000] * 7 + [16_000] * 2  # 2 s after the last overload
+    assert not ctl.backpressured
+
+
+def test_spark_releases_a_probed_cap_once_it_holds_nothing_back(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    _provisional(spark, clock)
+    ctl = spark.task.controller
+    for _ in range(8):
+        clock.advance(250)
+        spark.admitted(spark.limit() or 0, held_back=True)
+    assert ctl.rate == 32_000  # probed once
+    for _ in range(7):  # the offered load now fits under the cap
+        clock.advance(250)
+        spark.admitted(1_000, held_back=False)
+    assert ctl.rate == 32_000
+    clock.advance(250)
+    spark.admitted(1_000, held_back=False)  # 2 s without holding anything back
+    assert ctl.rate is None and spark.limit() == 1_000_000  # the static cap only
+
+
+def test_spark_budget_covers_the_time_since_the_previous_batch(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Batches that overrun the 200 ms trigger get a budget for their real interval, bounded
+    at four triggers, so the admitted rate stays at the controller's rate."""
+    cfg = _cfg(redis_url, tmp_path, controller="fixed", fixed_rate=10_000)
+    clock = ManualClock(NOW)
+    spark = _spark(r, cfg, clock)
+    assert spark.limit() == 2_000  # the first batch: one trigger
+    clock.advance(700)
+    assert spark.limit() == 7_000
+    clock.advance(100)
+    assert spark.limit() == 2_000  # never under one trigger
+    clock.advance(60_000)
+    assert spark.limit() == 8_000  # a stall earns at most four triggers
+    spark.admitted(8_000, held_back=True)
+    assert Board(r).tasks(clock.now_ms(), "spark")[spark.task.id]["batch_limit"] == 8_000
+
+
+def test_ingest_probes_its_provisional_cap_but_not_behind_a_shut_gate(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    ingest = _ingest(r, cfg, clock)
+    _warm(ingest, clock)
+    board = Board(r)
+    board.send(ingest.task.id, "overload", "spark/x", 0, clock.now_ms())
+    clock.advance(250)
+    ingest.try_admit(1)
+    board.send(ingest.task.id, "underload", "spark/x", 0, clock.now_ms())
+    clock.advance(250)
+    ingest.try_admit(1)
+    ctl = ingest.task.controller
+    origin = ctl.rate
+    assert origin is not None and not ctl.backpressured
+
+    _fill(r, cfg, cfg.backpressure.high_watermark)  # the gate shuts: no probe behind it
+    for _ in range(12):
+        clock.advance(250)
+        assert ingest.try_admit(10**6) > 0
+    assert not ingest.gate_open and ctl.rate == origin
+
+    _drain(r, cfg)
+    waits = []
+    for _ in range(10):  # a burst far over the cap, offered every 250 ms
+        clock.advance(250)
+        waits.append(ingest.try_admit(10**6))
+    # The first goes into the bucket's debt, then the cap holds the rest back.
+    assert ingest.gate_open and waits[0] == 0 and all(w > 0 for w in waits[1:])
+    assert ctl.rate == origin * 2 and ingest.bucket.rate == origin * 2
+
+
+def test_ingest_flush_survives_a_full_redis_and_still_raises_for_its_entries(
+    r: redis.Redis, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At `maxmemory` (noeviction) the valve's state HSET is refused too: that is logged, and
+    the flush raises for its own XADDs and keeps its buffer."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    producer = Producer.from_config(cfg, r, valve=_ingest(r, cfg, clock), block_timeout_s=1.0)
+    event = {"ts": NOW, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1}
+    producer.send(event)
+    old = r.config_get("maxmemory*")
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError, match="XADD"):
+            producer.flush()
+        assert producer.pending() == 1
+        clock.advance(250)
+        assert producer.valve is not None and producer.valve.try_admit(1) == 0  # no raise
+        warnings = [m for m in caplog.messages if "could not publish its state" in m]
+        assert len(warnings) == 1  # once per outage, not once per tick
+    finally:
+        r.config_set("maxmemory", old["maxmemory"])
+        r.config_set("maxmemory-policy", old["maxmemory-policy"])
+    clock.advance(250)
+    assert producer.flush() == 1 and producer.pending() == 0
+    assert producer.valve.task.id in Board(r).tasks(clock.now_ms(), "ingest")
 
 
 def _record(r: redis.Redis, token: int, events: int, started_ms: int, done_ms: int) -> None:

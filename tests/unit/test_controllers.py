@@ -85,6 +85,73 @@ def test_stepwise_release_lifts_only_a_measured_cap_and_never_while_throttled() 
     assert m.release() is False and m.backpressured  # throttled: nothing to lift
 
 
+def test_stepwise_probe_raises_a_provisional_cap_one_step_at_a_time() -> None:
+    clock = ManualClock(1_000)
+    c = stepwise(clock)
+    c.on_overload(10_000)
+    assert c.probe() is True  # while flagged: one step back, as an underload would be
+    assert (c.rate, c.backpressured) == (10_000, False)  # at the measured origin, provisional
+
+    clock.advance(2_000)
+    assert c.probe() is True  # the inverse of a throttle: rate / step
+    assert (c.rate, c.origin_rate, c.backpressured, c.changed_ms) == (20_000, None, False, 3_000)
+    assert c.probe() is True
+    assert c.rate == 40_000
+    assert c.release() is True and c.rate is None  # it stopped holding input back
+    assert c.probe() is False  # unlimited: nothing to raise
+
+
+def test_stepwise_overload_during_a_probe_sets_a_new_provisional_origin() -> None:
+    c = stepwise(ManualClock())
+    c.on_overload(10_000)
+    c.on_underload()
+    c.probe()
+    assert c.rate == 20_000
+    assert c.on_overload(123) is True  # from the probed cap, not from the measurement
+    assert (c.rate, c.origin_rate, c.backpressured) == (10_000, 20_000, True)
+    assert c.on_overload(123) is False  # still one throttle per episode
+    assert c.on_underload() is True
+    assert (c.rate, c.backpressured) == (20_000, False)
+    assert c.probe() is True and c.rate == 40_000  # still provisional: it may rise again
+    assert roundtrip(c)["origin_measured"] is True
+
+
+def test_stepwise_probe_never_raises_a_configured_rate() -> None:
+    c = stepwise(ManualClock(), rate=8_000)
+    assert c.probe() is False
+    c.on_overload(0)
+    assert c.probe() is False  # flagged: only an underload steps back, as in the seed
+    c.on_underload()
+    assert (c.rate, c.backpressured) == (8_000, False)
+    assert c.probe() is False and c.rate == 8_000
+
+
+def test_stepwise_probe_lifts_a_cap_that_reaches_the_static_cap() -> None:
+    c = Stepwise(BackpressureConfig(), TRIGGER_MS, ManualClock(), max_batch_events=15_000)
+    c.on_overload(12_000)
+    c.on_underload()
+    assert c.batch_limit() == 6_000  # 12,000 events/s over a 500 ms trigger
+    assert c.probe() is True  # 24,000/s: 12,000 per trigger, still under the 15,000 cap
+    assert (c.rate, c.batch_limit()) == (24_000, 12_000)
+    assert c.probe() is True  # 48,000/s, 24,000 per trigger: the static cap binds first
+    assert (c.rate, c.batch_limit()) == (None, 15_000)
+
+
+def test_batch_limit_covers_the_interval_it_is_given() -> None:
+    c = Stepwise(BackpressureConfig(), TRIGGER_MS, ManualClock(), max_batch_events=10_000)
+    c.on_overload(10_000)  # 5,000 events/s
+    assert c.batch_limit() == 2_500  # one 500 ms trigger
+    assert c.batch_limit(1_500.0) == 7_500  # a batch planned 1.5 s after the previous one
+    assert c.batch_limit(4_000.0) == 10_000  # still under the static cap
+    assert (
+        Fixed(BackpressureConfig(fixed_rate=1_000), TRIGGER_MS, ManualClock(), None).batch_limit(
+            2_000.0
+        )
+        == 2_000
+    )
+    assert aimd().batch_limit(2_000.0) == 10_000  # a window per batch, whatever the interval
+
+
 def test_stepwise_finite_rate_keeps_its_own_origin() -> None:
     c = stepwise(ManualClock(), rate=8_000)
     assert c.on_overload(123) is True  # the measurement is not used when the rate is finite

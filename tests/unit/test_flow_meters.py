@@ -1,5 +1,6 @@
 """The flow's time-driven parts with an injected clock: rate and ratio meters, the token bucket,
-and the queue watch that decides overload and underload (seed 000's steps 3 and 9)."""
+the cap watch and the batch interval, and the queue watch that decides overload and underload
+(seed 000's steps 3 and 9)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import pytest
 
 from sluice.clock import ManualClock
 from sluice.flow.board import OVERLOAD, UNDERLOAD
-from sluice.flow.meters import RateMeter, RatioMeter, TokenBucket
+from sluice.flow.meters import (
+    PROBE,
+    RELEASE,
+    CapWatch,
+    RateMeter,
+    RatioMeter,
+    TokenBucket,
+    batch_interval_ms,
+)
 from sluice.flow.stages import QueueLevel
 from sluice.flow.task import QueueWatch
 
@@ -122,3 +131,63 @@ def test_queue_watch_between_the_watermarks_resets_the_quiet_timer() -> None:
     assert watch.update(level(quiet=True)) is None
     clock.advance(1)
     assert watch.update(level(quiet=True)) == UNDERLOAD
+
+
+def test_cap_watch_probes_a_cap_that_holds_back_once_per_quiet_sensitivity() -> None:
+    clock = ManualClock(10_000)
+    watch = CapWatch(clock)
+    changed_ms = clock.now_ms()
+    verdicts = []
+    for _ in range(9):  # held back by the cap at every batch, 250 ms apart
+        watch.hold(held_back=True)
+        verdicts.append(watch.verdict(changed_ms, sensitivity_ms=2_000))
+        clock.advance(250)
+    assert verdicts == [None] * 8 + [PROBE]  # only once the last change is a sensitivity old
+    changed_ms = clock.now_ms() - 250  # the probe changed the controller
+    watch.hold(held_back=True)
+    assert watch.verdict(changed_ms, 2_000) is None  # the next probe waits another sensitivity
+
+
+def test_cap_watch_releases_a_cap_that_held_nothing_back_for_a_sensitivity() -> None:
+    clock = ManualClock(10_000)
+    watch = CapWatch(clock)
+    changed_ms = clock.now_ms()
+    clock.advance(1_000)
+    watch.hold(held_back=True)
+    assert watch.verdict(changed_ms, 2_000) is None  # the change is only 1 s old
+    clock.advance(1_500)
+    watch.hold(held_back=False)  # the change is 2.5 s old, the last hold 1.5 s
+    assert watch.verdict(changed_ms, 2_000) is None  # neither capped lately nor quiet long
+    clock.advance(500)
+    assert watch.verdict(changed_ms, 2_000) == RELEASE
+
+
+def test_cap_watch_ignores_holds_the_cap_did_not_cause() -> None:
+    clock = ManualClock(10_000)
+    watch = CapWatch(clock)
+    clock.advance(3_000)
+    watch.hold(held_back=True, by_cap=False)  # a shut gate or the static cap
+    assert watch.verdict(0, 2_000) is None  # no probe, and no release either: it held back
+    clock.advance(2_000)
+    assert watch.verdict(0, 2_000) == RELEASE
+
+
+def test_batch_interval_is_the_time_since_the_previous_batch_within_bounds() -> None:
+    assert batch_interval_ms(None, 5_000, trigger_ms=500, max_triggers=4) == 500  # first batch
+    assert batch_interval_ms(4_000, 5_300, 500, 4) == 1_300  # a batch that overran its trigger
+    assert batch_interval_ms(4_900, 5_000, 500, 4) == 500  # never under one trigger
+    assert batch_interval_ms(0, 60_000, 500, 4) == 2_000  # a stall earns at most 4 triggers
+
+
+def test_cap_watch_waits_a_sensitivity_after_the_last_overload() -> None:
+    clock = ManualClock(10_000)
+    watch = CapWatch(clock)
+    changed_ms = clock.now_ms()
+    clock.advance(1_500)
+    watch.overload()  # heard while flagged: the controller did not change
+    clock.advance(1_000)
+    watch.hold(held_back=True)
+    assert watch.verdict(changed_ms, 2_000) is None  # the overload is only 1 s old
+    clock.advance(1_000)
+    watch.hold(held_back=True)
+    assert watch.verdict(changed_ms, 2_000) == PROBE

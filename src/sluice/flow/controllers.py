@@ -7,7 +7,8 @@ each law uses only its own; the others are ignored (the call returns False, "no 
   `on_overload` (a direct downstream is at its high watermark) and `on_underload` (it stayed at
   its low watermark for `sensitivity`). Overload multiplies the rate by `step` once per episode
   and remembers the rate it started from; each underload divides by `step`, and the flag clears
-  only when the rate is back at that origin.
+  only when the rate is back at that origin. A provisional cap (an origin that was measured)
+  is probed upward by its owner (`probe`) and lifted once it holds nothing back (`release`).
 - `Aimd` ("aimd"), seed 002, a TCP-like send window in events per micro-batch. Input:
   `on_batch`, whose round trip (admission to completion) is the RTT. NORMAL grows the window by
   `increase`, SLOW shrinks it by `decrease`, BUSY (a failed or timed-out batch) multiplies it by
@@ -17,7 +18,8 @@ each law uses only its own; the others are ignored (the call returns False, "no 
 - `Fixed` ("fixed"), a constant cap, and `Unlimited` ("none"), no cap. Inputs: none.
 
 Rates are events/s; `None` means unlimited. `batch_limit()` turns the rate into events per
-micro-batch and never exceeds `max_batch_events` (the source's static cap) when that is set.
+micro-batch (over the trigger interval, or the interval the caller measured) and never exceeds
+`max_batch_events` (the source's static cap) when that is set.
 Controllers are not thread-safe: one stage owns one controller and calls it from one thread.
 """
 
@@ -109,15 +111,22 @@ class Controller(ABC):
         may go. Only `stepwise` has one."""
         return False
 
-    def batch_limit(self) -> int | None:
+    def probe(self) -> bool:
+        """The owner saw a provisional cap hold input back, and no overload, for a whole
+        `sensitivity`: the cap may rise."""
+        return False
+
+    def batch_limit(self, interval_ms: float | None = None) -> int | None:
         """Events to admit in the next micro-batch (>= 1); None = unlimited.
 
-        Floors the rate's share of one trigger interval, then caps at `max_batch_events`.
+        Floors the rate's share of `interval_ms` (default: one trigger interval), then caps at
+        `max_batch_events`. The caller bounds `interval_ms`: the limit grows with it.
         """
         rate = self.rate
         if rate is None:
             return self._max_batch_events
-        limit = max(1, math.floor(rate * self._trigger_ms / 1000 * (1 + _REL_TOL)))
+        span_ms = self._trigger_ms if interval_ms is None else interval_ms
+        limit = max(1, math.floor(rate * span_ms / 1000 * (1 + _REL_TOL)))
         return limit if self._max_batch_events is None else min(limit, self._max_batch_events)
 
     def snapshot(self) -> dict[str, Any]:
@@ -152,9 +161,12 @@ class Stepwise(Controller):
 
     When the rate was unlimited before the first throttle, the origin is the measured rate
     (at least `min_rate`). Clearing the flag returns to that origin, as the seed says; the cap is
-    then provisional, and `release()` lifts it once the owner sees it has not held anything back
-    for a whole `sensitivity` (going straight back to unlimited would re-admit the very burst
-    that overloaded the downstream, and the stage would cycle).
+    then provisional. Going straight back to unlimited would re-admit the very burst that
+    overloaded the downstream, and the stage would cycle. But a measured origin can sit below
+    what the downstream now takes, and a cap that holds input back would never be lifted: so
+    the owner raises it with `probe()` and lifts it with `release()`. While flagged, a probe is
+    one step back, as an underload would be. An overload during a probe throttles from the
+    probed cap, which becomes the new origin and stays provisional.
     """
 
     name = "stepwise"
@@ -179,7 +191,8 @@ class Stepwise(Controller):
     def on_overload(self, measured_rate: float) -> bool:
         if self._backpressure:
             return False  # throttle once per overload episode
-        self._origin_measured = self._rate is None
+        # A throttle from a provisional cap keeps it provisional: it may still be probed/lifted.
+        self._origin_measured = self._rate is None or self._origin_measured
         origin = max(measured_rate, self._cfg.min_rate) if self._rate is None else self._rate
         self._origin_rate = origin
         # Never below min_rate, and never *raise* a rate that was already below it.
@@ -190,9 +203,13 @@ class Stepwise(Controller):
     def on_underload(self) -> bool:
         if not self._backpressure or self._rate is None or self._origin_rate is None:
             return False
-        rate = self._rate / self._cfg.step
-        if rate >= self._origin_rate * (1 - _REL_TOL):
-            self._rate = self._origin_rate
+        return self._step_back(self._rate, self._origin_rate)
+
+    def _step_back(self, rate: float, origin: float) -> bool:
+        """One step back towards `origin`; the flag clears there."""
+        rate = rate / self._cfg.step
+        if rate >= origin * (1 - _REL_TOL):
+            self._rate = origin
             self._origin_rate, self._backpressure = None, False
         else:
             self._rate = rate
@@ -203,6 +220,23 @@ class Stepwise(Controller):
         if self._backpressure or not self._origin_measured or self._rate is None:
             return False
         self._rate, self._origin_measured = None, False
+        return self._touch()
+
+    def probe(self) -> bool:
+        """Raise a provisional cap by one step (the inverse of a throttle): while flagged, one
+        step back towards the origin; past it, a cap that would reach `max_batch_events` per
+        trigger is lifted instead."""
+        if not self._origin_measured or self._rate is None:
+            return False
+        if self._backpressure:
+            origin = self._origin_rate
+            return origin is not None and self._step_back(self._rate, origin)
+        rate = self._rate / self._cfg.step
+        cap = self._max_batch_events
+        if cap is not None and rate * self._trigger_ms / 1000 >= cap * (1 - _REL_TOL):
+            self._rate, self._origin_measured = None, False
+        else:
+            self._rate = rate
         return self._touch()
 
     def _restored(self) -> None:
@@ -242,8 +276,8 @@ class Aimd(Controller):
     def backpressured(self) -> bool:
         return self._state != "normal"
 
-    def batch_limit(self) -> int:
-        return self._window
+    def batch_limit(self, interval_ms: float | None = None) -> int:
+        return self._window  # a window per micro-batch, whatever the interval
 
     def on_batch(self, sample: BatchSample) -> bool:
         a = self._cfg.aimd

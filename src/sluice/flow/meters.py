@@ -1,5 +1,6 @@
-"""Small time-driven meters a stage task keeps: its emit rate, its backpressure ratio, and the
-token bucket that enforces its rate. Every one takes an injected clock.
+"""Small time-driven meters a stage task keeps: its emit rate, its backpressure ratio, the
+token bucket that enforces its rate, and the watch that says when a provisional cap may be
+probed or lifted. Every one takes an injected clock.
 """
 
 from __future__ import annotations
@@ -81,6 +82,60 @@ class RatioMeter:
         busy = sum(min(e, now) - max(s, lo) for s, e in spans if e > lo)
         span = min(self.window_s, max(now - self._born, 1e-3))
         return max(0.0, min(1.0, busy / span))
+
+
+PROBE = "probe"
+RELEASE = "release"
+
+
+class CapWatch:
+    """When a provisional cap should rise (`PROBE`) or go (`RELEASE`), from the owner's
+    admission decisions.
+
+    `hold` records each decision and `overload` each overload signal. `verdict` is asked once
+    per tick or batch with the clock time of the controller's last change, and answers only
+    once that change and the last overload are both `sensitivity_ms` old: `PROBE` if the cap
+    held input back since the previous `verdict`, `RELEASE` if nothing at all was held back for
+    `sensitivity_ms`, else None.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._held_ms = clock.now_ms()  # when input was last left behind, by anything
+        self._capped = False  # the cap left input behind since the previous verdict
+        self._overload_ms: int | None = None  # when the last overload signal arrived
+
+    def hold(self, held_back: bool, by_cap: bool = True) -> None:
+        """`held_back`: input was left behind; `by_cap`: the controller's cap did it (not a
+        gate or a static limit, which raising the cap would not open)."""
+        if held_back:
+            self._held_ms = self.clock.now_ms()
+            self._capped |= by_cap
+
+    def overload(self) -> None:
+        """A direct downstream reported overload (whether or not the controller acted on it)."""
+        self._overload_ms = self.clock.now_ms()
+
+    def verdict(self, changed_ms: int, sensitivity_ms: int) -> str | None:
+        now = self.clock.now_ms()
+        capped, self._capped = self._capped, False
+        if now - max(changed_ms, self._overload_ms or changed_ms) < sensitivity_ms:
+            return None
+        if capped:
+            return PROBE
+        if now - self._held_ms >= sensitivity_ms:
+            return RELEASE
+        return None
+
+
+def batch_interval_ms(prev_ms: int | None, now_ms: int, trigger_ms: int, max_triggers: int) -> int:
+    """The time a micro-batch's budget covers: since the previous batch was planned, so that a
+    batch that overran its trigger does not lower the admitted rate. At least one trigger (Spark
+    plans no faster; also the first batch) and at most `max_triggers` of them (a stalled query
+    earns no credit for a burst when it resumes)."""
+    if prev_ms is None:
+        return trigger_ms
+    return min(max(now_ms - prev_ms, trigger_ms), max_triggers * trigger_ms)
 
 
 class TokenBucket:

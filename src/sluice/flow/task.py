@@ -4,10 +4,18 @@
   above the high watermark; *underloaded* once the queue has stayed at or below the low
   watermark for a full `sensitivity` (then the quiet timer restarts, so each further step back
   needs another full quiet period). `notify_upstreams` sends the verdict to each task of each
-  direct upstream stage whose published flag says it can act on it: overload only to tasks not
-  yet backpressured, underload only to tasks that are.
+  direct upstream stage whose published state says it can act on it: overload to tasks not
+  yet backpressured, and to flagged tasks with a provisional origin (their controller does not
+  step again, but they must know the overload goes on before they probe); underload only to
+  flagged tasks.
 - As an **upstream**, `StageTask` reads the signals addressed to it, lets its controller act on
-  them, meters its own emit rate and backpressure ratio, and publishes its state.
+  them, meters its own emit rate and backpressure ratio, and publishes its state. Its owner
+  reports each admission decision (`hold`) and, once per tick or batch, has it review a
+  provisional cap (`review_cap`): lift it, or probe it upward.
+
+Underload goes only to flagged tasks. A task with a provisional origin does not need it: it
+probes on the absence of overload, which also covers a downstream that sits between its
+watermarks and so never reports underload.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from typing import Any
 from sluice.clock import Clock
 from sluice.flow.board import OVERLOAD, UNDERLOAD, Board, task_id
 from sluice.flow.controllers import BatchSample, Controller
-from sluice.flow.meters import RateMeter, RatioMeter
+from sluice.flow.meters import PROBE, RELEASE, CapWatch, RateMeter, RatioMeter
 from sluice.flow.stages import QueueLevel, Stage
 
 SIGNAL_DRIVEN = ("stepwise",)
@@ -54,7 +62,7 @@ def notify_upstreams(
     sender: str,
     now_ms: int,
 ) -> int:
-    """Send `verdict` to the tasks of `stage`'s direct upstreams that can act on it."""
+    """Send `verdict` to the tasks of `stage`'s direct upstreams that need it (see above)."""
     if verdict is None:
         return 0
     sent = 0
@@ -63,7 +71,10 @@ def notify_upstreams(
             if not st.get("listens"):
                 continue
             flagged = bool(st.get("backpressure"))
-            if (verdict == OVERLOAD and not flagged) or (verdict == UNDERLOAD and flagged):
+            probing = bool(st.get("origin_measured"))
+            if (verdict == OVERLOAD and (probing or not flagged)) or (
+                verdict == UNDERLOAD and flagged
+            ):
                 board.send(tid, verdict, sender, level.bytes, now_ms)
                 sent += 1
     return sent
@@ -95,6 +106,7 @@ class StageTask:
         self._cursor = board.signals_tail()
         self._next_tick = 0.0
         self._changed = True
+        self.cap_watch = CapWatch(clock)
         self.signals_seen = 0
 
     @property
@@ -112,6 +124,7 @@ class StageTask:
         for sig in signals:
             self.signals_seen += 1
             if sig.kind == OVERLOAD:
+                self.cap_watch.overload()
                 changed |= self.controller.on_overload(self.meter.rate())
             elif sig.kind == UNDERLOAD:
                 changed |= self.controller.on_underload()
@@ -123,8 +136,19 @@ class StageTask:
         self.meter.add(n)
         self.emitted_total += n
 
-    def mark_changed(self) -> None:
-        self._changed = True
+    def hold(self, held_back: bool, by_cap: bool = True) -> None:
+        """Record one admission decision (see `CapWatch.hold`); meters the backpressure ratio."""
+        self.ratio.set_throttled(held_back)
+        self.cap_watch.hold(held_back, by_cap)
+
+    def review_cap(self, sensitivity_ms: int) -> None:
+        """Probe or lift a provisional cap as `CapWatch` says; called once per tick or batch,
+        after `hold`. Other caps and other controllers ignore both."""
+        verdict = self.cap_watch.verdict(self.controller.changed_ms, sensitivity_ms)
+        if verdict == PROBE:
+            self._changed |= self.controller.probe()
+        elif verdict == RELEASE:
+            self._changed |= self.controller.release()
 
     def on_batch(self, sample: BatchSample) -> None:
         self._changed |= self.controller.on_batch(sample)

@@ -5,9 +5,11 @@
   watermark. `admit` blocks (or raises `BackpressureError` after `timeout_s`); `try_admit`
   answers at once with how long to wait, for the HTTP 429's `Retry-After`. Events are never
   dropped: a caller that is refused still holds them.
-- `AdmissionValve` (the Spark source's `latestOffset`): rate × trigger → events per
-  micro-batch. It also watches its own input queue and signals the ingest tasks, and turns the
-  newest batch record into the controllers' batch feedback.
+- `AdmissionValve` (the Spark source's `latestOffset`): rate × the time since the previous
+  batch was planned (at least one trigger, at most `MAX_INTERVAL_TRIGGERS` of them) → events
+  per micro-batch, so a batch that overran its trigger does not lower the admitted rate. It
+  also watches its own input queue and signals the ingest tasks, and turns the newest batch
+  record into the controllers' batch feedback.
 - `StoreMonitor` (the driver, after every batch and every tick): the store's write time and
   memory against its watermarks; signals the Spark task.
 
@@ -28,13 +30,14 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+import redis
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import BackpressureConfig, Config
 from sluice.errors import BackpressureError
 from sluice.flow.board import Board, task_id
 from sluice.flow.controllers import BatchSample, make_controller
-from sluice.flow.meters import TokenBucket
+from sluice.flow.meters import TokenBucket, batch_interval_ms
 from sluice.flow.stages import (
     INGEST,
     SPARK,
@@ -50,6 +53,10 @@ from sluice.redis.keys import STATS_KEY
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()
+
+# A micro-batch's budget covers the time since the previous one was planned, up to this many
+# trigger intervals: more would let a stalled query admit a burst when it resumes.
+MAX_INTERVAL_TRIGGERS = 4
 
 
 def spark_task_id(streams: tuple[str, ...]) -> str:
@@ -83,7 +90,7 @@ class IngestValve:
         self.gate_open = True
         self.level: QueueLevel | None = None
         self._lock = threading.Lock()
-        self._held_ms = clock.now_ms()  # when the bucket or the gate last held events back
+        self._publish_failing = False
 
     @classmethod
     def from_config(cls, cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> IngestValve:
@@ -94,17 +101,29 @@ class IngestValve:
         if not self.task.due():
             return
         self.task.poll()
-        ctl = self.task.controller
-        quiet_ms = self.clock.now_ms() - max(self._held_ms, ctl.changed_ms)
-        if quiet_ms >= self.bp.sensitivity and ctl.release():
-            self.task.mark_changed()
+        self.task.review_cap(self.bp.sensitivity)
         self.bucket.set_rate(self.task.controller.rate)
         if self.enabled:
             self.level = stream_level(self.client, self.streams, self.bp)
             self.gate_open = not self.level.overloaded
             self.task.queue = self.level.as_dict()
         self.task.extra = {"gate_open": self.gate_open}
-        self.task.publish()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Publish the task's state, best effort: a Redis at `maxmemory` refuses the HSET, and
+        that must not fail the producer's flush (its XADDs are what the caller needs to hear
+        about). The state is published again on the next tick; a failure is logged once."""
+        try:
+            self.task.publish()
+        except redis.RedisError as e:
+            if not self._publish_failing:
+                log.warning("ingest task %s could not publish its state: %s", self.task.id, e)
+            self._publish_failing = True
+        else:
+            if self._publish_failing:
+                log.info("ingest task %s publishes its state again", self.task.id)
+            self._publish_failing = False
 
     def _wait_s(self, n: int) -> float:
         if not self.gate_open:
@@ -116,10 +135,9 @@ class IngestValve:
         with self._lock:
             self._tick()
             wait = self._wait_s(n)
-            self.task.ratio.set_throttled(wait > 0)
-            if wait > 0:
-                self._held_ms = self.clock.now_ms()
-            else:
+            # A shut gate is not the controller's cap: raising the cap would not let more in.
+            self.task.hold(wait > 0, by_cap=self.gate_open)
+            if wait <= 0:
                 self._take(n)
             return wait
 
@@ -167,6 +185,7 @@ class AdmissionValve:
         self.client = client
         self.bp = bp
         self.trigger_ms = trigger_ms
+        self.max_batch_events = max_batch_events
         self.clock = clock
         self.stages = topology(input_streams)
         self.stage: Stage = self.stages[SPARK]
@@ -181,7 +200,8 @@ class AdmissionValve:
         self._last_token = self._newest_batch_token()
         self._admit_ms: int | None = None
         self._prev_admit_ms: int | None = None
-        self._held_ms = clock.now_ms()  # when the budget last left data behind
+        self._planned_ms: int | None = None  # when the previous batch was planned
+        self._limit: int | None = None  # the budget `limit` returned for the batch planned now
         inflight = (previous or {}).get("inflight_ms")
         if inflight is not None and self._last_done_ms() <= int(inflight):
             # The batch admitted before a restart never completed: that is AIMD's BUSY.
@@ -209,7 +229,16 @@ class AdmissionValve:
         self.task.queue = level.as_dict()
         verdict = self.watch.update(level)
         notify_upstreams(self.task.board, self.stages, SPARK, verdict, level, self.task.id, now)
-        return self.task.controller.batch_limit()
+        prev, self._planned_ms = self._planned_ms, now
+        interval_ms = batch_interval_ms(prev, now, self.trigger_ms, MAX_INTERVAL_TRIGGERS)
+        self._limit = self.task.controller.batch_limit(interval_ms)
+        return self._limit
+
+    def _cap_binds(self) -> bool:
+        """The controller's budget, not the source's static cap, limits this batch."""
+        if self._limit is None:
+            return False
+        return self.max_batch_events is None or self._limit < self.max_batch_events
 
     def _feedback(self) -> None:
         b = self._newest()
@@ -238,15 +267,11 @@ class AdmissionValve:
         if events:
             self._prev_admit_ms, self._admit_ms = self._admit_ms, now
             self.task.emit(events)
-        ctl = self.task.controller
-        if held_back:
-            self._held_ms = now
-        elif now - max(self._held_ms, ctl.changed_ms) >= self.bp.sensitivity and ctl.release():
-            self.task.mark_changed()
-        self.task.ratio.set_throttled(held_back)
+        self.task.hold(held_back, by_cap=self._cap_binds())
+        self.task.review_cap(self.bp.sensitivity)
         self.task.extra = {
             "inflight_ms": now if events else None,
-            "batch_limit": self.task.controller.batch_limit(),
+            "batch_limit": self._limit,
             "held_back": held_back,
         }
         self.task.publish()
