@@ -30,3 +30,4 @@ bench: $(STAMP)
 	$(PY) bench/burst.py
 	$(PY) bench/audit.py
 	$(PY) bench/durability.py
+	$(PY) bench/cluster.py

@@ -15,7 +15,9 @@ import pytest
 import redis
 
 from sluice.config import Config, config_from_dict
+from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
+from sluice.redis.local_cluster import LocalCluster
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -38,6 +40,23 @@ def r(redis_server: EmbeddedRedis) -> Iterator[redis.Redis]:
     """A client on an emptied database."""
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A real Redis Cluster: 3 masters (redis-server processes on loopback ports), slots split
+    in three equal ranges, for the whole run. Started only by the tests that ask for it."""
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def rc(redis_cluster: LocalCluster) -> Iterator[Any]:
+    """A cluster client (`redis.cluster.RedisCluster`) on an emptied cluster."""
+    redis_cluster.flushall()
+    client = client_for(redis_cluster.url)
     yield client
     client.close()
 

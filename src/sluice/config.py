@@ -79,6 +79,11 @@ class SourceConfig(_Model):
     max_entry_bytes: SizeBytes = Field(
         8_000_000, description="a larger stream entry is dead-lettered whole (`oversize_entry`)"
     )
+    hash_tags: bool | None = Field(
+        None,
+        description="shard keys carry a hash tag that spreads them over Redis Cluster slots"
+        " (`events:0:{5}`); unset: on when `redis:` is a cluster",
+    )
 
     @field_validator("stream")
     @classmethod
@@ -123,10 +128,10 @@ class SourceConfig(_Model):
         return out
 
     def shard_keys(self) -> list[str]:
-        """Redis keys of the input streams, in shard order."""
-        if self.shards == 1:
-            return [self.stream]
-        return [f"{self.stream}:{i}" for i in range(self.shards)]
+        """Redis keys of the input streams, in shard order (see `redis.keys.shard_keys`)."""
+        from sluice.redis.keys import shard_keys
+
+        return shard_keys(self.stream, self.shards, bool(self.hash_tags))
 
     @property
     def dead_letter_stream(self) -> str:
@@ -348,12 +353,38 @@ class Config(_Model):
     backpressure: BackpressureConfig = Field(default_factory=BackpressureConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
-    @field_validator("redis")
+    @field_validator("redis", mode="before")
     @classmethod
-    def _redis_url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis URL {v!r} must start with redis://, rediss:// or unix://")
+    def _redis_url(cls, v: Any) -> Any:
+        """One URL, a `redis+cluster://` URL, or a list of cluster seeds (made into that URL)."""
+        from sluice.redis.cluster import is_cluster_url, parse_cluster_url, seeds_to_url
+
+        if isinstance(v, list):
+            return seeds_to_url(v)
+        if not isinstance(v, str):
+            return v
+        if is_cluster_url(v):
+            parse_cluster_url(v)
+        elif not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"redis URL {v!r} must start with redis://, rediss:// or unix://, or"
+                " redis+cluster:// for a Redis Cluster (or be a list of cluster seed URLs)"
+            )
         return v
+
+    @property
+    def redis_cluster(self) -> bool:
+        from sluice.redis.cluster import is_cluster_url
+
+        return is_cluster_url(self.redis)
+
+    @model_validator(mode="after")
+    def _shard_tags(self) -> Config:
+        # `source.hash_tags` left unset follows `redis:`: tagged shard keys on a cluster only.
+        if self.source.hash_tags is None:
+            tagged = self.source.model_copy(update={"hash_tags": self.redis_cluster})
+            object.__setattr__(self, "source", tagged)
+        return self
 
     @model_validator(mode="after")
     def _cross(self) -> Config:

@@ -92,9 +92,20 @@ def stream_level(client: Any, streams: tuple[str, ...], bp: BackpressureConfig) 
 
 
 def memory_fraction(client: Any) -> tuple[int, int]:
-    """(used_memory, maxmemory) in bytes; maxmemory 0 means no limit is set."""
-    info = client.info("memory")
-    return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+    """(used_memory, maxmemory) in bytes; maxmemory 0 means no limit is set. On a cluster,
+    those of the master nearest its limit (the most used one when none has a limit): the store
+    is as full as its fullest node."""
+    from sluice.redis.cluster import node_clients
+
+    best: tuple[float, int, int] | None = None
+    for node in node_clients(client):
+        info = node.info("memory")
+        used, cap = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        rank = (used / cap if cap else 0.0, used, cap)
+        if best is None or rank > best:
+            best = rank
+    assert best is not None
+    return best[1], best[2]
 
 
 def store_level(client: Any, write_ms: float | None, bp: BackpressureConfig) -> QueueLevel:

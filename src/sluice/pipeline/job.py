@@ -34,6 +34,7 @@ from sluice.pipeline.plan import (
     metric_specs,
 )
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition, writer_token
+from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import BATCHES_KEY, EPOCH_KEY, FRESHNESS_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
@@ -159,6 +160,7 @@ class Pipeline:
             specs=self.specs,
             source_stream=self.cfg.source.stream,
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
+            cluster=is_cluster_url(self.redis.url),
             fault_drop_every=self.fault_drop_every,
             write_delay_ms=self.write_delay_ms,
         )

@@ -65,12 +65,12 @@ def writer_token(epoch: int, batch_id: int) -> int:
 
 @dataclass(frozen=True)
 class WriterContext:
-    url: str
+    url: str  # a plain or a cluster URL (`sluice.redis.connection.client_for`)
     token: int
     specs: tuple[MetricSpec, ...]
     source_stream: str
     dead_letter_maxlen: int
-    cluster: bool = False
+    cluster: bool = False  # Redis Cluster: a script call carries keys of one slot only
     fault_drop_every: int = 0  # test hook: drop every n-th script call (0 = never)
     write_delay_ms: float = 0.0  # test hook: a slow store, this much extra per 1000 updates
     # Test hook: the store loses one slice update, in the one partition that claims this key.
@@ -186,7 +186,7 @@ def write_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: apply every slice update of this partition, yield counters."""
-    import redis
+    from sluice.redis.connection import client_for
 
     by_group: dict[int, list[MetricSpec]] = {}
     for sp in ctx.specs:
@@ -194,7 +194,7 @@ def write_partition(
     updates = PartitionUpdates()
     for batch in batches:
         updates.add_batch(batch, by_group)
-    client = redis.Redis.from_url(ctx.url, socket_timeout=60, socket_connect_timeout=10)
+    client = client_for(ctx.url, timeout_s=60, connect_timeout_s=10)
     t0 = time.perf_counter()
     failed: set[tuple[Any, ...]] = set()
     try:

@@ -110,12 +110,25 @@ class AsyncClients:
     """
 
     def __init__(self, client: Any) -> None:
+        from sluice.redis.connection import is_cluster
+
+        self._by_loop: dict[int, Any] = {}
+        self.cluster: list[tuple[str, int]] | None = None
+        self.kind = ""
+        if is_cluster(client):
+            # Seeds: the masters the sync client found; credentials and TLS from its settings.
+            self.cluster = [(n.host, n.port) for n in client.get_primaries()]
+            conn = client.nodes_manager.connection_kwargs
+            keep = ("username", "password", "socket_timeout", "socket_connect_timeout")
+            self.kwargs = {k: v for k, v in conn.items() if k in keep}
+            if conn.get("connection_class") is not None:
+                self.kwargs["ssl"] = conn["connection_class"].__name__ == "SSLConnection"
+            return
         pool = client.connection_pool
         kind = pool.connection_class.__name__  # Connection, SSLConnection or UnixDomain...
         allowed = _ASYNC_KWARGS + (_SSL_KWARGS if kind == "SSLConnection" else ())
         self.kwargs = {k: v for k, v in pool.connection_kwargs.items() if k in allowed}
         self.kind = kind
-        self._by_loop: dict[int, Any] = {}
 
     def get(self) -> Any:
         import asyncio
@@ -124,6 +137,11 @@ class AsyncClients:
 
         loop = id(asyncio.get_running_loop())
         found = self._by_loop.get(loop)
+        if found is None and self.cluster is not None:
+            from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+            nodes = [ClusterNode(h, p) for h, p in self.cluster]
+            found = self._by_loop[loop] = RedisCluster(startup_nodes=nodes, **self.kwargs)
         if found is None:
             if len(self._by_loop) > 64:  # loops of finished test requests
                 self._by_loop.clear()

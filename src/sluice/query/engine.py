@@ -229,12 +229,13 @@ class QueryEngine:
 
         if m.agg == "distinct":
             # PFCOUNT of several HyperLogLogs merges them server-side (one hash tag: one slot).
+            # Queued as a plain command: redis-py's cluster pipeline refuses its `pfcount`.
             keys = [
                 slice_hll_key(m.name, encoded, s, res(p))
                 for p in cov.pieces
                 for s in range(p.first, p.last + 1, p.slice_ms)
             ]
-            pipe.pfcount(*keys)
+            pipe.execute_command("PFCOUNT", *keys)
             return 1
         if m.agg == "quantile":
             for p in cov.pieces:

@@ -277,19 +277,16 @@ def redis_health(client: Any) -> dict[str, Any]:
     """PING round trip and memory; `{"up": 0}` when Redis does not answer. Never raises."""
     import redis
 
+    from sluice.flow.stages import memory_fraction
+
     try:
         t0 = time.perf_counter()
         client.ping()
         ping_s = time.perf_counter() - t0
-        info = client.info("memory")
-    except redis.RedisError:
+        used, cap = memory_fraction(client)
+    except (redis.RedisError, redis.exceptions.RedisClusterException):
         return {"up": 0}
-    return {
-        "up": 1,
-        "ping_s": ping_s,
-        "used_memory": int(info.get("used_memory", 0)),
-        "maxmemory": int(info.get("maxmemory", 0)),
-    }
+    return {"up": 1, "ping_s": ping_s, "used_memory": used, "maxmemory": cap}
 
 
 class RequestTimer:

@@ -1,23 +1,36 @@
-"""Connections: a configured URL (redis://, rediss://, unix://, with password), or the embedded
-server under `state_dir`. `open_redis` returns a handle that owns the embedded server, if any,
-and has checked the server against `durability` (see `sluice.redis.durability`).
+"""Connections: a configured URL (redis://, rediss://, unix://, with password; or a Redis Cluster,
+redis+cluster://, see `sluice.redis.cluster`), or the embedded server under `state_dir`.
+`open_redis` returns a handle that owns the embedded server, if any, and has checked the server
+(every master of a cluster) against `durability` (see `sluice.redis.durability`).
+
+`client_for(url)` is the one place a client is made from a URL, on the driver and on the
+executors alike: a plain `redis.Redis`, or a `redis.cluster.RedisCluster` for a cluster URL.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from sluice.errors import RedisUnavailable
+from sluice.redis.cluster import (
+    cluster_client,
+    is_cluster_url,
+    node_clients,
+    redact_cluster_url,
+)
 from sluice.redis.durability import Durability, appendfsync_for, ensure_durability
 from sluice.redis.embedded import EmbeddedRedis
 
 
 def redact(url: str) -> str:
     """The URL with any password replaced by `***`, for messages and logs."""
+    if is_cluster_url(url):
+        return redact_cluster_url(url)
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -28,27 +41,47 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def client_for(url: str, timeout_s: float = 10.0) -> redis.Redis:
-    """A client (bytes replies) for `url`. Does not connect until first used."""
+def client_for(url: str, timeout_s: float = 10.0, connect_timeout_s: float | None = None) -> Any:
+    """A client (bytes replies) for `url`: `redis.Redis`, or `RedisCluster` for a cluster URL.
+
+    A plain client does not connect until first used; a cluster client reads the slot map from
+    a seed at once (blocks; raises redis.exceptions.RedisClusterException when no seed answers).
+    On a cluster, every multi-key command, script and MULTI must keep its keys in one slot (see
+    `sluice.redis.keys`).
+    """
+    connect_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+    if is_cluster_url(url):
+        return cluster_client(url, timeout_s, connect_s)
     return redis.Redis.from_url(
         url,
-        socket_connect_timeout=timeout_s,
+        socket_connect_timeout=connect_s,
         socket_timeout=timeout_s,
         health_check_interval=30,
     )
 
 
+def is_cluster(client: Any) -> bool:
+    from redis.cluster import RedisCluster
+
+    return isinstance(client, RedisCluster)
+
+
 def check_reachable(url: str, timeout_s: float = 3.0) -> None:
-    """PING the server; raise RedisUnavailable with a readable reason if it does not answer."""
+    """PING the server (every master of a cluster); raise RedisUnavailable with a readable
+    reason if it does not answer."""
     try:
-        with redis.Redis.from_url(
-            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        ) as c:
-            c.ping()
+        with client_for(url, timeout_s) as c:
+            for node in node_clients(c):
+                node.ping()
     except redis.AuthenticationError as e:
         raise RedisUnavailable(f"redis at {redact(url)} refused the credentials: {e}") from None
     except redis.ResponseError as e:
         raise RedisUnavailable(f"redis at {redact(url)} answered with an error: {e}") from None
+    except redis.exceptions.RedisClusterException as e:
+        raise RedisUnavailable(
+            f"redis cluster at {redact(url)} is not usable: {e}. Check that every seed in"
+            " `redis:` is a node of a cluster that serves all 16384 slots (cluster_state:ok)."
+        ) from None
     except (redis.RedisError, OSError) as e:
         raise RedisUnavailable(
             f"cannot reach redis at {redact(url)}: {e}. Is the server running? Check `redis:` in"
@@ -102,7 +135,14 @@ def open_redis(url: str | None, state_dir: Path, durability: Durability = "defau
         where = f"redis at {redact(url)}"
     if durability == "strict":
         try:
-            handle.persistence = ensure_durability(handle.client, durability, where)
+            for node in node_clients(handle.client):
+                kw = node.connection_pool.connection_kwargs
+                at = (
+                    f"{where} (node {kw.get('host')}:{kw.get('port')})"
+                    if node is not handle.client
+                    else where
+                )
+                handle.persistence = ensure_durability(node, durability, at)
         except BaseException:
             handle.close()
             raise

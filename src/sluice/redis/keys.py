@@ -21,11 +21,18 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{flow}:timeline         list: the newest stage-state changes (JSON)
     sluice:dead:{<stream>}         stream: dead letters, bounded
     sluice:dlm:{<stream>}:<token>:<digest>  marker: these dead letters are already written
+    sluice:audit:{<stream>#<n>}    hash: the audit ledger, one of `audit.ledger_shards`
+
+The input shards are `<stream>` (one shard) or `<stream>:0` .. `<stream>:<N-1>`; with
+`source.hash_tags` (the default on a Redis Cluster) each also carries a tag that pins it to its
+own N-th of the slot space, `<stream>:<i>:{<t>}`, so that the shards spread over the masters
+(see `shard_keys`). Every script and every MULTI touches keys of one tag only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 PREFIX = "sluice"
 SLICE_PREFIX = f"{PREFIX}:s:"
@@ -86,6 +93,36 @@ def dead_letter_stream_key(stream: str) -> str:
 
 def dead_letter_marker_key(stream: str, token: int, digest: str) -> str:
     return f"{PREFIX}:dlm:{{{stream}}}:{token}:{digest}"
+
+
+@cache
+def shard_tags(shards: int) -> tuple[str, ...]:
+    """Per shard i, the smallest integer tag whose slot s has s * shards // 16384 == i: the i-th
+    of `shards` equal parts of the slot space.
+
+    Masters usually serve contiguous, equal slot ranges (`redis-cli --cluster create` makes them
+    so), so N >= masters shards put at least one shard on every master; plain `events:0`,
+    `events:1`, ... do not (for N = 3 on 3 masters two of them share one master).
+    """
+    tags: list[str | None] = [None] * shards
+    left, t = shards, 0
+    while left:
+        i = (_crc16_xmodem(str(t).encode()) % 16384) * shards // 16384
+        if tags[i] is None:
+            tags[i] = str(t)
+            left -= 1
+        t += 1
+    return tuple(tag for tag in tags if tag is not None)
+
+
+def shard_keys(stream: str, shards: int, hash_tags: bool = False) -> list[str]:
+    """The input stream keys, in shard order: `events`, or `events:0` ..; with `hash_tags`,
+    `events:0:{<t>}` .. (see `shard_tags`). One shard is always the bare stream name."""
+    if shards == 1:
+        return [stream]
+    if not hash_tags:
+        return [f"{stream}:{i}" for i in range(shards)]
+    return [f"{stream}:{i}:{{{tag}}}" for i, tag in enumerate(shard_tags(shards))]
 
 
 def _crc16_xmodem(data: bytes) -> int:

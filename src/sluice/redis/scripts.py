@@ -40,9 +40,12 @@ def script_sha(name: str) -> str:
 def evalsha_on(pipe: Any, name: str, keys: list[str], args: list[Any]) -> None:
     """Queue script `name` on a pipeline by its SHA alone (no SCRIPT EXISTS round trip).
 
-    Run the pipeline with `execute_loading`, which loads the scripts if Redis lost them.
+    Run the pipeline with `execute_loading`, which loads the scripts if Redis lost them. On a
+    cluster pipeline the call goes to the master of its keys' slot, so `keys` must share one
+    (a CROSSSLOT call raises RedisClusterException before anything is sent). It is queued as a
+    plain command: redis-py's cluster pipeline refuses its `evalsha` method, not the command.
     """
-    pipe.evalsha(script_sha(name), len(keys), *keys, *args)
+    pipe.execute_command("EVALSHA", script_sha(name), len(keys), *keys, *args)
 
 
 def execute_loading(client: Any, run: Callable[[], T], names: tuple[str, ...]) -> T:

@@ -31,7 +31,7 @@ import orjson
 
 from sluice.config import Config
 from sluice.errors import SluiceError
-from sluice.redis.keys import STATS_KEY
+from sluice.redis.keys import STATS_KEY, shard_keys
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
@@ -54,13 +54,14 @@ class Producer:
         batch_events: int = 500,
         valve: IngestValve | None = None,
         block_timeout_s: float | None = None,
+        hash_tags: bool = False,
     ) -> None:
         if format not in ("jsonl", "fields"):
             raise SluiceError(f"`format` must be 'jsonl' or 'fields', got {format!r}")
         if batch_events < 1:
             raise SluiceError(f"`batch_events` must be at least 1, got {batch_events}")
         self.client = client
-        self.keys = [stream] if shards == 1 else [f"{stream}:{i}" for i in range(shards)]
+        self.keys = shard_keys(stream, shards, hash_tags)
         self.format = format
         self.shard_by = shard_by
         self.batch_events = batch_events
@@ -81,6 +82,7 @@ class Producer:
             from sluice.flow.valves import IngestValve
 
             kw["valve"] = IngestValve.from_config(cfg, client)
+        kw.setdefault("hash_tags", bool(cfg.source.hash_tags))
         return cls(client, cfg.source.stream, cfg.source.shards, cfg.source.format, **kw)
 
     def _shard(self, event: Mapping[str, Any]) -> int:

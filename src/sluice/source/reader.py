@@ -32,20 +32,36 @@ XRANGE_COUNT = 2000
 _clients: dict[str, Any] = {}
 
 
+def _unparsed(reply: Any, **kw: Any) -> Any:
+    return reply
+
+
 def raw_client(url: str) -> Any:
     """A per-process client whose XRANGE replies are left unparsed (nested lists of bytes).
 
-    Python workers are reused across tasks, so the connection pool is kept per URL.
+    Python workers are reused across tasks, so the client (and its pool) is kept per URL. On a
+    cluster the replies are parsed by the client of the node that served them, so the callback
+    is set on each node's client; `read_range` copes with a node added later (a failover).
     """
     client = _clients.get(url)
     if client is None:
-        import redis
+        from sluice.redis.cluster import node_clients
+        from sluice.redis.connection import client_for
 
-        client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=10)
-        client.set_response_callback("XRANGE", lambda r, **kw: r)
-        client.set_response_callback("XREVRANGE", lambda r, **kw: r)
+        client = client_for(url, timeout_s=30, connect_timeout_s=10)
+        for c in {id(n): n for n in [client, *node_clients(client)]}.values():
+            c.set_response_callback("XRANGE", _unparsed)
+            c.set_response_callback("XREVRANGE", _unparsed)
         _clients[url] = client
     return client
+
+
+def _raw_entries(chunk: Any) -> Any:
+    """Entries as XRANGE sends them, [[id, [k, v, ...]], ...], also from a client that parsed
+    them into (id, {k: v}) pairs (a cluster node whose client was made after `raw_client`)."""
+    if chunk and isinstance(chunk[0], tuple):
+        return [[eid, [x for kv in fields.items() for x in kv]] for eid, fields in chunk]
+    return chunk
 
 
 class ShardRange(InputPartition):
@@ -63,7 +79,9 @@ def read_range(client: Any, shard: str, lo: str, hi: str) -> Iterator[list[Any]]
     """Yield raw XRANGE chunks covering (lo, hi]."""
     cursor = lo
     while True:
-        chunk = client.execute_command("XRANGE", shard, f"({cursor}", hi, "COUNT", XRANGE_COUNT)
+        chunk = _raw_entries(
+            client.execute_command("XRANGE", shard, f"({cursor}", hi, "COUNT", XRANGE_COUNT)
+        )
         if not chunk:
             return
         yield chunk

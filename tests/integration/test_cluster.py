@@ -1,0 +1,290 @@
+"""Sluice on a real 3-master Redis Cluster: the whole pipeline (real Spark) writes slices, stats,
+dead letters and the audit ledger across slots; every count and sum matches the reference
+computed from the produced events; the keys spread over the masters; the API answers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pandas as pd
+import pytest
+
+from sluice.config import Config
+from sluice.pipeline.audit import Ledger
+from sluice.pipeline.job import Pipeline
+from sluice.pipeline.writer import WriterContext, _run_write_script
+from sluice.query.app import create_app
+from sluice.query.engine import Lookup, QueryEngine
+from sluice.redis.cluster import node_clients
+from sluice.redis.connection import RedisHandle, client_for
+from sluice.redis.keys import STATS_KEY, key_slot, shard_keys, slice_hash_key
+from sluice.redis.local_cluster import LocalCluster
+from sluice.source.loadgen import produce_frame
+from sluice.source.producer import Producer
+from tests.conftest import ServerThread, make_config
+
+pytestmark = [pytest.mark.spark]
+
+N_EVENTS = 60_000
+N_BAD = 20
+SEED = 11
+SPAN_MS = 30 * 60_000
+
+
+def make_events(now_ms: int) -> pd.DataFrame:
+    """Seeded events over the last 30 minutes (5% up to 10 minutes late), Zipf keys."""
+    rng = np.random.default_rng(SEED)
+    arrival = np.sort(rng.integers(now_ms - SPAN_MS, now_ms - 1000, N_EVENTS))
+    late = rng.random(N_EVENTS) < 0.05
+    ts = np.where(late, arrival - rng.integers(0, 10 * 60_000, N_EVENTS), arrival)
+    amount = np.round(rng.lognormal(3.0, 1.2, N_EVENTS), 2)
+    amount[rng.random(N_EVENTS) < 0.03] *= -1
+    return pd.DataFrame(
+        {
+            "ts": ts.astype(np.int64),
+            "card": [f"card-{i}" for i in (rng.zipf(1.2, N_EVENTS) - 1) % 3000],
+            "merchant": [f"m-{i}" for i in (rng.zipf(1.4, N_EVENTS) - 1) % 300],
+            "amount": amount,
+            "qty": rng.integers(0, 100, N_EVENTS),
+        }
+    )
+
+
+@dataclass
+class Run:
+    cfg: Config
+    url: str
+    events: pd.DataFrame
+    now_ms: int
+    cluster: LocalCluster
+
+
+@pytest.fixture(scope="module")
+def run(
+    spark: Any, redis_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Run]:
+    """The real pipeline over 3 input shards, once for the module, until its input is drained."""
+    redis_cluster.flushall()
+    url = redis_cluster.url
+    state = tmp_path_factory.mktemp("state")
+    cfg = make_config(url, state, source={"shards": 3, "max_events_per_batch": 15_000})
+    client = client_for(url)
+    now = time.time_ns() // 1_000_000
+    events = make_events(now)
+    producer = Producer.from_config(cfg, client, batch_events=500)
+    for start in range(0, N_EVENTS, 10_000):
+        produce_frame(producer, events.iloc[start : start + 10_000], producer.shard_by)
+    bad = b'{"ts": %d, "card": "card-1", "merchant": "m-1", "amount": "x", "qty": 1}' % now
+    for _ in range(N_BAD // 2):  # 2 bad events per entry: a bad type and not JSON
+        client.xadd(cfg.source.shard_keys()[1], {"d": bad + b"\nnot json", "n": 2})
+    pipeline = Pipeline(cfg, RedisHandle(url), spark)
+    pipeline.start()
+    try:
+        assert pipeline.wait_idle(300), "the pipeline did not drain its input"
+    finally:
+        pipeline.stop()
+    yield Run(cfg, url, events, now, redis_cluster)
+    client.close()
+
+
+def _ask(engine: QueryEngine, metric: str, keys: list[list[str]], end: int) -> list[Any]:
+    out: list[Any] = []
+    for i in range(0, len(keys), 1000):
+        lookups = [Lookup(metric, tuple(k), 3_600_000, end) for k in keys[i : i + 1000]]
+        out += [a["value"] for a in engine.run(lookups)]
+    return out
+
+
+def test_every_count_and_sum_matches_the_reference(run: Run) -> None:
+    ev = run.events
+    client = client_for(run.url)
+    engine = QueryEngine(run.cfg, client)
+    end = run.now_ms + 60_000  # the last hour: every event, whole slices
+    cards = sorted(ev["card"].unique())
+    merchants = sorted(ev["merchant"].unique())
+    by_card = ev.groupby("card")
+    by_merchant = ev.groupby("merchant")
+    positive = ev[ev["amount"] > 0].groupby("merchant")["amount"].sum()
+
+    assert _ask(engine, "txn_count", [[c] for c in cards], end) == [
+        int(by_card.size()[c]) for c in cards
+    ]
+    assert _ask(engine, "txn_res", [[c] for c in cards], end) == [
+        int(by_card.size()[c]) for c in cards
+    ]
+    assert _ask(engine, "card_max", [[c] for c in cards], end) == [
+        int(by_card["qty"].max()[c]) for c in cards
+    ]
+    assert _ask(engine, "merchant_txn", [[m] for m in merchants], end) == [
+        int(by_merchant.size()[m]) for m in merchants
+    ]
+    assert _ask(engine, "qty_sum", [[m] for m in merchants], end) == [
+        int(by_merchant["qty"].sum()[m]) for m in merchants
+    ]
+    got = _ask(engine, "amount_sum", [[m] for m in merchants], end)
+    want = [float(positive.get(m, 0.0)) for m in merchants]
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-9)
+    pairs = ev.groupby(["card", "merchant"]).size()
+    some = list(pairs.index[:: max(1, len(pairs) // 500)])
+    assert _ask(engine, "pair_count", [list(p) for p in some], end) == [int(pairs[p]) for p in some]
+    distinct = by_card["merchant"].nunique()
+    for c, n in zip(cards, _ask(engine, "card_merchants", [[c] for c in cards], end), strict=True):
+        assert abs(n - int(distinct[c])) <= 1 + 0.03 * int(distinct[c]), (c, n)
+    assert _ask(engine, "txn_count", [["absent-key"]], end) == [0]
+    client.close()
+
+
+def test_counters_dead_letters_and_the_audit_ledger_balance(run: Run) -> None:
+    client = client_for(run.url)
+    st = {k.decode(): v.decode() for k, v in client.hgetall(STATS_KEY).items()}
+    batches = int(st["batches"])
+    assert int(st["events_in"]) == int(st["events_admitted"]) == N_EVENTS + N_BAD
+    assert int(st["events_aggregated"]) == N_EVENTS
+    assert int(st["dead_letters"]) == N_BAD
+    assert int(st["audit_ok"]) == batches and "audit_failed" not in st
+    assert int(st["updates_duplicate"]) == 0
+    records = Ledger(client, "events", run.cfg.audit.ledger_shards).recent(batches - 1, batches)
+    assert len(records) == batches and all(r["ok"] for r in records)
+    assert sum(r["events"] for r in records) == N_EVENTS + N_BAD
+    reasons = sorted(
+        f[b"reason"].decode() for _, f in client.xrange(run.cfg.source.dead_letter_stream)
+    )
+    assert reasons == ["bad_json"] * (N_BAD // 2) + ["bad_type"] * (N_BAD // 2)
+    # Every input shard was trimmed up to its committed id, and that id was published.
+    offsets = client.hgetall("sluice:{stats}:offsets")
+    assert {k.decode() for k in offsets} == set(run.cfg.source.shard_keys())
+    client.close()
+
+
+def test_slices_input_shards_and_ledger_spread_over_the_three_masters(run: Run) -> None:
+    client = client_for(run.url)
+    shards = run.cfg.source.shard_keys()
+    assert shards == shard_keys("events", 3, hash_tags=True)
+    assert {run.cluster.node_of_slot(key_slot(s)) for s in shards} == {0, 1, 2}
+    # Without the tags, two of the three shards would share a master.
+    plain = shard_keys("events", 3)
+    assert len({run.cluster.node_of_slot(key_slot(s)) for s in plain}) == 2
+    slices_per_node = []
+    ledger_nodes = set()
+    for i, node in enumerate(node_clients(client)):
+        port = node.connection_pool.connection_kwargs["port"]
+        n = run.cluster.ports.index(port)
+        slices_per_node.append(sum(1 for _ in node.scan_iter(match="sluice:s:*", count=1000)))
+        ledger_nodes |= {n for _ in node.scan_iter(match="sluice:audit:*", count=1000)}
+        for s in shards:
+            if run.cluster.node_of_slot(key_slot(s)) == n:
+                assert node.exists(s), (i, s)  # the stream lives where its slot says
+    assert all(n > 100 for n in slices_per_node), slices_per_node
+    # The ledger's 16 hashes cover all three masters; those written so far are where they hash.
+    ledger = Ledger(client, "events", run.cfg.audit.ledger_shards)
+    assert {run.cluster.node_of_slot(key_slot(ledger.key(b))) for b in range(16)} == {0, 1, 2}
+    batches = int(client.hget(STATS_KEY, "batches"))
+    assert batches >= 4
+    assert ledger_nodes == {
+        run.cluster.node_of_slot(key_slot(ledger.key(b))) for b in range(batches)
+    }
+    client.close()
+
+
+def test_the_http_api_answers_from_the_cluster(run: Run) -> None:
+    ev = run.events
+    client = client_for(run.url)
+    card = str(ev["card"].value_counts().index[0])
+    merchant = str(ev["merchant"].value_counts().index[3])
+    end = run.now_ms + 60_000
+    with (
+        ServerThread(create_app(run.cfg, client, history=False)) as server,
+        httpx.Client(base_url=server.url) as http,
+    ):
+        one = http.get(
+            "/v1/metrics/txn_count", params={"key": card, "window": "1h", "end": end}
+        ).json()
+        assert one["value"] == int((ev["card"] == card).sum())
+        batch = http.post(
+            "/v1/query",
+            json={"queries": [
+                {"metric": "merchant_txn", "key": [merchant], "window": "1h", "end": end},
+                {"metric": "card_merchants", "key": [card], "window": "1h", "end": end},
+                {"metric": "amount_q", "key": [merchant], "window": "1h", "end": end},
+            ]},
+        )  # fmt: skip
+        assert batch.status_code == 200, batch.text
+        res = batch.json()["results"]
+        assert res[0]["value"] == int((ev["merchant"] == merchant).sum())
+        assert res[1]["value"] > 0 and res[2]["value"]["0.5"] is not None
+        status = http.get("/v1/status")
+        assert status.status_code == 200, status.text
+        assert status.json()["counters"]["events_in"] == N_EVENTS + N_BAD
+        assert http.get("/healthz").status_code in (200, 503)
+        assert "sluice_redis_up 1" in http.get("/metrics").text
+    client.close()
+
+
+def test_a_script_call_keeps_its_keys_in_one_slot(rc: Any, tmp_path: Path) -> None:
+    """write_slices.lua takes many keys per call; on a cluster they are grouped by slot."""
+    keys = [slice_hash_key("n", f"k{i}") for i in range(40)]
+    assert len({key_slot(k) for k in keys}) > 1
+    s = str(time.time_ns() // 1_000_000 // 1000 * 1000)  # a slice of now (older ones expire)
+    calls = [(k, ["count", "1000", "86400000", "1", "1", s, "1"], ("l", 0, k)) for k in keys]
+    ctx = WriterContext(
+        url="unused", token=1, specs=(), source_stream="events",
+        dead_letter_maxlen=100, cluster=True,
+    )  # fmt: skip
+    failed: set[Any] = set()
+    assert _run_write_script(rc, ctx, calls, failed) == [40, 0, 0] and not failed
+    assert _run_write_script(rc, ctx, calls, failed) == [0, 40, 0]  # same token: duplicates
+    from redis.exceptions import RedisClusterException
+
+    plain = WriterContext(**{**ctx.__dict__, "cluster": False, "token": 2})
+    with pytest.raises(RedisClusterException, match=r"same (key )?slot"):
+        _run_write_script(rc, plain, calls, failed)
+
+
+def test_the_stats_scripts_and_the_board_run_on_the_cluster(rc: Any) -> None:
+    from sluice.flow.board import Board
+    from sluice.pipeline.history import record_sample
+    from sluice.redis.keys import HISTORY_KEY
+
+    rc.script_flush()  # record_sample must load its script on the master it lands on
+    now_s = time.time_ns() // 1_000_000_000
+    assert record_sample(rc, {"t": (now_s - 1) * 1000, "events_in": 1})
+    assert record_sample(rc, {"t": now_s * 1000, "events_in": 5})
+    assert not record_sample(rc, {"t": now_s * 1000, "events_in": 6})  # one per second
+    assert [orjson.loads(s)["events_in"] for s in rc.lrange(HISTORY_KEY, 0, -1)] == [5, 1]
+    board = Board(rc)
+    board.publish("spark/h/1", {"stage": "spark", "updated_ms": now_s * 1000}, changed=True)
+    board.send("producer/h/2", "overload", "spark/h/1", 10, now_s * 1000)
+    got, _ = board.receive("producer/h/2", "0-0")
+    assert [s.kind for s in got] == ["overload"]
+    assert list(board.tasks(now_s * 1000)) == ["spark/h/1"]
+
+
+def test_strict_durability_is_checked_and_set_on_every_master(tmp_path: Path) -> None:
+    from sluice.redis.connection import open_redis
+
+    with (
+        LocalCluster(tmp_path / "c", masters=3) as cluster,
+        open_redis(cluster.url, tmp_path, durability="strict") as handle,
+    ):
+        assert handle.persistence["appendfsync"] == "always"
+        for node in node_clients(handle.client):
+            assert node.config_get("appendfsync") == {"appendfsync": "always"}
+            assert node.config_get("appendonly") == {"appendonly": "yes"}
+
+
+def test_a_cluster_address_that_does_not_work_fails_with_the_reason(redis_url: str) -> None:
+    from sluice.errors import RedisUnavailable
+    from sluice.redis.connection import check_reachable
+
+    with pytest.raises(RedisUnavailable, match=r"redis\+cluster://:\*\*\*@127.0.0.1:1 .*refused"):
+        check_reachable("redis+cluster://:pw@127.0.0.1:1")
+    single = redis_url.removeprefix("redis://").removesuffix("/0")
+    with pytest.raises(RedisUnavailable, match=r"[Cc]luster mode is not enabled"):
+        check_reachable(f"redis+cluster://{single}")
