@@ -792,11 +792,16 @@ def reading(runs: Sequence[tuple[RunResult, Summary]], plan: Plan) -> list[str]:
                     f" the backlog averaged {_mb(s.last_backlog_mean)} (the high watermark is"
                     f" {_mb(hw)}): a cap that holds input back, but is not lifted."
                 )
-        if s.spark_throttles_last:
+        if s.spark_throttles_last > 1:
             line += (
                 f" In the last {plan.oscillation_s:.0f} s Spark's stepwise flag went up"
                 f" {s.spark_throttles_last} times, so its admission was switching between"
                 " throttled and released while the offered load was constant"
+            )
+        elif s.spark_throttles_last == 1:
+            line += (
+                f" In the last {plan.oscillation_s:.0f} s Spark's stepwise flag went up once"
+                " (one throttle, no switching back and forth)"
             )
             if s.last_batch_events is not None:
                 line += (
