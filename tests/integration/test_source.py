@@ -212,3 +212,51 @@ def test_malformed_entries_are_dead_lettered_and_the_batch_goes_on(
     assert all(f[b"id"] and f[b"raw"] for _, f in dead)
     assert QueryEngine(cfg, r).query("txn_count", "c1", "1m", NOW)["value"] == 3
     assert r.xlen("events") == 1  # trimmed up to the committed entry
+
+
+def test_flow_control_falls_back_to_the_static_limit_while_redis_refuses_writes_and_recovers(
+    r: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At `maxmemory` (noeviction) the admission valve cannot publish its state: batches are then
+    sized by the static limit, never stopped, and the valve is used again once Redis recovers."""
+    import sluice.source.reader as reader_mod
+
+    monkeypatch.setattr(reader_mod, "FLOW_RETRY_S", 0.3)
+    cfg = make_config(
+        redis_url, tmp_path, source={"max_events_per_batch": 10_000},
+        backpressure={"controller": "fixed", "fixed_rate": 1000},
+    )  # fmt: skip
+    reader = _reader(cfg, redis_url)
+    start = reader.initialOffset()
+    for shard in ("events:0", "events:1"):
+        _jsonl_entries(r, shard, 10, 100, NOW)
+
+    def admitted(end: dict[str, Any]) -> int:
+        return sum(end.get("entries", {}).values()) * 100
+
+    old = r.config_get("maxmemory*")
+    r.config_set("maxmemory-policy", "noeviction")
+    r.config_set("maxmemory", 1)
+    try:
+        # The budget comes from the valve (1000/s over one trigger); publishing it fails.
+        first = reader.latestOffset(start, ReadMaxRows(10_000))
+        assert admitted(first) == 200 and reader._valve_errors == 1
+        # Meanwhile the static limit applies: the rest of the input in one batch.
+        rest = reader.latestOffset(start, ReadMaxRows(10_000))
+        assert admitted(rest) == 2000
+    finally:
+        r.config_set("maxmemory", old["maxmemory"])
+        r.config_set("maxmemory-policy", old["maxmemory-policy"])
+    time.sleep(0.4)
+    again = reader.latestOffset(start, ReadMaxRows(10_000))
+    assert 0 < admitted(again) < 2000  # the fixed rate's share of a trigger, again
+    assert reader._valve_errors == 0
+    messages = [m for m in caplog.messages if m.startswith("flow control")]
+    assert messages == [
+        "flow control failed; admitting with the static limit until it recovers",
+        "flow control recovered",
+    ]

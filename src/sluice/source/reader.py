@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from sluice.source.options import SourceOptions
 
 FORMAT = "redis-streams"
 log = logging.getLogger(__name__)
+FLOW_RETRY_S = 5.0  # a failed flow valve is tried again after this long
 XRANGE_COUNT = 2000
 
 _clients: dict[str, Any] = {}
@@ -96,7 +98,8 @@ class RedisStreamReader(DataSourceStreamReader):
         self.opts = opts
         self._released: dict[str, Any] | None = None
         self._valve: Any = None
-        self._valve_failed = False
+        self._valve_errors = 0  # failures in a row; the static limit applies meanwhile
+        self._valve_retry_at = 0.0  # monotonic time before which the valve is not tried again
 
     # -- driver side ------------------------------------------------------------------------
 
@@ -149,7 +152,7 @@ class RedisStreamReader(DataSourceStreamReader):
 
     def _flow_limit(self) -> int | None:
         """The controller's event budget for the next batch; None when it sets none."""
-        if self.opts.flow is None or self._valve_failed:
+        if self.opts.flow is None or time.monotonic() < self._valve_retry_at:
             return None
         try:
             if self._valve is None:
@@ -165,21 +168,33 @@ class RedisStreamReader(DataSourceStreamReader):
                     self.opts.max_events_per_batch,
                 )
             limit: int | None = self._valve.limit()
-            return limit
-        except Exception:
-            # Flow control must never stop the input: fall back to the static limit.
-            log.exception("flow control failed; admitting with the static limit from now on")
-            self._valve_failed = True
+        except Exception:  # noqa: BLE001 - logged in _flow_failed; never stops the input
+            self._flow_failed()
             return None
+        self._flow_ok()
+        return limit
 
     def _flow_admitted(self, events: int, held_back: bool) -> None:
-        if self._valve is None or self._valve_failed:
+        if self._valve is None or time.monotonic() < self._valve_retry_at:
             return
         try:
             self._valve.admitted(events, held_back)
-        except Exception:
-            log.exception("flow control failed; admitting with the static limit from now on")
-            self._valve_failed = True
+        except Exception:  # noqa: BLE001 - logged in _flow_failed; never stops the input
+            self._flow_failed()
+
+    def _flow_failed(self) -> None:
+        """Flow control must never stop the input: the static limit applies until the valve
+        works again (e.g. Redis at maxmemory refuses its state writes), retried every
+        FLOW_RETRY_S. Logged once per streak."""
+        if self._valve_errors == 0:
+            log.exception("flow control failed; admitting with the static limit until it recovers")
+        self._valve_errors += 1
+        self._valve_retry_at = time.monotonic() + FLOW_RETRY_S
+
+    def _flow_ok(self) -> None:
+        if self._valve_errors:
+            log.warning("flow control recovered", extra={"failures": self._valve_errors})
+            self._valve_errors = 0
 
     def _advance(
         self, client: Any, ids: dict[str, str], budget: int
