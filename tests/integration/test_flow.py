@@ -344,9 +344,12 @@ def test_spark_budget_covers_the_time_since_the_previous_batch(
     assert Board(r).tasks(clock.now_ms(), "spark")[spark.task.id]["batch_limit"] == 8_000
 
 
-def test_ingest_probes_its_provisional_cap_but_not_behind_a_shut_gate(
+def test_ingest_never_probes_its_provisional_cap_and_releases_it_when_it_holds_nothing(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
+    """The ingest task's measured cap is not probed up (the gate bounds the input; a probed cap
+    would let a catch-up burst past it between two looks), neither behind a shut gate nor when
+    the cap itself holds input back; it is released after a sensitivity with nothing held."""
     cfg = _cfg(redis_url, tmp_path)
     clock = ManualClock(NOW)
     ingest = _ingest(r, cfg, clock)
@@ -362,7 +365,7 @@ def test_ingest_probes_its_provisional_cap_but_not_behind_a_shut_gate(
     origin = ctl.rate
     assert origin is not None and not ctl.backpressured
 
-    _fill(r, cfg, cfg.backpressure.high_watermark)  # the gate shuts: no probe behind it
+    _fill(r, cfg, cfg.backpressure.high_watermark)  # the gate shuts
     for _ in range(12):
         clock.advance(250)
         assert ingest.try_admit(10**6) > 0
@@ -370,12 +373,18 @@ def test_ingest_probes_its_provisional_cap_but_not_behind_a_shut_gate(
 
     _drain(r, cfg)
     waits = []
-    for _ in range(10):  # a burst far over the cap, offered every 250 ms
+    for _ in range(12):  # a burst far over the cap, offered every 250 ms for 3 s
         clock.advance(250)
         waits.append(ingest.try_admit(10**6))
-    # The first goes into the bucket's debt, then the cap holds the rest back.
+    # The first goes into the bucket's debt, then the cap holds the rest back: no probe.
     assert ingest.gate_open and waits[0] == 0 and all(w > 0 for w in waits[1:])
-    assert ctl.rate == origin * 2 and ingest.bucket.rate == origin * 2
+    assert ctl.rate == origin and ingest.bucket.rate == origin
+
+    clock.advance(int(10**6 / origin * 1000) + 1000)  # the first burst's debt is paid
+    for _ in range(12):  # well under the cap, for 3 s (sensitivity 2 s): nothing held back
+        clock.advance(250)
+        assert ingest.try_admit(1) == 0
+    assert ctl.rate is None and ingest.bucket.rate is None
 
 
 def test_ingest_flush_survives_a_full_redis_and_still_raises_for_its_entries(

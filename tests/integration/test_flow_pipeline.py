@@ -24,7 +24,8 @@ from sluice.source.producer import Producer
 from tests.conftest import make_config
 
 RATE = 4_000  # offered events/s
-LOAD_S = 14.0
+LOAD_S = 14.0  # at least this long; longer (up to MAX_LOAD_S) until both stages have throttled
+MAX_LOAD_S = 45.0
 
 
 def _count_in_store(r: redis.Redis, metric: str) -> int:
@@ -50,6 +51,25 @@ def _bytes_per_event(r: redis.Redis, cfg: Any, frame: int) -> float:
     for s in scratch.source.shard_keys():
         r.delete(s)
     return level.bytes / (20 * frame)
+
+
+def _both_throttled(r: redis.Redis, min_s: float) -> Any:
+    """A `run_load` stop: after `min_s`, once the timeline shows both stages throttled. On a
+    loaded machine Spark's first batches can take most of `min_s`; the load then goes on."""
+    t0 = time.monotonic()
+    seen = {"at": 0.0, "both": False}
+
+    def stop() -> bool:
+        now = time.monotonic()
+        if now - t0 < min_s:
+            return False
+        if now - seen["at"] >= 0.5:
+            seen["at"] = now
+            stages = {ev["stage"] for ev in Board(r).timeline(1000) if ev.get("backpressure")}
+            seen["both"] = {"spark", "ingest"} <= stages
+        return bool(seen["both"])
+
+    return stop
 
 
 def test_slow_store_throttles_spark_then_the_producer_and_nothing_is_lost(
@@ -89,7 +109,7 @@ def test_slow_store_throttles_spark_then_the_producer_and_nothing_is_lost(
     p.start()
     try:
         watcher.start()
-        result = run_load(cfg, r, RATE, LOAD_S, seed=7)
+        result = run_load(cfg, r, RATE, MAX_LOAD_S, seed=7, stop=_both_throttled(r, LOAD_S))
         done.set()
         watcher.join()
         timeline = Board(r).timeline(1000)

@@ -135,8 +135,11 @@ class IngestValve:
         with self._lock:
             self._tick()
             wait = self._wait_s(n)
-            # A shut gate is not the controller's cap: raising the cap would not let more in.
-            self.task.hold(wait > 0, by_cap=self.gate_open)
+            # The ingest task never probes its cap (by_cap=False): it is only released once it
+            # has held nothing back for a sensitivity. The gate bounds the input, and a probed
+            # cap would let a producer's catch-up burst (events owed while it was held) through
+            # between two looks at the backlog, past the high watermark plus one tick.
+            self.task.hold(wait > 0, by_cap=False)
             if wait <= 0:
                 self._take(n)
             return wait
