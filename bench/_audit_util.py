@@ -9,6 +9,7 @@ stream.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -26,7 +27,7 @@ import hiredis
 import orjson
 import redis
 
-from _util import TICK_S, LoadPool, RespWriter, prefill
+from _util import TICK_S, LoadPool, PacedProducer, RespWriter, prefill
 from sluice.config import Config
 from sluice.pipeline.audit import LEDGER_KEEP, SOURCE_CHUNK, AuditResult, Ledger, source_xor
 from sluice.pipeline.status import backlog
@@ -345,36 +346,18 @@ def sample(client: Any, cfg: Config, events_per_entry: float) -> Sample:
     )
 
 
-class SteadyProducer(threading.Thread):
+class SteadyProducer(PacedProducer):
     """`_util.PacedProducer`'s pacing, but a command Redis refuses with BUSY (a script running
     past `lua-time-limit`) is queued and sent again on the next tick instead of ending the thread.
 
     `sent_events` counts acknowledged events only; `busy_replies` the refusals; `error` holds any
-    other failure, which ends the thread.
+    other failure, which ends the thread. Runs until `stop()`.
     """
 
     def __init__(self, url: str, pool: LoadPool, rate_per_s: float) -> None:
-        super().__init__(name="bench-steady-producer", daemon=True)
-        self.url = url
-        self.pool = pool
-        self.rate_per_s = rate_per_s
-        self.sent_events = 0
+        super().__init__(url, pool, rate_per_s, duration_s=math.inf)
+        self.name = "bench-steady-producer"
         self.busy_replies = 0
-        self.elapsed_s = 0.0
-        self.error: BaseException | None = None
-        self._stop_evt = threading.Event()
-
-    def stop(self) -> None:
-        self._stop_evt.set()
-
-    def achieved_per_s(self) -> float:
-        return self.sent_events / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except (OSError, RuntimeError) as e:  # reported by the caller
-            self.error = e
 
     def _run(self) -> None:
         writer = RespWriter(self.url, timeout_s=120)
