@@ -147,3 +147,14 @@ def test_dead_letter_keys_share_the_stream_tag() -> None:
     assert stream == "sluice:dead:{events}"
     assert marker == "sluice:dlm:{events}:123:abcd"
     assert key_slot(stream) == key_slot(marker) == key_slot("events")
+
+
+def test_shard_side_keys_share_the_shard_slot() -> None:
+    from sluice.redis.keys import shard_keys, shard_side_key
+
+    for shard in ["events", "events:3", "events:0:{5}", *shard_keys("events", 7, hash_tags=True)]:
+        k = shard_side_key("rd", shard)
+        assert key_slot(k) == key_slot(shard), (shard, k)
+        assert key_slot(shard_side_key("emit", shard, 12, 0, 3)) == key_slot(shard)
+    assert shard_side_key("rd", "events") == "sluice:rd:{events}"
+    assert shard_side_key("emit", "a:1:{9}", 4, 2) == "sluice:emit:a:1:{9}:4:2"

@@ -22,6 +22,9 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:dead:{<stream>}         stream: dead letters, bounded
     sluice:dlm:{<stream>}:<token>:<digest>  marker: these dead letters are already written
     sluice:audit:{<stream>#<n>}    hash: the audit ledger, one of `audit.ledger_shards`
+    sluice:rd:{<shard>}            hash: reader name -> its committed entry id in that shard
+    sluice:emit:{<shard>}:<token>:<part>:<chunk>  marker: a stage already wrote this chunk
+                                   (`{<shard>}` stands for the shard's own tag when it has one)
 
 The input shards are `<stream>` (one shard) or `<stream>:0` .. `<stream>:<N-1>`; with
 `source.hash_tags` (the default on a Redis Cluster) each also carries a tag that pins it to its
@@ -123,6 +126,21 @@ def shard_keys(stream: str, shards: int, hash_tags: bool = False) -> list[str]:
     if not hash_tags:
         return [f"{stream}:{i}" for i in range(shards)]
     return [f"{stream}:{i}:{{{tag}}}" for i, tag in enumerate(shard_tags(shards))]
+
+
+def shard_side_key(kind: str, shard: str, *parts: object) -> str:
+    """A key that lives in the same cluster slot as the stream `shard` (for scripts that touch
+    both): `sluice:<kind>:<shard>[:parts]` when the shard carries a hash tag, else the shard's
+    whole name becomes the tag, `sluice:<kind>:{<shard>}[:parts]`."""
+    tail = "".join(f":{p}" for p in parts)
+    return f"{PREFIX}:{kind}:{_tagged(shard)}{tail}"
+
+
+def _tagged(shard: str) -> str:
+    start = shard.find("{")
+    if start != -1 and shard.find("}", start + 1) > start + 1:
+        return shard
+    return f"{{{shard}}}"
 
 
 def _crc16_xmodem(data: bytes) -> int:
