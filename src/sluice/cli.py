@@ -68,9 +68,16 @@ def main(
 
 @main.command()
 @config_option
-def run(config_path: str) -> None:
+@click.option(
+    "--stage",
+    "stages",
+    multiple=True,
+    help="run only this query (a stage's name, `fold:<stream>`, or `spark` for the source's"
+    " fold); repeat it to run several. Default: all, in this one Spark application",
+)
+def run(config_path: str, stages: tuple[str, ...]) -> None:
     """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
-    from sluice.pipeline.job import Pipeline
+    from sluice.pipeline.run import Run
     from sluice.pipeline.spark import build_spark
     from sluice.redis.connection import open_redis
 
@@ -82,7 +89,7 @@ def run(config_path: str) -> None:
     with handle:
         spark = build_spark(cfg)
         try:
-            pipeline = Pipeline(cfg, handle, spark)
+            run_ = Run(cfg, handle, spark, only=stages)
         except SluiceError as e:
             raise _fail(e) from None
 
@@ -90,15 +97,16 @@ def run(config_path: str) -> None:
             log.info(
                 "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
             )
-            pipeline.request_stop()
+            run_.request_stop()
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         log.info(
             "pipeline starting",
-            extra={"redis": _redact(handle.url), "checkpoint": str(pipeline.ckpt)},
-        )
-        pipeline.run_forever()
+            extra={"redis": _redact(handle.url), "state_dir": str(cfg.state_dir),
+                   "queries": len(run_.parts)},
+        )  # fmt: skip
+        run_.run_forever()
         spark.stop()
     log.info("stopped")
 

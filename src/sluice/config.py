@@ -35,6 +35,8 @@ SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes)]
 AGGS = ("count", "sum", "min", "max", "avg", "distinct", "quantile", "last", "stddev", "variance")
 FIELD_TYPES = ("string", "long", "int", "double", "float", "boolean")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RESERVED_STAGES = ("ingest", "spark", "store", "input")
+TABLE_FORMATS = (".csv", ".json", ".jsonl", ".parquet")
 
 
 class _Model(BaseModel):
@@ -57,6 +59,24 @@ class FieldType(_Model):
                 " (add '?' for a field that may be missing)"
             )
         return cls(type=base, nullable=nullable)
+
+
+def check_stream_name(v: str) -> str:
+    if not v or any(c in v for c in "{}\n ") or len(v) > 200:
+        raise ValueError(f"stream name {v!r} must be non-empty, <=200 chars, no spaces or braces")
+    return v
+
+
+def check_schema(v: dict[str, str]) -> dict[str, str]:
+    if not v:
+        raise ValueError("schema must name at least one field")
+    for name, spec in v.items():
+        if not NAME_RE.match(name):
+            raise ValueError(f"field name {name!r} must match {NAME_RE.pattern}")
+        if name.startswith("_"):
+            raise ValueError(f"field name {name!r} must not start with '_' (reserved)")
+        FieldType.parse(str(spec))
+    return {k: str(s) for k, s in v.items()}
 
 
 class SourceConfig(_Model):
@@ -88,24 +108,12 @@ class SourceConfig(_Model):
     @field_validator("stream")
     @classmethod
     def _stream_name(cls, v: str) -> str:
-        if not v or any(c in v for c in "{}\n ") or len(v) > 200:
-            raise ValueError(
-                f"stream name {v!r} must be non-empty, <=200 chars, no spaces or braces"
-            )
-        return v
+        return check_stream_name(v)
 
     @field_validator("schema_")
     @classmethod
     def _schema(cls, v: dict[str, str]) -> dict[str, str]:
-        if not v:
-            raise ValueError("schema must name at least one field")
-        for name, spec in v.items():
-            if not NAME_RE.match(name):
-                raise ValueError(f"field name {name!r} must match {NAME_RE.pattern}")
-            if name.startswith("_"):
-                raise ValueError(f"field name {name!r} must not start with '_' (reserved)")
-            FieldType.parse(str(spec))
-        return {k: str(s) for k, s in v.items()}
+        return check_schema(v)
 
     @model_validator(mode="after")
     def _time_field(self) -> SourceConfig:
@@ -155,6 +163,11 @@ class MetricConfig(_Model):
         None,
         description="slice lengths kept side by side, finest first, e.g. [1s, 1m, 1h]: queries"
         " read the coarsest slices that fit inside the window and the finest at its edges",
+    )
+    from_: str | None = Field(
+        None,
+        alias="from",
+        description="the stream this metric folds: a stage's output stream; null = the source",
     )
 
     @field_validator("name")
@@ -246,6 +259,91 @@ class DerivedConfig(_Model):
         return v
 
 
+class StageOutput(_Model):
+    """The stream a stage writes: `jsonl` entries of up to `entry_events` events each."""
+
+    stream: str
+    shards: int = Field(1, ge=1, le=1024)
+    schema_: dict[str, str] | None = Field(
+        None,
+        alias="schema",
+        description="the output's fields and types; null = taken from the SQL at start-up",
+    )
+    time_field: str | None = Field(
+        None, description="the event-time field; null = the input's, when the output keeps it"
+    )
+    high_watermark: SizeBytes | None = Field(
+        None, description="its readers' backlog watermarks; null = backpressure's"
+    )
+    low_watermark: SizeBytes | None = None
+    entry_events: int = Field(500, ge=1, le=100_000, description="events per stream entry")
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, v: str) -> str:
+        return check_stream_name(v)
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else check_schema(v)
+
+    @model_validator(mode="after")
+    def _marks(self) -> StageOutput:
+        if (self.high_watermark is None) != (self.low_watermark is None):
+            raise _FieldError("low_watermark", "set both watermarks of a stream, or neither")
+        high, low = self.high_watermark, self.low_watermark
+        if high is not None and low is not None and low >= high:
+            raise _FieldError("low_watermark", "low_watermark must be below high_watermark")
+        if self.schema_ is not None and self.time_field is not None:
+            spec = self.schema_.get(self.time_field)
+            if spec is None or FieldType.parse(spec).type not in ("long", "int"):
+                raise _FieldError(
+                    "time_field", f"{self.time_field!r} must be a long field of the schema"
+                )
+        return self
+
+
+class StageConfig(_Model):
+    """A stream-to-stream stage: reads `from`, applies `sql` to each micro-batch (the input is
+    the view `input`; `tables` are static views for enrichment), writes stream `to`."""
+
+    name: str
+    from_: list[str] = Field(alias="from", min_length=1)
+    sql: str = "SELECT * FROM input"
+    tables: dict[str, str] = Field(
+        default_factory=dict,
+        description="static tables for joins: view name -> a .csv, .json, .jsonl or .parquet path",
+    )
+    to: StageOutput
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(f"stage name {v!r} must match {NAME_RE.pattern}")
+        if v in RESERVED_STAGES:
+            raise ValueError(f"stage name {v!r} is reserved ({', '.join(RESERVED_STAGES)})")
+        return v
+
+    @field_validator("from_", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("tables")
+    @classmethod
+    def _tables(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not NAME_RE.match(name) or name == "input":
+                raise ValueError(f"table name {name!r} must match {NAME_RE.pattern}, not input")
+            if not path.endswith(TABLE_FORMATS):
+                raise ValueError(
+                    f"table {name!r}: {path!r} must end with one of {', '.join(TABLE_FORMATS)}"
+                )
+        return v
+
+
 class SparkConfig(_Model):
     master: str = "local[2]"
     trigger: DurationMs = 500
@@ -303,6 +401,11 @@ class BackpressureConfig(_Model):
         250, description="how often a stage measures its queue and reads its signals"
     )
     min_rate: float = Field(100.0, gt=0.0, description="no controller throttles below this")
+    propagation: Literal["hop", "source"] = Field(
+        "hop",
+        description="hop: an overloaded stage signals its direct upstreams (seed 000);"
+        " source: it signals the ingest tasks, throttling the whole pipeline (Heron-style)",
+    )
     fixed_rate: float | None = Field(
         None, gt=0.0, description="events/s for `fixed`; null = max_events_per_batch per trigger"
     )
@@ -349,6 +452,7 @@ class Config(_Model):
     source: SourceConfig = Field(default_factory=SourceConfig)
     metrics: list[MetricConfig] = Field(min_length=1)
     derived: list[DerivedConfig] = Field(default_factory=list)
+    stages: list[StageConfig] = Field(default_factory=list)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     backpressure: BackpressureConfig = Field(default_factory=BackpressureConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
@@ -387,18 +491,67 @@ class Config(_Model):
         return self
 
     @model_validator(mode="after")
+    def _graph(self) -> Config:
+        """Stages: unique names and output streams, inputs that exist, no cycles."""
+        writers: dict[str, str] = {}  # stream -> the stage that writes it
+        names: set[str] = set()
+        for i, st in enumerate(self.stages):
+            if st.name in names:
+                raise _at(f"stages[{i}].name", f"stage name {st.name!r} is used twice")
+            names.add(st.name)
+            out = st.to.stream
+            if out == self.source.stream or out in writers:
+                raise _at(f"stages[{i}].to.stream", f"stream {out!r} already has a writer")
+            writers[out] = st.name
+        for i, st in enumerate(self.stages):
+            for j, src in enumerate(st.from_):
+                if src != self.source.stream and src not in writers:
+                    raise _at(
+                        f"stages[{i}].from[{j}]",
+                        f"stream {src!r} is neither the source ({self.source.stream!r}) nor"
+                        " written by a stage",
+                    )
+                if writers.get(src) == st.name:
+                    raise _at(f"stages[{i}].from[{j}]", "a stage cannot read its own output")
+        _check_acyclic(self.stages, writers)
+        for i, m in enumerate(self.metrics):
+            if m.from_ is not None and m.from_ != self.source.stream and m.from_ not in writers:
+                raise _at(
+                    f"metrics[{i}].from",
+                    f"stream {m.from_!r} is neither the source ({self.source.stream!r}) nor"
+                    " written by a stage",
+                )
+        return self
+
+    def stage_writing(self, stream: str) -> StageConfig | None:
+        for st in self.stages:
+            if st.to.stream == stream:
+                return st
+        return None
+
+    def stream_schema(self, stream: str | None) -> dict[str, str] | None:
+        """The declared schema of a stream (None: a stage output taken from its SQL)."""
+        if stream is None or stream == self.source.stream:
+            return self.source.schema_
+        st = self.stage_writing(stream)
+        return None if st is None else st.to.schema_
+
+    @model_validator(mode="after")
     def _cross(self) -> Config:
-        fields = self.source.schema_
         seen: set[str] = set()
         for i, m in enumerate(self.metrics):
             if m.name in seen:
                 raise _at(f"metrics[{i}].name", f"metric name {m.name!r} is used twice")
             seen.add(m.name)
+            fields = self.stream_schema(m.from_)
+            if fields is None:
+                continue  # checked at start-up, once the stage's SQL gives its schema
+            where = "source.schema" if m.from_ in (None, self.source.stream) else m.from_
             for k in m.key:
                 if k not in fields:
                     raise _at(
                         f"metrics[{i}].key",
-                        f"key field {k!r} is not in source.schema ({', '.join(fields)})",
+                        f"key field {k!r} is not in {where} ({', '.join(fields)})",
                     )
         for i, d in enumerate(self.derived):
             if d.name in seen:
@@ -424,6 +577,26 @@ class Config(_Model):
             if d.name == name:
                 return d
         return None
+
+
+def _check_acyclic(stages: list[StageConfig], writers: dict[str, str]) -> None:
+    by_name = {st.name: st for st in stages}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(name: str, path: list[str]) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            cycle = " -> ".join([*path[path.index(name) :], name])
+            raise _at("stages", f"the stages form a cycle: {cycle}")
+        state[name] = 1
+        for src in by_name[name].from_:
+            if src in writers:
+                visit(writers[src], [*path, name])
+        state[name] = 2
+
+    for st in stages:
+        visit(st.name, [])
 
 
 class _FieldError(ValueError):
@@ -481,7 +654,15 @@ def config_from_dict(data: Any, base_dir: Path | None = None) -> Config:
         raise ConfigError(msg, path) from None
     if base_dir is not None and not cfg.state_dir.is_absolute():
         cfg = cfg.model_copy(update={"state_dir": (base_dir / cfg.state_dir).resolve()})
+    if base_dir is not None and cfg.stages:
+        cfg = cfg.model_copy(update={"stages": [_rebase(st, base_dir) for st in cfg.stages]})
     return cfg
+
+
+def _rebase(st: StageConfig, base_dir: Path) -> StageConfig:
+    """Table paths relative to the config file's directory, like `state_dir`."""
+    tables = {n: str((base_dir / p).resolve()) for n, p in st.tables.items()}
+    return st.model_copy(update={"tables": tables})
 
 
 def load_config(path: str | Path) -> Config:

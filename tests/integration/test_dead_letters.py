@@ -4,7 +4,7 @@
 JSON (or not objects) with 400, and accepts a JSON array of objects with 202 and its count;
 every accepted event is then one event of the stream, by the decoder's own count rule.
 
-Dead letters are written by the real script (`pipeline.writer._write_dead_letters`) and
+Dead letters are written by the real script (`pipeline.writer.write_dead_letters`) and
 counted by the real batch-record script, then listed by `sluice dead-letters` and
 `GET /v1/dead-letters`.
 """
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from sluice.cli import main
 from sluice.config import Config
-from sluice.pipeline.writer import WriterContext, _write_dead_letters
+from sluice.pipeline.writer import WriterContext, write_dead_letters
 from sluice.query.app import create_app
 from sluice.redis.keys import BATCHES_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
@@ -225,7 +225,7 @@ def _write_batch(
         source_stream=cfg.source.stream,
         dead_letter_maxlen=cfg.source.dead_letter_maxlen,
     )
-    reasons = _write_dead_letters(r, ctx, list(records))
+    reasons = write_dead_letters(r, ctx, list(records))
     counters: list[Any] = ["dead_letters", len(records)]
     for reason, n in reasons.items():
         counters += [f"dead_{reason}", n]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice.errors import ConfigError
 from sluice.source.decode import META_FIELDS, Decoder, output_schema, spark_schema_ddl
 from sluice.source.options import SourceOptions
 
@@ -102,6 +104,18 @@ def test_spark_ddl_matches_schema() -> None:
 def test_options_round_trip_through_spark_strings() -> None:
     opts = options("jsonl")
     assert SourceOptions.from_spark(opts.to_spark()) == opts
+
+
+def test_reader_names_round_trip_through_spark_strings() -> None:
+    opts = dataclasses.replace(options(), reader="enrich", readers={"s": ("", "enrich")})
+    back = SourceOptions.from_spark(opts.to_spark())
+    assert back == opts
+    assert back.readers_of("s") == ("", "enrich") and back.readers_of("t") == ("enrich",)
+
+
+def test_a_reader_must_be_among_the_readers() -> None:
+    with pytest.raises(ConfigError, match="`reader` 'enrich' is not among the readers"):
+        dataclasses.replace(options(), reader="enrich", readers={"s": ("",)})
 
 
 # -- fields format ---------------------------------------------------------------------------

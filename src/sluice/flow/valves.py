@@ -49,7 +49,7 @@ from sluice.flow.stages import (
     topology,
 )
 from sluice.flow.task import QueueWatch, StageTask, notify_upstreams
-from sluice.redis.keys import STATS_KEY
+from sluice.redis.keys import stats_keys
 
 log = logging.getLogger(__name__)
 _seq = itertools.count()
@@ -59,9 +59,9 @@ _seq = itertools.count()
 MAX_INTERVAL_TRIGGERS = 4
 
 
-def spark_task_id(streams: tuple[str, ...]) -> str:
-    """The Spark stage has one admitting task per pipeline; its id survives restarts."""
-    return f"{SPARK}/{streams[0]}"
+def spark_task_id(streams: tuple[str, ...], stage: str = SPARK) -> str:
+    """A Spark stage has one admitting task; its id survives restarts."""
+    return f"{stage}/{streams[0]}"
 
 
 class IngestValve:
@@ -184,17 +184,21 @@ class AdmissionValve:
         trigger_ms: int,
         max_batch_events: int | None,
         clock: Clock = SYSTEM_CLOCK,
+        stage: Stage | None = None,
+        reader: str | None = None,
     ) -> None:
         self.client = client
         self.bp = bp
         self.trigger_ms = trigger_ms
         self.max_batch_events = max_batch_events
         self.clock = clock
-        self.stages = topology(input_streams)
-        self.stage: Stage = self.stages[SPARK]
+        self.stage: Stage = stage or topology(input_streams)[SPARK]
+        self.stages = {self.stage.name: self.stage}
+        self.reader = reader  # its own offsets, when other stages read the same streams
+        self.stats_key = stats_keys(self.stage.name).stats
         controller = make_controller(bp, trigger_ms, clock, max_batch_events)
         board = Board(client)
-        tid = spark_task_id(input_streams)
+        tid = spark_task_id(input_streams, self.stage.name)
         previous = board.all_tasks().get(tid)
         if previous is not None:
             controller.restore(previous)
@@ -211,7 +215,7 @@ class AdmissionValve:
             self.task.on_batch(BatchSample(0, 0.0, 0.0, 0.0, ok=False))
 
     def _newest(self) -> dict[str, Any] | None:
-        raw = self.client.hget(STATS_KEY, "last_batch")
+        raw = self.client.hget(self.stats_key, "last_batch")
         return orjson.loads(raw) if raw else None
 
     def _newest_batch_token(self) -> int | None:
@@ -228,10 +232,12 @@ class AdmissionValve:
         now = self.clock.now_ms()
         self._feedback()
         self.task.poll()
-        level = stream_level(self.client, self.stage.streams, self.bp)
+        level = stream_level(self.client, self.stage.streams, self.bp, self.reader)
         self.task.queue = level.as_dict()
         verdict = self.watch.update(level)
-        notify_upstreams(self.task.board, self.stages, SPARK, verdict, level, self.task.id, now)
+        notify_upstreams(
+            self.task.board, self.stages, self.stage.name, verdict, level, self.task.id, now
+        )
         prev, self._planned_ms = self._planned_ms, now
         interval_ms = batch_interval_ms(prev, now, self.trigger_ms, MAX_INTERVAL_TRIGGERS)
         self._limit = self.task.controller.batch_limit(interval_ms)
@@ -289,11 +295,13 @@ class StoreMonitor:
         bp: BackpressureConfig,
         input_streams: tuple[str, ...],
         clock: Clock = SYSTEM_CLOCK,
+        stage: Stage | None = None,
     ) -> None:
         self.client = client
         self.bp = bp
         self.clock = clock
-        self.stages = topology(input_streams)
+        self.stage: Stage = stage or topology(input_streams)[STORE]
+        self.stages = {self.stage.name: self.stage}
         self.board = Board(client)
         self.id = f"{STORE}/{input_streams[0]}"
         self.watch = QueueWatch(bp.sensitivity, clock)
@@ -317,7 +325,7 @@ class StoreMonitor:
                 self.write_ms = None  # no batch for a while: nothing is waiting on the store
             level = store_level(self.client, self.write_ms, self.bp)
             verdict = self.watch.update(level)
-            notify_upstreams(self.board, self.stages, STORE, verdict, level, self.id, now)
+            notify_upstreams(self.board, self.stages, self.stage.name, verdict, level, self.id, now)
             changed = level.overloaded != self._overloaded
             if changed:
                 self._overloaded = level.overloaded
@@ -325,9 +333,9 @@ class StoreMonitor:
             self.board.publish(
                 self.id,
                 {
-                    "stage": STORE,
+                    "stage": self.stage.name,
                     "task": self.id,
-                    "upstreams": [SPARK],
+                    "upstreams": list(self.stage.upstreams),
                     "controller": None,
                     "overloaded": level.overloaded,
                     "queue": level.as_dict(),

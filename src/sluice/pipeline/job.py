@@ -7,11 +7,14 @@ restarting a failed query from its checkpoint with exponential backoff.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,10 @@ from pyspark.sql.streaming import StreamingQuery
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import AuditError, PipelineError
+from sluice.flow.stages import SPARK, STORE, Stage, topology
 from sluice.flow.valves import StoreMonitor
 from sluice.pipeline import freshness
 from sluice.pipeline.audit import AuditResult, Ledger, batch_offsets, source_xor, writer_xors
-from sluice.pipeline.health import Health, Progress
 from sluice.pipeline.plan import (
     check_expressions,
     explode_updates,
@@ -36,7 +39,7 @@ from sluice.pipeline.plan import (
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition, writer_token
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import BATCHES_KEY, EPOCH_KEY, FRESHNESS_KEY, STATS_KEY
+from sluice.redis.keys import EPOCH_KEY, StatsKeys, stats_keys
 from sluice.redis.scripts import RECORD_BATCH, script_source
 from sluice.source.options import SourceOptions
 from sluice.source.reader import FORMAT
@@ -44,8 +47,65 @@ from sluice.source.reader import FORMAT
 log = logging.getLogger(__name__)
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    return Path(cfg.state_dir) / "checkpoint"
+def checkpoint_dir(cfg: Config, stage: str = SPARK) -> Path:
+    """The source's fold keeps the checkpoint of a pipeline without stages; every other stage
+    has its own under `checkpoints/` (`fold:x` as `fold-x`: Hadoop paths refuse a colon)."""
+    if stage == SPARK:
+        return Path(cfg.state_dir) / "checkpoint"
+    return Path(cfg.state_dir) / "checkpoints" / stage.replace(":", "-")
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where one streaming query sits in the graph: its flow stage (name, the stages it
+    signals, its input shards), its reader name and the readers of each input shard, and the
+    stage of the store it feeds (None for a stream-to-stream stage)."""
+
+    stage: Stage
+    reader: str = ""
+    readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    store: Stage | None = None
+
+    @classmethod
+    def single(cls, cfg: Config) -> Role:
+        """A pipeline without stages: the source's one reader, folding into the store."""
+        stages = topology(tuple(cfg.source.shard_keys()))
+        return cls(stages[SPARK], store=stages[STORE])
+
+    @property
+    def stats(self) -> StatsKeys:
+        return stats_keys(self.stage.name)
+
+    def source_options(self, cfg: Config, base: SourceOptions) -> SourceOptions:
+        """`base` with this role's reader and flow valve."""
+        flow = {
+            "backpressure": cfg.backpressure.model_dump(mode="json"),
+            "trigger_ms": cfg.spark.trigger,
+            "stage": [self.stage.name, list(self.stage.upstreams)],
+            # A stream read by others too: its own backlog, not the stream's whole length.
+            "reader": self.reader if any(len(r) > 1 for r in self.readers.values()) else None,
+        }
+        return dataclasses.replace(
+            base, reader=self.reader, readers=self.readers, flow=json.dumps(flow)
+        )
+
+
+def query_name(stage: str) -> str:
+    return "sluice" if stage == SPARK else f"sluice-{stage.replace(':', '-')}"
+
+
+def stop_query(q: StreamingQuery | None, grace_s: float) -> None:
+    """Stop `q` after the batch in flight, waiting at most `grace_s`; the checkpoint makes any
+    batch cut short re-run on the next start, so a hard stop loses nothing either."""
+    if q is None:
+        return
+    deadline = time.monotonic() + grace_s
+    while q.isActive and time.monotonic() < deadline:
+        if not q.status.get("isTriggerActive", False):
+            break
+        time.sleep(0.05)
+    if q.isActive:
+        q.stop()
 
 
 def writer_epoch(ckpt: Path, client: Any) -> int:
@@ -116,6 +176,7 @@ class Pipeline:
         fault_drop_every: int = 0,
         write_delay_ms: float = 0.0,
         fault_lose_one: bool = False,
+        role: Role | None = None,
     ) -> None:
         self.cfg = cfg
         self.redis = redis
@@ -125,23 +186,26 @@ class Pipeline:
         self.fault_drop_every = fault_drop_every
         self.write_delay_ms = write_delay_ms
         self.fault_lose_one = fault_lose_one
+        self.role = role or Role.single(cfg)
+        self.name = self.role.stage.name
         self.query: StreamingQuery | None = None
         self._stop = threading.Event()
         types = check_expressions(spark, cfg)
         self.specs = tuple(metric_specs(cfg, types))
-        self.ckpt = checkpoint_dir(cfg)
+        self.ckpt = checkpoint_dir(cfg, self.name)
         self.epoch = writer_epoch(self.ckpt, redis.client)
         self._record = redis.client.register_script(script_source(RECORD_BATCH))
         self._folds = fold_columns(list(self.specs), cfg.audit.enabled)
         self.ledger = Ledger(redis.client, cfg.source.stream, cfg.audit.ledger_shards)
         self.store = StoreMonitor(
-            redis.client, cfg.backpressure, tuple(cfg.source.shard_keys()), clock
+            redis.client, cfg.backpressure, tuple(cfg.source.shard_keys()), clock, self.role.store
         )
         self._flow_thread: threading.Thread | None = None
         self._flow_stop = threading.Event()
 
     def _source(self) -> DataFrame:
-        opts = SourceOptions.from_config(self.cfg, self.redis.url)
+        base = SourceOptions.from_config(self.cfg, self.redis.url)
+        opts = self.role.source_options(self.cfg, base)
         events = self.spark.readStream.format(FORMAT).options(**opts.to_spark()).load()
         return explode_updates(events, self.cfg, list(self.specs))
 
@@ -213,9 +277,7 @@ class Pipeline:
         wait_ms = freshness.observation(rec)
         if wait_ms is not None:
             counters += ["|", *freshness.increments(wait_ms)]
-        self._record(
-            keys=[STATS_KEY, BATCHES_KEY, FRESHNESS_KEY], args=[token, orjson.dumps(rec), *counters]
-        )
+        self._record(keys=list(self.role.stats), args=[token, orjson.dumps(rec), *counters])
         if rec["events"]:
             log.debug(
                 "batch written",
@@ -297,7 +359,7 @@ class Pipeline:
         trigger_ms = self.cfg.spark.trigger
         self.query = (
             self._source()
-            .writeStream.queryName("sluice")
+            .writeStream.queryName(query_name(self.name))
             .foreachBatch(self._on_batch)
             .option("checkpointLocation", str(self.ckpt))
             .trigger(processingTime=f"{trigger_ms} milliseconds")
@@ -319,16 +381,7 @@ class Pipeline:
         batch cut short re-run on the next start, so a hard stop loses nothing either."""
         self._stop.set()
         self._flow_stop.set()
-        q = self.query
-        if q is None:
-            return
-        deadline = time.monotonic() + grace_s
-        while q.isActive and time.monotonic() < deadline:
-            if not q.status.get("isTriggerActive", False):
-                break
-            time.sleep(0.05)
-        if q.isActive:
-            q.stop()
+        stop_query(self.query, grace_s)
         self.query = None
 
     def wait_idle(self, timeout_s: float = 120.0) -> bool:
@@ -351,64 +404,7 @@ class Pipeline:
         return False
 
     def run_forever(self, max_backoff_s: float = 15.0) -> None:
-        """Run until request_stop(): the supervisor (seed 001's two-stage fault handling).
+        """Run until request_stop(), restarting a failed query (see `pipeline.supervisor`)."""
+        from sluice.pipeline.supervisor import Supervisor
 
-        A failed query is restarted from its checkpoint with exponential backoff (1 s doubling
-        up to `max_backoff_s`). While Redis is unreachable the pipeline waits for it, and starts
-        again as soon as it answers. The state is published for `/healthz` and `sluice status`:
-        `running`, `restarting`, `waiting_for_redis`, `failing` (FAILING_AFTER or more failures
-        in a row) or `stopped`; a batch with input resets the failure count.
-        """
-        backoff = 1.0
-        health = Health(self.redis.client, self.clock)
-        health.set("starting")
-        progress = Progress(self.redis.client)
-        while not self._stop.is_set():
-            progress.maybe_log()
-            if self.query is None:
-                if not self._redis_up():
-                    health.set("waiting_for_redis", "redis is unreachable")
-                    self._sleep(1.0)
-                    continue
-                try:
-                    self.start()
-                    health.set("running" if health.failures == 0 else health.state)
-                except Exception as e:  # noqa: BLE001 - start errors are retried like failures
-                    log.error("query start failed", extra={"error": str(e), "retry_in_s": backoff})
-                    health.failed(str(e))
-                    self._sleep(backoff)
-                    backoff = min(backoff * 2, max_backoff_s)
-                    continue
-            q = self.query
-            assert q is not None
-            try:
-                ended = q.awaitTermination(1)
-            except Exception:  # noqa: BLE001 - StreamingQueryException: the query failed
-                ended = True
-            if ended:
-                err = q.exception()
-                self.query = None
-                if self._stop.is_set():
-                    break
-                health.failed(str(err).splitlines()[0] if err else "query stopped")
-                log.error("query failed", extra={"error": str(err), "retry_in_s": backoff})
-                self._sleep(backoff)
-                backoff = min(backoff * 2, max_backoff_s)
-            else:
-                p = q.lastProgress
-                if p and p.get("numInputRows", 0) > 0:
-                    backoff = 1.0
-                    health.recovered()
-                health.beat()
-        self.stop()
-        health.set("stopped")
-
-    def _redis_up(self) -> bool:
-        try:
-            self.redis.client.ping()
-        except Exception:  # noqa: BLE001 - any failure means not reachable
-            return False
-        return True
-
-    def _sleep(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+        Supervisor([self], self.redis.client, self.clock, self._stop).run_forever(max_backoff_s)

@@ -17,6 +17,7 @@ decoded once per batch however many metrics there are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,23 @@ def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
     return F.when(cond, value.cast(value_type(spec)))
 
 
+def dead_letter_json(reason: Column, fields: Iterable[str]) -> Column:
+    """A bad event's dead-letter record as JSON (see `lua/dead_letters.lua` for its fields);
+    `raw` is the offending input, or the decoded event when the decoder kept none."""
+    return F.to_json(
+        F.struct(
+            F.coalesce(F.col("_eid"), F.lit("")).alias("id"),
+            F.col("_idx").alias("idx"),
+            reason.alias("reason"),
+            F.col("_field").alias("field"),
+            F.coalesce(
+                F.col("_raw"), F.to_json(F.struct(*[F.col(f"`{n}`") for n in fields]))
+            ).alias("raw"),
+            F.col("_ts").alias("ts"),
+        )
+    )
+
+
 def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
     """Decoded events -> one row per (event, metric group it touches) + one per bad event.
 
@@ -205,18 +223,7 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
             v = values[sp.index] if sp.group == g else F.lit(None)
             cols.append(v.cast(value_type(sp)).alias(f"v{sp.index}"))
         rows.append(F.when(touched_by[g], F.struct(*cols)))
-    dead = F.to_json(
-        F.struct(
-            F.coalesce(F.col("_eid"), F.lit("")).alias("id"),
-            F.col("_idx").alias("idx"),
-            F.col("_reason").alias("reason"),
-            F.col("_field").alias("field"),
-            F.coalesce(
-                F.col("_raw"), F.to_json(F.struct(*[F.col(f"`{n}`") for n in cfg.source.schema_]))
-            ).alias("raw"),
-            F.col("_ts").alias("ts"),
-        )
-    )
+    dead = dead_letter_json(F.col("_reason"), cfg.source.schema_)
     dead_cols = [
         F.lit(DEAD_G).alias("g"),
         dead.alias("k"),

@@ -15,7 +15,7 @@ import orjson
 from sluice.config import Config
 from sluice.flow.stages import memory_fraction, stream_level
 from sluice.flow.status import flow_status
-from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, OFFSETS_KEY, STATS_KEY
+from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, OFFSETS_KEY, STATS_KEY, stats_keys
 
 
 def backlog(client: Any, cfg: Config) -> tuple[int, dict[str, int]]:
@@ -99,7 +99,34 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "flow": flow,
         "pipeline": pipeline_health(client, now_ms),
         "audit": audit_status(client, cfg, counters, last),
+        "stages": stages_status(client, cfg, now_ms),
     }
+
+
+def stages_status(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
+    """Per streaming query of a multi-stage graph (stages, and folds of their streams): its
+    counters, the age of its newest batch, and its own input backlog. Empty without stages."""
+    if not cfg.stages:
+        return {}
+    from sluice.pipeline.graph import graph_topology, reader_name
+
+    graph = graph_topology(cfg)
+    by_shard = {k: spec for spec in graph.streams.values() for k in spec.shards}
+    out: dict[str, Any] = {}
+    for name, stage in graph.flow.items():
+        if stage.queue != "streams":
+            continue
+        raw = {k.decode(): v.decode() for k, v in client.hgetall(stats_keys(name).stats).items()}
+        last = orjson.loads(raw["last_batch"]) if "last_batch" in raw else None
+        bp = by_shard[stage.streams[0]].backpressure
+        level = stream_level(client, stage.streams, bp, reader_name(cfg, name))
+        out[name] = {
+            "upstreams": list(stage.upstreams),
+            "counters": {k: int(v) for k, v in raw.items() if not k.startswith("last_")},
+            "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
+            "backlog": level.as_dict(),
+        }
+    return out
 
 
 def freshness_of(batches: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -202,7 +202,7 @@ def write_partition(
         totals[0] += _apply_hll(client, ctx, updates.hll)
         kll = _apply_kll(client, ctx, updates.kll, failed)
         totals = [a + b for a, b in zip(totals, kll, strict=True)]
-        reasons = _write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
+        reasons = write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
     finally:
         client.close()
     if ctx.write_delay_ms and totals[0]:
@@ -386,7 +386,7 @@ def _apply_kll(
     return totals
 
 
-def _write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict[str, int]:
+def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict[str, int]:
     import orjson
 
     from sluice.redis.scripts import DEAD_LETTERS, script_source

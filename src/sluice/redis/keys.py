@@ -15,6 +15,7 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats}:freshness       hash: the freshness histogram (bucket counts, count, sum)
     sluice:{stats}:history         list: per-second samples for the dashboard (JSON, newest first)
     sluice:{stats}:history:t       string: the second of the newest sample
+    sluice:{stats:<stage>}[:batches|:freshness]  the same three for each other stage
     sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
     sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
     sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache
+from typing import NamedTuple
 
 PREFIX = "sluice"
 SLICE_PREFIX = f"{PREFIX}:s:"
@@ -51,6 +53,25 @@ FLOW_STATE_KEY = f"{PREFIX}:{{flow}}:state"
 FLOW_SIGNALS_KEY = f"{PREFIX}:{{flow}}:signals"
 FLOW_TIMELINE_KEY = f"{PREFIX}:{{flow}}:timeline"
 KEY_SEP = "|"
+
+
+class StatsKeys(NamedTuple):
+    """Where one streaming query records its batches (see `lua/record_batch.lua`)."""
+
+    stats: str
+    batches: str
+    freshness: str
+
+
+def stats_keys(stage: str = "spark") -> StatsKeys:
+    """The source's fold (`spark`) keeps the keys of a pipeline without stages; any other stage
+    has its own, `sluice:{stats:<stage>}`, so the batch records of two stages never mix."""
+    if stage == "spark":
+        return StatsKeys(STATS_KEY, BATCHES_KEY, FRESHNESS_KEY)
+    base = f"{PREFIX}:{{stats:{stage}}}"
+    return StatsKeys(base, f"{base}:batches", f"{base}:freshness")
+
+
 # Order matters: '%' first, so that the escapes themselves are not escaped again.
 ESCAPES = (("%", "%25"), ("|", "%7C"), ("{", "%7B"), ("}", "%7D"))
 

@@ -17,6 +17,8 @@ ADVANCE = "advance"
 RECORD_BATCH = "record_batch"
 AUDIT_SOURCE = "audit_source"
 RECORD_SAMPLE = "record_sample"
+EMIT = "emit"
+RELEASE = "release"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)

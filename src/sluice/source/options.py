@@ -7,7 +7,7 @@ The reader keeps only plain, picklable values: the Redis URL, the shard keys, th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.config import Config, FieldType
@@ -27,6 +27,23 @@ class SourceOptions:
     max_partitions_per_shard: int = 8
     flow: str | None = None  # JSON {"backpressure": {...}, "trigger_ms": n}; None = no valve
     max_entry_bytes: int = 8_000_000  # a larger entry is one `oversize_entry` dead letter
+    # Several queries may read the same shards, each with its own offsets ("" is the default
+    # pipeline). A shard is trimmed only up to the slowest of its `readers`, so they must name
+    # every reader of it: one left out may lose input it has not read yet. A shard not listed
+    # has this reader alone.
+    reader: str = ""
+    readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for shard, names in self.readers.items():
+            if self.reader not in names:
+                raise ConfigError(
+                    f"source `reader` {self.reader!r} is not among the readers {list(names)} of"
+                    f" shard {shard!r}; list every reader of a shard, this one included"
+                )
+
+    def readers_of(self, shard: str) -> tuple[str, ...]:
+        return self.readers.get(shard, (self.reader,))
 
     def to_spark(self) -> dict[str, str]:
         """Flatten to Spark's `option(k, v)` strings."""
@@ -43,6 +60,7 @@ class SourceOptions:
         data = json.loads(raw)
         data["shards"] = tuple(data["shards"])
         data["fields"] = tuple(tuple(f) for f in data["fields"])
+        data["readers"] = {k: tuple(v) for k, v in data.get("readers", {}).items()}
         return cls(**data)
 
     @classmethod

@@ -3,6 +3,8 @@
 Offsets are `{"ids": {shard_key: last_entry_id}, "ref": ms}`; a batch reads, per shard, the
 entries with start_id < id <= end_id. Spark logs a batch's end offset before running it, so a
 re-run after a crash reads exactly the same entries (entries are trimmed only after commit).
+Several queries may read the same shards, each with its own offsets (`SourceOptions.reader`);
+a shard is then trimmed only up to the slowest of them.
 
 Admission control: `latestOffset(start, limit)` honours `ReadMaxRows(n)` with n counted in
 *events* (for `jsonl`, an entry holds many). The budget is split evenly over the shards, and
@@ -64,6 +66,16 @@ def _raw_entries(chunk: Any) -> Any:
     if chunk and isinstance(chunk[0], tuple):
         return [[eid, [x for kv in fields.items() for x in kv]] for eid, fields in chunk]
     return chunk
+
+
+def _flow_stage(flow: dict[str, Any], shards: Sequence[str]) -> Any:
+    """The flow stage named in the valve's options (`[name, upstreams]`); None: the default."""
+    if "stage" not in flow:
+        return None
+    from sluice.flow.stages import Stage
+
+    name, upstreams = flow["stage"]
+    return Stage(name, tuple(upstreams), "streams", tuple(shards))
 
 
 class ShardRange(InputPartition):
@@ -166,6 +178,8 @@ class RedisStreamReader(DataSourceStreamReader):
                     tuple(self.opts.shards),
                     int(flow["trigger_ms"]),
                     self.opts.max_events_per_batch,
+                    stage=_flow_stage(flow, self.opts.shards),
+                    reader=flow.get("reader"),
                 )
             limit: int | None = self._valve.limit()
         except Exception:  # noqa: BLE001 - logged in _flow_failed; never stops the input
@@ -266,19 +280,29 @@ class RedisStreamReader(DataSourceStreamReader):
         self._release(end)
 
     def _release(self, end: dict[str, Any]) -> None:
-        """Trim each shard up to its committed id and publish that id (idempotent)."""
-        from sluice.redis.keys import OFFSETS_KEY
+        """Record this reader's committed ids and trim each shard up to the slowest reader of
+        it (see release.lua; idempotent). The default reader also publishes its ids for the
+        status views."""
+        from sluice.redis.keys import OFFSETS_KEY, shard_side_key
+        from sluice.redis.scripts import RELEASE, evalsha_on, execute_loading
 
         if end == self._released:
             return
         client = self._client()
-        pipe = client.pipeline(transaction=False)
-        for shard, last in end["ids"].items():
-            if last != ZERO_ID:
-                # MINID keeps `last` itself; it is excluded from the next batch by the offset.
-                pipe.execute_command("XTRIM", shard, "MINID", last)
-                pipe.hset(OFFSETS_KEY, shard, last)
-        pipe.execute()
+        released = {s: last for s, last in end["ids"].items() if last != ZERO_ID}
+
+        def run() -> Any:
+            pipe = client.pipeline(transaction=False)
+            for shard, last in released.items():
+                keys = [shard, shard_side_key("rd", shard)]
+                names = self.opts.readers_of(shard)
+                evalsha_on(pipe, RELEASE, keys, [self.opts.reader, last, *names])
+                if self.opts.reader == "":
+                    pipe.hset(OFFSETS_KEY, shard, last)
+            return pipe.execute()
+
+        if released:
+            execute_loading(client, run, (RELEASE,))
         self._released = end
 
     def stop(self) -> None:

@@ -1,0 +1,125 @@
+"""The supervisor: seed 001's two-stage fault handling, for every streaming query of a run.
+
+A query that fails is restarted from its checkpoint with exponential backoff (1 s doubling up to
+`max_backoff_s`), on its own: the other stages keep running. While Redis is unreachable nothing
+is started; everything starts again as soon as it answers. The state is published for
+`/healthz` and `sluice status`: `running`, `restarting`, `waiting_for_redis`, `failing`
+(FAILING_AFTER or more failures in a row) or `stopped`; a batch with input resets the failure
+count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from sluice.clock import Clock
+from sluice.pipeline.health import Health, Progress
+
+log = logging.getLogger(__name__)
+
+
+class Part(Protocol):
+    """One streaming query: a fold (`pipeline.job.Pipeline`) or a `pipeline.stage.StreamStage`."""
+
+    name: str
+    query: Any
+
+    def start(self) -> Any: ...
+
+    def stop(self, grace_s: float = 15.0) -> None: ...
+
+
+class Supervisor:
+    def __init__(
+        self,
+        parts: Sequence[Part],
+        client: Any,
+        clock: Clock,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.parts = list(parts)
+        self.client = client
+        self.clock = clock
+        self._stop = stop or threading.Event()
+        self._backoff = {p.name: 1.0 for p in self.parts}
+        self._start_at = {p.name: 0.0 for p in self.parts}
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def run_forever(self, max_backoff_s: float = 15.0) -> None:
+        health = Health(self.client, self.clock)
+        health.set("starting")
+        progress = Progress(self.client)
+        while not self._stop.is_set():
+            progress.maybe_log()
+            if any(p.query is None for p in self.parts) and not self._redis_up():
+                health.set("waiting_for_redis", "redis is unreachable")
+                self._stop.wait(1.0)
+                continue
+            for part in self.parts:
+                if self._stop.is_set():
+                    break
+                if part.query is None:
+                    self._start(part, health, max_backoff_s)
+                else:
+                    self._watch(part, health, max_backoff_s)
+            running = [p for p in self.parts if p.query is not None]
+            if len(running) == len(self.parts):
+                health.beat()
+            if len(self.parts) == 1 and running:
+                self._await(running[0])
+            else:
+                self._stop.wait(0.5)
+        for part in reversed(self.parts):
+            part.stop()
+        health.set("stopped")
+
+    def _start(self, part: Part, health: Health, max_backoff_s: float) -> None:
+        if time.monotonic() < self._start_at[part.name]:
+            return
+        try:
+            part.start()
+            health.set("running" if health.failures == 0 else health.state)
+        except Exception as e:  # noqa: BLE001 - start errors are retried like failures
+            self._failed(part, health, f"start failed: {e}", max_backoff_s)
+
+    def _await(self, part: Part) -> None:
+        """One query: wait on it for a second rather than poll (returns early when it ends)."""
+        with contextlib.suppress(Exception):  # StreamingQueryException: seen in _watch
+            part.query.awaitTermination(1)
+
+    def _watch(self, part: Part, health: Health, max_backoff_s: float) -> None:
+        q = part.query
+        if q.isActive:
+            p = q.lastProgress
+            if p and p.get("numInputRows", 0) > 0:
+                self._backoff[part.name] = 1.0
+                health.recovered()
+            return
+        err = q.exception()
+        part.query = None
+        if self._stop.is_set():
+            return
+        self._failed(part, health, str(err).splitlines()[0] if err else "query stopped",
+                     max_backoff_s)  # fmt: skip
+
+    def _failed(self, part: Part, health: Health, error: str, max_backoff_s: float) -> None:
+        backoff = self._backoff[part.name]
+        health.failed(error)
+        log.error("query failed", extra={"stage": part.name, "error": error,
+                                         "retry_in_s": backoff})  # fmt: skip
+        self._start_at[part.name] = time.monotonic() + backoff
+        self._backoff[part.name] = min(backoff * 2, max_backoff_s)
+
+    def _redis_up(self) -> bool:
+        try:
+            self.client.ping()
+        except Exception:  # noqa: BLE001 - any failure means not reachable
+            return False
+        return True
