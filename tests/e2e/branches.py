@@ -41,11 +41,14 @@ CARDS = 200
 BRANCHES = ("left", "right")
 
 
-def branch_config(redis_url: str, state_dir: Path, propagation: str) -> Config:
+def branch_config(
+    redis_url: str, state_dir: Path, propagation: str, stream_hw: int = 300_000
+) -> Config:
     def branch(name: str) -> dict[str, Any]:
+        marks = {"high_watermark": stream_hw, "low_watermark": stream_hw // 10}
         return {
             "name": name, "from": "events", "sql": "SELECT * FROM input",
-            "to": {"stream": name, "high_watermark": "300KB", "low_watermark": "30KB"},
+            "to": {"stream": name, **marks},
         }  # fmt: skip
 
     data: dict[str, Any] = {
@@ -174,13 +177,14 @@ def run_experiment(
     slow_s: float = 30.0,
     tail_s: float = 10.0,
     slow_write_ms: float = 6000.0,
+    stream_hw: int = 300_000,
     progress: bool = False,
 ) -> Result:
     """Run the graph in this process, produce for warm + slow + tail seconds, slow the left
     branch's store in the middle, and sample every half second."""
     client = redis.Redis.from_url(redis_url)
     client.flushall()
-    cfg = branch_config(redis_url, state_dir, propagation)
+    cfg = branch_config(redis_url, state_dir, propagation, stream_hw)
     run = Run(cfg, RedisHandle(redis_url), spark)
     folds = {p.name: p for p in run.parts if isinstance(p, Pipeline)}
     runner = threading.Thread(target=run.run_forever, name="branches", daemon=True)
