@@ -120,6 +120,8 @@ class Result:
                 "latency_max_s": round(lat[-1], 2) if lat else None,
             }
         out["flagged"] = sorted({k for s in self.samples for k, v in s.flagged.items() if v})
+        behind = [s.t_s - s.produced / self.rate for s in self.phase(lo, float("inf"))]
+        out["producer_behind_max_s"] = round(max(behind), 2) if behind else None
         return out
 
 
