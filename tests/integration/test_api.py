@@ -116,47 +116,6 @@ def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -
     assert names[0] == "txn_count" and "avg_ticket" in names
 
 
-def test_a_large_batch_answers_as_single_lookups(
-    r: redis.Redis, redis_url: str, tmp_path: Path
-) -> None:
-    """A batch's merges go in `read_many` calls of MANY_PER_CALL lookups; split over several
-    calls, mixed with sketch reads and derived metrics, every answer equals its own lookup."""
-    from sluice.query.engine import MANY_PER_CALL, QueryEngine
-
-    cfg = make_config(redis_url, tmp_path)
-    now = _now_ms()
-    newest = now // 60_000 * 60_000
-    for i in range(40):
-        card = encode_key([f"c{i}"])
-        r.hset(
-            slice_hash_key("txn_count", card), mapping={str(newest // 10_000 * 10_000): f"1:{i}"}
-        )
-        merchant = encode_key([f"m{i}"])
-        r.hset(slice_hash_key("amount_sum", merchant), mapping={str(newest): f"1:{i * 1.5}"})
-        r.hset(slice_hash_key("merchant_txn", merchant), mapping={str(newest): f"1:{i % 4}"})
-        r.hset(slice_hash_key("amount_std", merchant), mapping={str(newest): f"1:{i}:{i}:{i}"})
-    engine = QueryEngine(cfg, r)
-    metrics = [("txn_count", "c"), ("amount_sum", "m"), ("avg_ticket", "m"),
-               ("amount_q", "m"), ("card_merchants", "c"), ("amount_std", "m")]  # fmt: skip
-    lookups = [
-        engine.lookup(metric, [f"{prefix}{i}"], "10m", now)
-        for i in range(40)
-        for metric, prefix in metrics
-    ]
-    assert len(lookups) > 2 * MANY_PER_CALL
-    batch = engine.run(lookups)
-    assert batch == [engine.run([lk])[0] for lk in lookups]
-    assert [a["value"] for a in batch[: len(metrics)]] == [
-        0,
-        0,
-        None,
-        {"0.5": None, "0.99": None},
-        0,
-        None,
-    ]
-    assert batch[len(metrics)]["value"] == 1 and batch[len(metrics) + 1]["value"] == 1.5
-
-
 def test_ingest_json_array_and_ndjson(api: TestClient, r: redis.Redis) -> None:
     now = _now_ms()
     events = [

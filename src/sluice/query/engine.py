@@ -19,13 +19,7 @@ from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
-from sluice.redis.scripts import (
-    READ_MANY,
-    READ_SLICES,
-    evalsha_on,
-    execute_loading,
-    script_source,
-)
+from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
 
@@ -80,8 +74,6 @@ class _LuaAgg(dict[str, str]):
 
 # The state name read_slices.lua merges for each agg: stddev and variance share one.
 LUA_AGG = _LuaAgg(stddev="var", variance="var")
-SKETCH_AGGS = ("distinct", "quantile")  # read by other commands than the merge scripts
-MANY_PER_CALL = 64  # lookups per read_many call: a script holds Redis up while it runs
 
 
 def _quantiles(m: MetricConfig, blobs: Sequence[bytes | None]) -> Any:
@@ -182,7 +174,7 @@ class QueryEngine:
             plan[:] = self._queue_all(pipe, lookups)
             return pipe.execute() if plan else []
 
-        replies = execute_loading(self.client, execute, (READ_SLICES, READ_MANY))
+        replies = execute_loading(self.client, execute, (READ_SLICES,))
         return self._answers(lookups, plan, replies)
 
     async def arun(self, lookups: Sequence[Lookup], aclient: Any) -> list[dict[str, Any]]:
@@ -196,8 +188,7 @@ class QueryEngine:
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
-                for name in (READ_SLICES, READ_MANY):
-                    await aclient.script_load(script_source(name))
+                await aclient.script_load(script_source(READ_SLICES))
                 continue
             return self._answers(lookups, plan, replies)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -209,31 +200,12 @@ class QueryEngine:
             )
 
     def _queue_all(self, pipe: Any, lookups: Sequence[Lookup]) -> Plan:
-        """Queue every read on `pipe` (sync or asyncio); returns how to read the replies.
-
-        On one Redis, the merges of a batch of lookups go in `read_many` calls of up to
-        MANY_PER_CALL lookups each (plan count 0), after the other reads: one script call
-        instead of one per lookup. On a cluster every lookup's keys are in their own slot, so
-        each is its own call."""
+        """Queue every read on `pipe` (sync or asyncio); returns how to read the replies."""
         plan: Plan = []
-        many: list[tuple[list[str], list[Any]]] = []
-        batch = len(lookups) > 1 and not self.cfg.redis_cluster
         for n, lk in enumerate(lookups):
             for m in self._base_metrics(lk.metric):
                 cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
-                encoded = encode_key(lk.key)
-                if batch and m.agg not in SKETCH_AGGS:
-                    many.append(self._merge_read(m, encoded, cov))
-                    plan.append((n, m, cov, 0))
-                else:
-                    plan.append((n, m, cov, self._queue(pipe, m, encoded, cov)))
-        for i in range(0, len(many), MANY_PER_CALL):
-            keys: list[str] = []
-            args: list[Any] = []
-            for ks, (agg, *ranges) in many[i : i + MANY_PER_CALL]:
-                keys += ks
-                args += [agg, len(ks), *ranges]
-            evalsha_on(pipe, READ_MANY, keys, args)
+                plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
         return plan
 
     def _answers(
@@ -241,27 +213,13 @@ class QueryEngine:
     ) -> list[dict[str, Any]]:
         parts: list[dict[str, tuple[Any, Cover]]] = [{} for _ in lookups]
         at = 0
-        merged = iter(
-            [r for call in replies[sum(c for *_, c in plan) :] for r in call]
-        )  # the read_many replies, lookup by lookup
         for n, m, cov, count in plan:
-            if count == 0:
-                reply = next(merged)
-            else:
-                reply = replies[at] if count == 1 else replies[at : at + count]
+            reply = replies[at] if count == 1 else replies[at : at + count]
             if m.agg == "quantile":
                 reply = [blob for piece in replies[at : at + count] for blob in piece]
             parts[n][m.name] = (self._finalize(m, reply), cov)
             at += count
         return [self._answer(lk, part) for lk, part in zip(lookups, parts, strict=True)]
-
-    def _merge_read(self, m: MetricConfig, encoded: str, cov: Cover) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of a server-side merge of (metric, key) over `cov`."""
-        args: list[Any] = [LUA_AGG[m.agg]]
-        for p in cov.pieces:
-            args += [p.first, p.last, p.slice_ms]
-        res = [None if p.slice_ms == m.slice else p.slice_ms for p in cov.pieces]
-        return [slice_hash_key(m.name, encoded, r) for r in res], args
 
     def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover) -> int:
         """Queue the reads of one (metric, key) over `cov`; returns how many replies they give."""
@@ -284,7 +242,10 @@ class QueryEngine:
                 fields = [str(s) for s in range(p.first, p.last + 1, p.slice_ms)]
                 pipe.hmget(slice_hash_key(m.name, encoded, res(p)), fields)
             return len(cov.pieces)
-        keys, args = self._merge_read(m, encoded, cov)
+        args: list[Any] = [LUA_AGG[m.agg]]
+        for p in cov.pieces:
+            args += [p.first, p.last, p.slice_ms]
+        keys = [slice_hash_key(m.name, encoded, res(p)) for p in cov.pieces]
         evalsha_on(pipe, READ_SLICES, keys, args)
         return 1
 

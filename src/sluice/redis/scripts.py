@@ -12,7 +12,6 @@ import redis
 
 WRITE_SLICES = "write_slices"
 READ_SLICES = "read_slices"
-READ_MANY = "read_many"
 DEAD_LETTERS = "dead_letters"
 ADVANCE = "advance"
 RECORD_BATCH = "record_batch"
@@ -21,10 +20,8 @@ RECORD_SAMPLE = "record_sample"
 EMIT = "emit"
 RELEASE = "release"
 
-# Scripts that merge slice states start with the shared definitions in _merge.lua; the read
-# scripts also with _read.lua's merge of one lookup.
-_WITH_MERGE = (WRITE_SLICES, READ_SLICES, READ_MANY)
-_WITH_READ = (READ_SLICES, READ_MANY)
+# Scripts that merge slice states start with the shared definitions in _merge.lua.
+_WITH_MERGE = (WRITE_SLICES, READ_SLICES)
 T = TypeVar("T")
 
 
@@ -32,8 +29,6 @@ T = TypeVar("T")
 def script_source(name: str) -> str:
     lua = resources.files("sluice.redis") / "lua"
     body = (lua / f"{name}.lua").read_text(encoding="utf-8")
-    if name in _WITH_READ:
-        body = (lua / "_read.lua").read_text(encoding="utf-8") + "\n" + body
     if name in _WITH_MERGE:
         return (lua / "_merge.lua").read_text(encoding="utf-8") + "\n" + body
     return body

@@ -3,5 +3,50 @@
 -- KEYS[1..K]  slice hashes (one per range: the metric's hash for each resolution; one hash tag)
 -- ARGV[1]     agg (count | sum | min | max | avg | var | last)
 -- then, per key in order: first slice start, last slice start, slice_ms
--- Returns read_lookup's reply (see _read.lua).
-return read_lookup(ARGV[1], 1, #KEYS, 2)
+-- Returns {slices_with_data, v1, v2, ...} as strings: the merged state (see write_slices.lua),
+-- or just {'0'} when no slice in the ranges holds data. Merging comes from _merge.lua.
+local agg = ARGV[1]
+
+local n, acc = 0, nil
+local function merge(packed)
+  local _, v = parse_state(packed)
+  n = n + 1
+  if acc == nil then acc = v else acc = merge_state(agg, acc, v) end
+end
+
+local function read_range(key, first, last, slice_ms)
+  local size = redis.call('HLEN', key)
+  if size == 0 then return end
+  local wanted = (last - first) / slice_ms + 1
+  if wanted > size then
+    -- Sparse hash, long range: scan what exists instead of asking for every slice.
+    local all = redis.call('HGETALL', key)
+    for i = 1, #all, 2 do
+      local s = tonumber(all[i])
+      if s and s >= first and s <= last and (s - first) % slice_ms == 0 then merge(all[i + 1]) end
+    end
+    return
+  end
+  local fields = {}
+  local s = first
+  while s <= last do
+    fields[#fields + 1] = fmt(s)
+    if #fields == 2000 or s + slice_ms > last then
+      local vals = redis.call('HMGET', key, unpack(fields))
+      for j = 1, #vals do
+        if vals[j] then merge(vals[j]) end
+      end
+      fields = {}
+    end
+    s = s + slice_ms
+  end
+end
+
+for k = 1, #KEYS do
+  local at = 2 + 3 * (k - 1)
+  read_range(KEYS[k], tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]))
+end
+if acc == nil then return {'0'} end
+local out = {tostring(n)}
+for j = 1, #acc do out[#out + 1] = fmt(acc[j]) end
+return out
