@@ -63,6 +63,15 @@ def test_a_shard_is_trimmed_only_up_to_its_slowest_reader(r: redis.Redis, redis_
     assert _first_id(r, "s") == "1007-0"
     assert r.hgetall(shard_side_key("rd", "s")) == {b"a": b"1008-0", b"b": b"1007-0"}
     assert not r.exists(OFFSETS_KEY)  # published for the default pipeline only
+    # the status backlog: entries after the slowest reader's committed id (1008-0, 1009-0)
+    from sluice.config import config_from_dict
+    from sluice.pipeline.status import backlog
+
+    cfg = config_from_dict(
+        {"source": {"stream": "s", "schema": {"n": "long"}, "time_field": None},
+         "metrics": [{"name": "c", "key": ["n"], "agg": "count"}]}
+    )  # fmt: skip
+    assert backlog(r, cfg) == (2, {"s": 2})
 
 
 def test_a_reader_that_never_committed_blocks_trimming(r: redis.Redis, redis_url: str) -> None:

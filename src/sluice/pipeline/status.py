@@ -15,25 +15,33 @@ import orjson
 from sluice.config import Config
 from sluice.flow.stages import memory_fraction, stream_level
 from sluice.flow.status import flow_status
-from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, OFFSETS_KEY, STATS_KEY, stats_keys
+from sluice.redis.keys import (
+    BATCHES_KEY,
+    HEALTH_KEY,
+    OFFSETS_KEY,
+    STATS_KEY,
+    shard_side_key,
+    stats_keys,
+)
 
 
 def backlog(client: Any, cfg: Config) -> tuple[int, dict[str, int]]:
+    """Input entries not yet committed by the slowest reader, in all and per shard."""
     shards = cfg.source.shard_keys()
     pipe = client.pipeline(transaction=False)
     for s in shards:
         pipe.xlen(s)
         pipe.execute_command("XRANGE", s, "-", "+", "COUNT", 1)
-    pipe.hgetall(OFFSETS_KEY)
+        pipe.hvals(shard_side_key("rd", s))  # every reader's committed id
+    pipe.hgetall(OFFSETS_KEY)  # the default reader's, as written before readers had names
     res = pipe.execute()
-    committed = {k.decode(): v.decode() for k, v in res[-1].items()}
+    legacy = {k.decode(): v.decode() for k, v in res[-1].items()}
     per: dict[str, int] = {}
     for i, s in enumerate(shards):
-        length, first = int(res[2 * i]), res[2 * i + 1]
+        length, first, ids = int(res[3 * i]), res[3 * i + 1], res[3 * i + 2]
         first_id = _first_id(first)
-        per[s] = max(
-            0, length - (1 if first_id is not None and first_id == committed.get(s) else 0)
-        )
+        committed = {v.decode() for v in ids} | ({legacy[s]} if s in legacy else set())
+        per[s] = max(0, length - (1 if first_id is not None and first_id in committed else 0))
     return sum(per.values()), per
 
 
