@@ -69,8 +69,6 @@ def plot(results: list[Result], png: Path) -> None:
 def section(results: list[Result], args: argparse.Namespace, load: tuple[float, float]) -> str:
     cmd = "python bench/branches.py" + (" --quick" if args.quick else "")
     lines = [
-        HEADING,
-        "",
         f"`{cmd}`; {machine_note(*load)}.",
         "",
         f"Two branches (`SELECT * FROM input` each, into their own stream, then folded) read one"
