@@ -17,6 +17,7 @@ schema of its SQL's result, which only Spark can tell: `resolve_schemas` asks it
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def store_stage(cfg: Config, stream: str) -> str:
     return STORE if stream == cfg.source.stream else f"{STORE}:{stream}"
 
 
-def reader_name(cfg: Config, stage: str) -> str:
+def reader_name(stage: str) -> str:
     """The reader name a stage's offsets are kept under ("" for the source's fold, which is the
     single reader of a pipeline without stages)."""
     return "" if stage == SPARK else stage
@@ -97,7 +98,7 @@ class Graph:
     flow: dict[str, Stage] = field(default_factory=dict)
 
     def readers_of(self, stream: str) -> tuple[str, ...]:
-        return tuple(reader_name(self.cfg, s) for s in self.streams[stream].readers)
+        return tuple(reader_name(s) for s in self.streams[stream].readers)
 
     def fold_config(self, stream: str) -> Config:
         """The config of the pipeline folding `stream`: the stream as its source, its metrics,
@@ -164,16 +165,10 @@ def graph_topology(cfg: Config) -> Graph:
     for s in folds:
         readers[s].append(fold_stage(cfg, s))
     for name, rs in readers.items():
-        streams[name] = _with(streams[name], readers=tuple(rs))
+        streams[name] = dataclasses.replace(streams[name], readers=tuple(rs))
     graph = Graph(cfg, streams, ordered, folds)
     graph.flow = flow_topology(graph)
     return graph
-
-
-def _with(spec: StreamSpec, **changes: Any) -> StreamSpec:
-    import dataclasses
-
-    return dataclasses.replace(spec, **changes)
 
 
 def flow_topology(graph: Graph) -> dict[str, Stage]:
@@ -241,7 +236,7 @@ def resolve_schemas(graph: Graph, spark: Any) -> Graph:
                 f"time_field {time_field!r} is not in the output ({', '.join(schema)})",
                 f"stages[{i}].to.time_field",
             )
-        graph.streams[st.to.stream] = _with(
+        graph.streams[st.to.stream] = dataclasses.replace(
             graph.streams[st.to.stream], schema=schema, time_field=time_field
         )
     for i, m in enumerate(cfg.metrics):

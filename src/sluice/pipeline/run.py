@@ -34,7 +34,7 @@ def role_of(graph: Graph, stage: str, inputs: list[str], store: str | None = Non
     readers = {shard: graph.readers_of(s) for s in inputs for shard in graph.streams[s].shards}
     return Role(
         graph.flow[stage],
-        reader_name(graph.cfg, stage),
+        reader_name(stage),
         readers,
         graph.flow[store] if store is not None else None,
     )

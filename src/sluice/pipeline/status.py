@@ -127,7 +127,7 @@ def stages_status(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
         raw = {k.decode(): v.decode() for k, v in client.hgetall(stats_keys(name).stats).items()}
         last = orjson.loads(raw["last_batch"]) if "last_batch" in raw else None
         bp = by_shard[stage.streams[0]].backpressure
-        level = stream_level(client, stage.streams, bp, reader_name(cfg, name))
+        level = stream_level(client, stage.streams, bp, reader_name(name))
         out[name] = {
             "upstreams": list(stage.upstreams),
             "counters": {k: int(v) for k, v in raw.items() if not k.startswith("last_")},
