@@ -9,13 +9,24 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
--- "token:v1:v2:..." -> token, {v1, v2, ...}
+local find, sub = string.find, string.sub
+
+-- "token:v1:v2:..." -> token, {v1, v2, ...}. Plain finds, no patterns: the read script calls
+-- this once per slice it merges.
 local function parse_state(packed)
-  local token, vals = nil, {}
-  for part in string.gmatch(packed, '[^:]+') do
-    if token == nil then token = tonumber(part) else vals[#vals + 1] = tonumber(part) end
+  local vals, i = {}, find(packed, ':', 1, true)
+  local token = tonumber(sub(packed, 1, i - 1))
+  while i do
+    local j = find(packed, ':', i + 1, true)
+    vals[#vals + 1] = tonumber(sub(packed, i + 1, j and j - 1))
+    i = j
   end
   return token, vals
+end
+
+-- v1 of "token:v1", for the one-number states (count, sum, min, max), without a table.
+local function single_value(packed)
+  return tonumber(sub(packed, find(packed, ':', 1, true) + 1))
 end
 
 -- The merge of states a and b (commutative). May reuse a.
@@ -33,7 +44,7 @@ local function merge_state(agg, a, b)
     -- Chan et al.'s parallel update of (count, mean, sum of squared deviations).
     local n = a[1] + b[1]
     local delta = b[2] - a[2]
-    a = {n, a[2] + delta * b[1] / n, a[3] + b[3] + delta * delta * a[1] * b[1] / n}
+    a[1], a[2], a[3] = n, a[2] + delta * b[1] / n, a[3] + b[3] + delta * delta * a[1] * b[1] / n
   elseif agg == 'last' then
     -- The greater event time wins; a tie goes to the greater value.
     if b[1] > a[1] or (b[1] == a[1] and b[2] > a[2]) then a = b end

@@ -7,11 +7,28 @@
 -- or just {'0'} when no slice in the ranges holds data. Merging comes from _merge.lua.
 local agg = ARGV[1]
 
-local n, acc = 0, nil
-local function merge(packed)
-  local _, v = parse_state(packed)
-  n = n + 1
-  if acc == nil then acc = v else acc = merge_state(agg, acc, v) end
+-- One-number states are merged into `one`, without a table per slice; the others into `acc`.
+local n, acc, one = 0, nil, nil
+local merge
+if agg == 'count' or agg == 'sum' then
+  merge = function(packed)
+    local v = single_value(packed)
+    n = n + 1
+    if one == nil then one = v else one = one + v end
+  end
+elseif agg == 'min' or agg == 'max' then
+  local lower = agg == 'min'
+  merge = function(packed)
+    local v = single_value(packed)
+    n = n + 1
+    if one == nil or (lower and v < one) or (not lower and v > one) then one = v end
+  end
+else
+  merge = function(packed)
+    local _, v = parse_state(packed)
+    n = n + 1
+    if acc == nil then acc = v else acc = merge_state(agg, acc, v) end
+  end
 end
 
 local function read_range(key, first, last, slice_ms)
@@ -46,6 +63,7 @@ for k = 1, #KEYS do
   local at = 2 + 3 * (k - 1)
   read_range(KEYS[k], tonumber(ARGV[at]), tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2]))
 end
+if one ~= nil then acc = {one} end
 if acc == nil then return {'0'} end
 local out = {tostring(n)}
 for j = 1, #acc do out[#out + 1] = fmt(acc[j]) end
