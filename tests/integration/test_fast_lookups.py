@@ -1,5 +1,6 @@
-"""The `GET /v1/metrics/{name}` fast path against real Redis: it answers exactly what the batch
-endpoint answers, alone; everything else (errors, other routes) reaches the full application."""
+"""The lookup fast paths (`GET /v1/metrics/{name}`, `POST /v1/query`) against real Redis: they
+answer exactly what the full application answers, alone; everything else (errors, odd bodies,
+other routes) reaches the full application, with the body replayed."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from sluice.query.app import AsyncClients, create_app
 from sluice.query.engine import QueryEngine
-from sluice.query.fast import FastLookups, parse_lookup
+from sluice.query.fast import FastLookups, parse_batch, parse_lookup
 from sluice.redis.keys import encode_key, slice_hash_key
 from tests.conftest import make_config
 
@@ -42,6 +43,42 @@ def _scope(path: str, query: bytes = b"", method: str = "GET") -> dict[str, Any]
 )  # fmt: skip
 def test_parse_lookup(path: str, query: bytes, method: str, parsed: Any) -> None:
     assert parse_lookup(_scope(path, query, method)) == parsed
+
+
+@pytest.mark.parametrize(
+    ("body", "parsed"),
+    [
+        (b'{"queries":[{"metric":"m","key":"k","window":"1m"}]}', [("m", ["k"], "1m", None)]),
+        (b'{"queries":[{"metric":"m","key":["a","b"],"window":"5m","end":7,"x":1}],"y":2}',
+         [("m", ["a", "b"], "5m", 7)]),
+        (b'{"queries":[{"metric":"m","key":[],"window":"1m","end":null}]}',
+         [("m", [], "1m", None)]),
+    ],
+)  # fmt: skip
+def test_parse_batch_takes_bodies_of_the_models_types(body: bytes, parsed: Any) -> None:
+    assert parse_batch(body, 1000) == parsed
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"", b"not json", b"[]", b'{"queries":[]}', b'{"queries":{}}', b'{"queries":[1]}',
+        b'{"queries":[{"key":"k","window":"1m"}]}',
+        b'{"queries":[{"metric":"m","window":"1m"}]}',
+        b'{"queries":[{"metric":"m","key":"k"}]}',
+        b'{"queries":[{"metric":"m","key":1,"window":"1m"}]}',
+        b'{"queries":[{"metric":"m","key":["k",2],"window":"1m"}]}',
+        b'{"queries":[{"metric":"m","key":"k","window":60}]}',
+        b'{"queries":[{"metric":"m","key":"k","window":"1m","end":"5"}]}',
+        b'{"queries":[{"metric":"m","key":"k","window":"1m","end":true}]}',
+        b'{"queries":[{"metric":"m","key":"k","window":"1m","end":1.5}]}',
+        b'{"queries":[' + b",".join([b'{"metric":"m","key":"k","window":"1m"}'] * 3) + b"]}",
+    ],
+)  # fmt: skip
+def test_parse_batch_refuses_everything_else(body: bytes) -> None:
+    """The full application decides what these mean (400, or a lax conversion of its model)."""
+    with pytest.raises(ValueError):
+        parse_batch(body, 2)
 
 
 def _seed(r: redis.Redis, cards: int) -> int:
@@ -147,3 +184,83 @@ def test_fast_path_keeps_the_bearer_token_and_the_latency_histogram(
         and 'route="/v1/metrics/{name}"' in x
     )
     assert float(line.rsplit(" ", 1)[1]) >= 1
+
+
+def test_batch_fast_path_answers_alone_and_replays_the_body_it_passes_on(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A well-typed batch never reaches the inner application and gets what the engine answers;
+    a bad one (unknown metric, bad window, lax types, bad JSON) reaches it with the very body the
+    client sent, in the chunks it sent them."""
+    now = _seed(r, 3)
+    cfg = make_config(redis_url, tmp_path)
+    engine = QueryEngine(cfg, r)
+    reached: list[bytes] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        reached.append(body)
+        await send({"type": "http.response.start", "status": 599, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    fast = FastLookups(inner, engine, AsyncClients(r))
+
+    async def post(chunks: list[bytes]) -> tuple[int, bytes]:
+        sent: list[dict[str, Any]] = []
+        todo = list(chunks)
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": todo.pop(0), "more_body": bool(todo)}
+
+        await fast(_scope("/v1/query", method="POST"), receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+    async def scenario() -> None:
+        queries = [{"metric": "txn_count", "key": [f"c{i}"], "window": "1m", "end": now}
+                   for i in range(4)]  # fmt: skip
+        body = orjson.dumps({"queries": queries})
+        status, answer = await post([body[:10], body[10:30], body[30:]])
+        assert status == 200 and reached == []
+        want = engine.run([engine.lookup(q["metric"], q["key"], q["window"], now) for q in queries])
+        assert orjson.loads(answer) == {"results": want}
+        bad = [
+            {"queries": [{"metric": "nope", "key": "c1", "window": "1m"}]},
+            {"queries": [{"metric": "txn_count", "key": "c1", "window": "soon"}]},
+            {"queries": [{"metric": "txn_count", "key": "c1", "window": "1m", "end": str(now)}]},
+        ]
+        for doc in bad:
+            raw = orjson.dumps(doc)
+            assert await post([raw[:7], raw[7:]]) == (599, b"")
+            assert reached[-1] == raw
+        assert await post([b"{not json"]) == (599, b"")
+        assert reached[-1] == b"{not json"
+
+    asyncio.run(scenario())
+
+
+def test_batch_fast_path_agrees_with_the_full_application(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Over HTTP: a lax body the fast path passes on (a string `end`) gets the same answer as
+    its well-typed twin, and errors keep their status and the `queries[i]` in their message."""
+    now = _seed(r, 5)
+    api = TestClient(create_app(make_config(redis_url, tmp_path), r, history=False))
+    q = {"metric": "txn_count", "key": ["c2"], "window": "5m", "end": now}
+    fast = api.post("/v1/query", json={"queries": [q, q]})
+    lax = api.post("/v1/query", json={"queries": [q, {**q, "end": str(now)}]})
+    assert fast.status_code == lax.status_code == 200
+    assert fast.json() == lax.json()
+    wrong = api.post("/v1/query", json={"queries": [q, {**q, "window": "soon"}]})
+    assert wrong.status_code == 400 and "queries[1]" in wrong.json()["error"]["message"]
+    unknown = api.post("/v1/query", json={"queries": [{**q, "metric": "nope"}]})
+    assert unknown.status_code == 404
+    typed = api.post("/v1/query", json={"queries": [{**q, "key": [1]}]})
+    assert typed.status_code == 400

@@ -91,6 +91,19 @@ class _Timer:
                 self.timer.observe(scope["method"], route, time.perf_counter() - t0)
 
 
+class SluiceApp:
+    """The ASGI application `serve` runs: request timing, then the token guard, then the lookup
+    fast paths, in front of the FastAPI application (`api`). They wrap it from outside, so a
+    lookup answered by the fast path never enters FastAPI's own middleware stack."""
+
+    def __init__(self, api: FastAPI, outer: ASGIApp) -> None:
+        self.api = api
+        self._outer = outer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._outer(scope, receive, send)
+
+
 class Lookup(BaseModel):
     metric: str = Field(description="metric or derived metric name")
     key: list[str] | str = Field(description="key value(s), one per key field")
@@ -158,7 +171,7 @@ _ASYNC_KWARGS: tuple[str, ...] = (
 _SSL_KWARGS = ("ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_check_hostname")
 
 
-def app_from_env() -> FastAPI:
+def app_from_env() -> SluiceApp:
     """App factory for `sluice serve --workers N`: each worker process builds its own app from
     SLUICE_CONFIG (the config path) and SLUICE_REDIS_URL (set by the parent process)."""
     import os
@@ -174,7 +187,7 @@ def app_from_env() -> FastAPI:
 
 def create_app(
     cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK, history: bool = True
-) -> FastAPI:
+) -> SluiceApp:
     """The API and dashboard over `client`. With `history`, the app's lifespan runs a
     `Sampler` that records the per-second history the dashboard charts (one small write a
     second, shared by every worker); the lifespan runs under uvicorn, not under a bare
@@ -199,9 +212,6 @@ def create_app(
         default_response_class=ORJSONResponse,
         lifespan=lifespan,
     )
-    app.add_middleware(FastLookups, engine=engine, clients=aclients)  # inside the guard
-    app.add_middleware(_Guard, token=cfg.server.token)
-    app.add_middleware(_Timer, timer=timer)
     app.mount("/static", StaticFiles(packages=[("sluice.web", "static")]), name="static")
     app.state.engine = engine
     valves: list[IngestValve] = []
@@ -362,7 +372,9 @@ def create_app(
 
         return HTMLResponse(dashboard_html())
 
-    return app
+    return SluiceApp(
+        app, _Timer(_Guard(FastLookups(app, engine, aclients), cfg.server.token), timer)
+    )
 
 
 def _parse_history(value: str | None) -> int | None:
