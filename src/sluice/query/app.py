@@ -28,6 +28,7 @@ from sluice.pipeline.status import read_status
 from sluice.query.engine import QueryEngine
 from sluice.query.fast import FastLookups
 from sluice.query.prom import RequestTimer
+from sluice.redis.mux import MuxClient
 from sluice.source.producer import Producer
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -116,7 +117,9 @@ class BatchQuery(BaseModel):
 
 
 class AsyncClients:
-    """One asyncio Redis client per event loop, built from the sync client's connection settings.
+    """One asyncio Redis client per event loop, built from the sync client's connection settings:
+    a `MuxClient` (one multiplexed connection) for a single Redis over TCP or a Unix socket,
+    redis-py's asyncio clients for TLS and for a cluster.
 
     uvicorn runs one loop per worker; Starlette's TestClient may start a loop per request, and an
     asyncio connection must not be used from another loop than the one that opened it.
@@ -158,9 +161,12 @@ class AsyncClients:
         if found is None:
             if len(self._by_loop) > 64:  # loops of finished test requests
                 self._by_loop.clear()
-            cls = getattr(aredis, self.kind, aredis.Connection)
-            pool = aredis.ConnectionPool(connection_class=cls, **self.kwargs)
-            found = self._by_loop[loop] = aredis.Redis(connection_pool=pool)
+            if self.kind == "SSLConnection":
+                pool = aredis.ConnectionPool(connection_class=aredis.SSLConnection, **self.kwargs)
+                found = aredis.Redis(connection_pool=pool)
+            else:  # TCP or a Unix socket: one multiplexed connection
+                found = MuxClient(**self.kwargs)
+            self._by_loop[loop] = found
         return found
 
 

@@ -19,6 +19,7 @@ from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
+from sluice.redis.mux import MuxClient
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
@@ -105,6 +106,22 @@ def _integral_value(cfg: Config, m: MetricConfig) -> bool:
     return spec is not None and FieldType.parse(spec).type in ("long", "int")
 
 
+class _Commands(list[tuple[Any, ...]]):
+    """Commands queued like on a pipeline, to be sent by `_aexecute`."""
+
+    def execute_command(self, *args: Any) -> None:
+        self.append(args)
+
+
+async def _aexecute(aclient: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    if isinstance(aclient, MuxClient):
+        return await aclient.execute(commands)
+    pipe = aclient.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    return list(await pipe.execute())
+
+
 class QueryEngine:
     """Stateless apart from the Redis client; safe to share across request handlers."""
 
@@ -178,13 +195,14 @@ class QueryEngine:
         return self._answers(lookups, plan, replies)
 
     async def arun(self, lookups: Sequence[Lookup], aclient: Any) -> list[dict[str, Any]]:
-        """`run` on an asyncio Redis client: waits for Redis without holding a thread."""
+        """`run` on an asyncio client (a `MuxClient`, or one of redis-py's): waits for Redis
+        without holding a thread."""
         self._check_batch(lookups)
         for attempt in (0, 1):
-            pipe = aclient.pipeline(transaction=False)
-            plan = self._queue_all(pipe, lookups)
+            commands = _Commands()
+            plan = self._queue_all(commands, lookups)
             try:
-                replies = await pipe.execute() if plan else []
+                replies = await _aexecute(aclient, commands) if plan else []
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
@@ -240,7 +258,7 @@ class QueryEngine:
         if m.agg == "quantile":
             for p in cov.pieces:
                 fields = [str(s) for s in range(p.first, p.last + 1, p.slice_ms)]
-                pipe.hmget(slice_hash_key(m.name, encoded, res(p)), fields)
+                pipe.execute_command("HMGET", slice_hash_key(m.name, encoded, res(p)), *fields)
             return len(cov.pieces)
         args: list[Any] = [LUA_AGG[m.agg]]
         for p in cov.pieces:
