@@ -98,12 +98,6 @@ class DataSpec:
         per_key += sum(len(self.coarse_starts(r)) + 1 for r in self.resolutions_ms[1:])
         return sum(self.keys.values()) * per_key
 
-    def slices_read(self, window: str) -> int:
-        """Slices one lookup of `window` reads (ending at the load time)."""
-        from sluice.slices.window import cover
-
-        return cover(self.now_ms, WINDOW_MS[window], list(self.resolutions_ms)).n_slices
-
 
 def config_dict(redis_url: str, state_dir: Path, resolutions_ms: Sequence[int]) -> dict[str, Any]:
     """The served config: the two metrics, 1 m slices (plus coarser `resolutions_ms`, if more
@@ -602,13 +596,18 @@ class WrkResult:
     max_ms: float
     pct_ms: dict[float, float]
     cpu: CpuUse | None = None
-    redis_calls: int = 0
-    redis_usec_per_call: float = 0.0
+    redis_calls: int = 0  # the lookups' commands Redis ran during the run (READ_COMMANDS)
+    redis_usec: float = 0.0  # and the time it spent in them, µs
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rate_per_s(self) -> float:
         return self.requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    def redis_us_per_lookup(self, lookups_per_request: int) -> float:
+        """Redis' own time per lookup (INFO commandstats over the run)."""
+        lookups = self.requests * lookups_per_request
+        return self.redis_usec / lookups if lookups else 0.0
 
     @property
     def error_count(self) -> int:
@@ -669,6 +668,19 @@ def run_wrk(job: WrkJob) -> WrkResult:
 
 
 # -- statistics -----------------------------------------------------------------------------------
+
+
+# What a lookup makes Redis run: HMGET (raw slices), EVALSHA (read_slices.lua, long ranges),
+# PFCOUNT (distinct).
+READ_COMMANDS = ("hmget", "evalsha", "pfcount")
+
+
+def redis_read_stats(client: Any) -> tuple[int, float]:
+    """(calls, µs) of READ_COMMANDS since the last CONFIG RESETSTAT."""
+    stats = client.info("commandstats")
+    calls = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in READ_COMMANDS)
+    usec = sum(float(stats.get(f"cmdstat_{c}", {}).get("usec", 0)) for c in READ_COMMANDS)
+    return calls, usec
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -19,7 +19,10 @@
    rate, for latency at a sustainable load. Plus the in-process cost
    of `QueryEngine.query` against the same Redis (no HTTP), and Redis' own time per script call
    (INFO commandstats), and the CPU each party used (server, Redis, wrk, the rest).
-5. Optionally a py-spy profile of the server under the 100-connection GET load.
+5. Window length: a 5 min and a 24 h window on their own, each served with 1 m slices only and
+   with coarser resolutions too (`--resolutions`, or 1m,1h when that is 1m only), on the same
+   data: the cost of one request at 1 connection, and throughput at 100.
+6. Optionally a py-spy profile of the server under the 100-connection GET load.
 
 The machine has 2 cores shared by wrk, the server and Redis (and any other work running), so
 the CPU table matters as much as the rates. Results go to the `## Query service
@@ -54,6 +57,7 @@ import yaml
 
 from _query_util import (
     SLICE_MS,
+    WINDOW_MS,
     WINDOWS,
     WRK_LUA,
     CpuSnapshot,
@@ -77,16 +81,19 @@ from _query_util import (
     median,
     percentile,
     proc_cpu_s,
+    redis_read_stats,
     run_wrk,
     serve_supports_workers,
     time_calls_us,
     write_request_file,
 )
+from _query_windows import WindowRow, compare_windows, windows_text
 from _util import replace_section
 from sluice.config import Config, config_from_dict
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
+from sluice.slices.window import cover
 from sluice.units import format_duration_ms, parse_duration_ms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,6 +154,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
         profile_out=args.profile_out,
         resolutions_ms=args.resolutions_ms,
     )
+
+
+def slices_read(plan: Plan, spec: DataSpec, window: str) -> int:
+    """Slices one lookup of `window` merges (ending at the load time) with the served config."""
+    return cover(spec.now_ms, WINDOW_MS[window], list(plan.resolutions_ms)).n_slices
+
+
+def window_seconds(plan: Plan) -> float:
+    """The length of each window-length run."""
+    return 3.0 if plan.quick else 8.0
 
 
 def _find_py_spy(arg: str) -> str | None:
@@ -286,12 +303,7 @@ class InProcRow:
     query_us: float
     query_p99_us: float
     lookup_us: float
-    redis_us: float  # Redis' own time per script call (INFO commandstats)
-
-
-def _redis_script_us(client: Any) -> float:
-    stats = client.info("commandstats").get("cmdstat_evalsha", {})
-    return float(stats.get("usec_per_call", 0.0))
+    redis_us: float  # Redis' own time per lookup (INFO commandstats)
 
 
 def _inproc_row(
@@ -301,7 +313,7 @@ def _inproc_row(
     time_calls_us(engine.query, args[:50])  # warm the script cache and the connection
     client.config_resetstat()
     query_us = time_calls_us(engine.query, args)
-    redis_us = _redis_script_us(client)
+    redis_us = redis_read_stats(client)[1] / len(args)
     lookup_us = time_calls_us(engine.lookup, args)
     return InProcRow(
         label,
@@ -322,7 +334,7 @@ def measure_in_process(env: Env, plan: Plan, rng: np.random.Generator) -> dict[s
     rows = []
     for w in WINDOWS:
         lks = [LookupSpec(lk.metric, lk.key, w) for lk in draw_lookups(env.spec, n, rng)]
-        rows.append(_inproc_row(w, f"{env.spec.slices_read(w):,}", engine, env.client, lks))
+        rows.append(_inproc_row(w, f"{slices_read(plan, env.spec, w):,}", engine, env.client, lks))
     rows.append(_inproc_row("mix", "-", engine, env.client, draw_lookups(env.spec, n, rng)))
     batches = [
         [engine.lookup(lk.metric, [lk.key], lk.window) for lk in draw_lookups(env.spec, k, rng)]
@@ -338,7 +350,8 @@ def measure_in_process(env: Env, plan: Plan, rng: np.random.Generator) -> dict[s
 
 
 def commands_per_query(engine: QueryEngine, env: Env, rng: np.random.Generator) -> dict[str, float]:
-    """Top-level Redis commands (SCRIPT ..., EVALSHA) one `engine.query` sends, on average."""
+    """Top-level Redis commands (SCRIPT ..., EVALSHA, HMGET) one `engine.query` sends, on
+    average."""
     lks = draw_lookups(env.spec, 100, rng)
     env.client.config_resetstat()
     for lk in lks:
@@ -346,26 +359,26 @@ def commands_per_query(engine: QueryEngine, env: Env, rng: np.random.Generator) 
     stats = env.client.info("commandstats")
     return {
         name: stats.get(f"cmdstat_{name.lower().replace(' ', '_')}", {}).get("calls", 0) / len(lks)
-        for name in ("SCRIPT", "EVALSHA")
+        for name in ("SCRIPT", "EVALSHA", "HMGET")
     }
 
 
 # -- HTTP scenarios -------------------------------------------------------------------------------
 
 
-def _evalsha_calls(client: Any) -> int:
-    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+def _read_calls(client: Any) -> int:
+    return redis_read_stats(client)[0]
 
 
 def wait_drained(env: Env, max_s: float = DRAIN_MAX_S) -> float:
     """Wait until the server has finished the requests a wrk run left in flight (a client that
-    closes its connection does not cancel work already queued): until Redis sees no EVALSHA for
+    closes its connection does not cancel work already queued): until Redis sees no lookup for
     DRAIN_QUIET_S. Returns the seconds waited (max_s if it never went quiet)."""
     t0 = time.monotonic()
-    last = _evalsha_calls(env.client)
+    last = _read_calls(env.client)
     while time.monotonic() - t0 < max_s:
         time.sleep(DRAIN_QUIET_S)
-        now = _evalsha_calls(env.client)
+        now = _read_calls(env.client)
         if now == last:
             return time.monotonic() - t0 - DRAIN_QUIET_S
         last = now
@@ -383,9 +396,7 @@ def measure_run(env: Env, job: WrkJob) -> WrkResult:
     after = CpuSnapshot.take(env.serve.pids(), env.redis_pid)
     res.cpu = cpu_use(before, after)
     stats = env.client.info("commandstats")
-    evalsha = stats.get("cmdstat_evalsha", {})
-    res.redis_calls = int(evalsha.get("calls", 0))
-    res.redis_usec_per_call = float(evalsha.get("usec_per_call", 0.0))
+    res.redis_calls, res.redis_usec = redis_read_stats(env.client)
     res.extra["script_exists"] = int(stats.get("cmdstat_script", {}).get("calls", 0))
     res.extra["drain_s"] = wait_drained(env)
     return res
@@ -501,9 +512,11 @@ def _package_of(frame: str) -> str:
 THREADPOOL_MARK = "Thread._bootstrap (threading.py"  # the anyio worker threads' root frame
 INCLUSIVE = (
     ("event-loop thread (HTTP parsing, middleware, routing, responses)", None),
-    ("threadpool threads (where the sync GET endpoint runs)", THREADPOOL_MARK),
+    ("threadpool threads (sync endpoints; lookups never run there)", THREADPOOL_MARK),
+    ("the lookup fast paths (`sluice/query/fast.py`)", "(sluice/query/fast.py"),
     ("`QueryEngine` (validation, the Redis calls, the answer)", "(sluice/query/engine.py"),
-    ("redis-py (client side of the Redis calls)", "(redis/"),
+    ("client side of the Redis calls (`sluice/redis/mux.py`)", "(sluice/redis/mux.py"),
+    ("redis-py (TLS and clusters only)", "(redis/"),
 )
 
 
@@ -557,18 +570,19 @@ def _ms(x: float) -> str:
 def results_table(results: Sequence[ScenarioResult]) -> str:
     rows = [
         "| scenario | requests/s (range) | lookups/s | p50 ms | p99 ms | max ms | errors |"
-        " Redis script µs/call | busy after run, s |",
+        " Redis µs/lookup | busy after run, s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         rates = r.rates()
         rate = median(rates)
+        per = r.scenario.lookups_per_request
         rows.append(
             f"| {r.scenario.name} | {rate:,.0f} ({min(rates):,.0f}–{max(rates):,.0f}) |"
             f" {rate * r.scenario.lookups_per_request:,.0f} |"
             f" {_ms(r.med(lambda x: x.pct_ms[50.0]))} | {_ms(r.med(lambda x: x.pct_ms[99.0]))} |"
             f" {_ms(max(x.max_ms for x in r.runs))} | {sum(x.error_count for x in r.runs)} |"
-            f" {r.med(lambda x: x.redis_usec_per_call):,.0f} |"
+            f" {r.med(lambda x, k=per: x.redis_us_per_lookup(k)):,.0f} |"
             f" {max(x.extra['drain_s'] for x in r.runs):.1f} |"
         )
     return "\n".join(rows)
@@ -588,7 +602,7 @@ def cpu_table(results: Sequence[ScenarioResult]) -> str:
 def inproc_table(inproc: dict[str, Any], batch_size: int) -> str:
     rows = [
         "| window | slices merged | `engine.query` median µs | p99 µs | of which `lookup()`"
-        " (validation) µs | Redis script µs (server side) |",
+        " (validation) µs | Redis µs (server side) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in inproc["rows"]:
@@ -607,8 +621,9 @@ def inproc_table(inproc: dict[str, Any], batch_size: int) -> str:
 def round_trips_text(inproc: dict[str, Any]) -> str:
     cmds = inproc["commands_per_query"]
     text = (
-        f"Commands per `engine.query` (INFO commandstats): {cmds['SCRIPT']:.2f} SCRIPT (EXISTS)"
-        f" and {cmds['EVALSHA']:.2f} EVALSHA."
+        f"Commands per `engine.query` (INFO commandstats): {cmds['SCRIPT']:.2f} SCRIPT (EXISTS),"
+        f" {cmds['EVALSHA']:.2f} EVALSHA and {cmds['HMGET']:.2f} HMGET (one per resolution the"
+        " window's cover reads)."
     )
     if cmds["SCRIPT"] >= 0.99:
         text += (
@@ -693,6 +708,7 @@ def section_body(
     spec: DataSpec,
     results: Sequence[ScenarioResult],
     inproc: dict[str, Any],
+    windows: Sequence[WindowRow],
     profile: dict[str, Any] | None,
     png_name: str | None,
 ) -> str:
@@ -706,14 +722,14 @@ def section_body(
         f"{spec.keys['txn_count']:,} cards (`txn_count`, count by card) and"
         f" {spec.keys['amount_sum']:,} merchants (`amount_sum`, sum of amount by merchant)"
     )
-    res = spec.resolutions_ms
+    res = plan.resolutions_ms
     slicing = (
         "1 m slices"
         if len(res) == 1
         else f"`resolutions: [{', '.join(format_duration_ms(r) for r in res)}]` (a hash per"
         " resolution, coarser slices = sums of the 1 m ones they hold)"
     )
-    n_read = ", ".join(f"{spec.slices_read(w):,}" for w in WINDOWS)
+    n_read = ", ".join(f"{slices_read(plan, spec, w):,}" for w in WINDOWS)
     parts = [
         f"Command: `{info.command}` (from the repository root), {mode}; took"
         f" {info.took_s / 60:.1f} min.",
@@ -737,17 +753,20 @@ def section_body(
         results_table(results),
         "Latency is wrk's, per request, from send to full response (not corrected for"
         " coordinated omission). Errors = connect/read/write errors, timeouts (10 s) and non-2xx"
-        " answers, summed over the runs. Redis script µs/call = Redis' own time per EVALSHA of"
-        " `read_slices.lua` (INFO commandstats), which is the time Redis is busy per lookup"
+        " answers, summed over the runs. Redis µs/lookup = Redis' own time in the commands"
+        " lookups send (HMGET for raw slices, EVALSHA of `read_slices.lua` for ranges over"
+        " 2,000 slices; INFO commandstats) per lookup, which is the time Redis is busy per lookup"
         " (wall time inside Redis, so it grows when Redis waits for a core). Busy after run ="
         " how long the server kept working after wrk closed its connections, on requests"
         " already queued (the server does not cancel work for clients that have gone); the next"
-        f" run started only after Redis had seen no EVALSHA for {DRAIN_QUIET_S:g} s (max of the"
+        f" run started only after Redis had seen no lookup for {DRAIN_QUIET_S:g} s (max of the"
         " runs).",
         verdict(results, plan),
         "CPU used during the runs, in cores (CPU seconds / wall seconds, medians over runs; the"
         " machine has 2):",
         cpu_table(results),
+        "### Window length",
+        windows_text(windows, plan.connections, window_seconds(plan)),
         "### In-process cost of one lookup (no HTTP)",
         f"`QueryEngine.query` from the benchmark process against the same Redis, sequentially,"
         f" {plan.inproc_iterations:,} lookups per row, idle server. A PING round trip costs"
@@ -879,12 +898,13 @@ def run(plan: Plan, args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         redis_server, client = start_redis(tmp)
         cfg, config_path = write_config(tmp, redis_server.url, plan.resolutions_ms)
+        coarse = plan.resolutions_ms if len(plan.resolutions_ms) > 1 else (SLICE_MS, 3_600_000)
         spec = DataSpec(
             keys={"txn_count": plan.cards, "amount_sum": plan.merchants},
             hours=plan.hours,
             ahead_min=AHEAD_MIN,
             now_ms=int(time.time() * 1000),
-            resolutions_ms=plan.resolutions_ms,
+            resolutions_ms=tuple(sorted({*plan.resolutions_ms, *coarse})),  # what both serve
         )
         env = Env(tmp, redis_server, client, spec, cfg, config_path)
         load_s = load_data(env, plan.seed)
@@ -899,6 +919,7 @@ def run(plan: Plan, args: argparse.Namespace, argv: Sequence[str]) -> int:
         results = [run_scenario(env, plan, sc) for sc in scenarios(plan)]
         paced = paced_scenario(plan, median(results[1].rates()))
         results.append(run_scenario(env, plan, paced))
+        windows = compare_windows(env, plan, rng, coarse, measure_run, window_seconds(plan))
         profile = profile_server(env, plan, scenarios(plan)[1])
         info = RunInfo(
             command=".venv/bin/python bench/query.py" + "".join(f" {shlex.quote(a)}" for a in argv),
@@ -911,7 +932,7 @@ def run(plan: Plan, args: argparse.Namespace, argv: Sequence[str]) -> int:
             redis_memory=client.info("memory").get("used_memory_human", "?"),
             workers_supported=workers_supported,
         )
-        publish(plan, args, info, spec, results, inproc, profile)
+        publish(plan, args, info, spec, results, inproc, windows, profile)
     finally:
         if env is not None and env.serve is not None:
             env.serve.stop()
@@ -928,13 +949,14 @@ def publish(
     spec: DataSpec,
     results: Sequence[ScenarioResult],
     inproc: dict[str, Any],
+    windows: Sequence[WindowRow],
     profile: dict[str, Any] | None,
 ) -> None:
     """Summary to stdout; the docs section and plot unless --no-docs."""
     png_name = None
     if not args.no_docs and plot(results, args.png):
         png_name = os.path.relpath(args.png, args.md.parent)
-    body = section_body(plan, info, spec, results, inproc, profile, png_name)
+    body = section_body(plan, info, spec, results, inproc, windows, profile, png_name)
     print(results_table(results))
     print()
     print(verdict(results, plan))

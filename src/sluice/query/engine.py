@@ -1,8 +1,11 @@
-"""Answer "metric M for key K over the last H" by merging slices, server-side.
+"""Answer "metric M for key K over the last H" by merging slices.
 
-Each lookup is one EVALSHA of `read_slices.lua`: Redis merges the slices the window touches and
-returns only the merged state, so the number of slices never shows up as Python work or as bytes
-on the wire. A batch of lookups is one pipelined round trip.
+A lookup reads the slices its window's cover touches. Up to RAW_MAX_SLICES of them are read
+with HMGET and merged here (`sluice.query.merge`), which keeps the single-threaded Redis to
+cheap field lookups. Longer ranges are one EVALSHA of `read_slices.lua`, which merges in Redis
+and scans a sparse hash instead of asking for every slice, so neither the wire nor Python ever
+carries more than RAW_MAX_SLICES values per lookup. A batch of lookups is one pipelined round
+trip.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
+from sluice.query.merge import merge_states
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
 from sluice.redis.mux import MuxClient
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
@@ -25,8 +29,10 @@ from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
 
 MAX_BATCH = 1000
-# Per (lookup, base metric): lookup index, metric, cover, and how many pipeline replies it has.
-Plan = list[tuple[int, MetricConfig, Cover, int]]
+RAW_MAX_SLICES = 2000  # read raw and merged here up to this many slices; longer: in Redis
+# Per (lookup, base metric): lookup index, metric, cover, how many pipeline replies it has,
+# and whether they are raw slice states (HMGET) rather than read_slices.lua's merged state.
+Plan = list[tuple[int, MetricConfig, Cover, int, bool]]
 MAX_POINTS = 1000
 
 
@@ -223,7 +229,10 @@ class QueryEngine:
         for n, lk in enumerate(lookups):
             for m in self._base_metrics(lk.metric):
                 cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
-                plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov)))
+                raw = m.agg == "quantile" or (
+                    m.agg != "distinct" and cov.n_slices <= RAW_MAX_SLICES
+                )
+                plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov, raw), raw))
         return plan
 
     def _answers(
@@ -231,16 +240,18 @@ class QueryEngine:
     ) -> list[dict[str, Any]]:
         parts: list[dict[str, tuple[Any, Cover]]] = [{} for _ in lookups]
         at = 0
-        for n, m, cov, count in plan:
-            reply = replies[at] if count == 1 else replies[at : at + count]
-            if m.agg == "quantile":
-                reply = [blob for piece in replies[at : at + count] for blob in piece]
+        for n, m, cov, count, raw in plan:
+            reply = replies[at] if count == 1 and not raw else replies[at : at + count]
+            if raw:
+                blobs = [blob for piece in reply for blob in piece]
+                reply = blobs if m.agg == "quantile" else merge_states(LUA_AGG[m.agg], blobs)
             parts[n][m.name] = (self._finalize(m, reply), cov)
             at += count
         return [self._answer(lk, part) for lk, part in zip(lookups, parts, strict=True)]
 
-    def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover) -> int:
-        """Queue the reads of one (metric, key) over `cov`; returns how many replies they give."""
+    def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover, raw: bool) -> int:
+        """Queue the reads of one (metric, key) over `cov`, raw slice states (one HMGET per
+        piece) or merged by read_slices.lua; returns how many replies they give."""
 
         def res(piece: Piece) -> int | None:
             return None if piece.slice_ms == m.slice else piece.slice_ms
@@ -255,9 +266,9 @@ class QueryEngine:
             ]
             pipe.execute_command("PFCOUNT", *keys)
             return 1
-        if m.agg == "quantile":
+        if raw:
             for p in cov.pieces:
-                fields = [str(s) for s in range(p.first, p.last + 1, p.slice_ms)]
+                fields = map(str, range(p.first, p.last + 1, p.slice_ms))
                 pipe.execute_command("HMGET", slice_hash_key(m.name, encoded, res(p)), *fields)
             return len(cov.pieces)
         args: list[Any] = [LUA_AGG[m.agg]]
