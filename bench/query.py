@@ -171,7 +171,8 @@ def _find_py_spy(arg: str) -> str | None:
         return None
     if arg != "auto":
         return arg
-    return shutil.which("py-spy")
+    beside = Path(sys.executable).parent / "py-spy"  # the dev extra installs it in the venv
+    return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
 @dataclass(frozen=True)
@@ -637,8 +638,8 @@ def round_trips_text(inproc: dict[str, Any]) -> str:
 def profile_text(profile: dict[str, Any] | None) -> str:
     if profile is None:
         return (
-            "No profile: py-spy was not found (install it with `pip install py-spy` and pass"
-            " `--py-spy PATH`, or put it on PATH)."
+            "No profile: py-spy was not found (`make setup` installs it in .venv; or pass"
+            " `--py-spy PATH`)."
         )
     pkgs = ", ".join(f"{k} {v:.0%}" for k, v in profile["packages"])
     fns = "\n".join(f"| {name} | {share:.1%} |" for name, share in profile["functions"])
