@@ -101,3 +101,14 @@ def test_answers_agree_on_both_sides_of_the_raw_limit(
     merged_in_redis = q.run(lookups)
     assert raw == merged_in_redis
     assert any(a["value"] not in (0, None) for a in raw)
+
+
+def test_prepacked_hmget_is_the_command_its_arguments_make() -> None:
+    import hiredis
+
+    from sluice.query.engine import _Hmget
+
+    for first, last, step in [(T0, T0, SLICE), (T0, T0 + 83 * SLICE, SLICE), (0, 9_000, 1_000)]:
+        command = _Hmget("sluice:s:{m|k\u00e9}", first, last, step)
+        assert command.resp() == hiredis.pack_command(command.args())
+        assert len(command.args()) == 2 + (last - first) // step + 1

@@ -44,6 +44,8 @@ def test_concurrent_callers_get_their_own_replies_over_one_connection(
             sum(i for i in range(300) if i % 5 == j) for j in range(5)
         ]
         assert await mux.execute([]) == []
+        packed = b"*2\r\n$3\r\nGET\r\n$2\r\nk7\r\n"  # already RESP: sent as it is
+        assert await mux.execute([packed, ("GET", "k8")]) == [b"7", b"8"]
         clients = r.client_list()
         assert len([c for c in clients if c["cmd"] in ("get", "incrby", "set")]) == 1
         await mux.aclose()

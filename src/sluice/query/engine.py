@@ -10,10 +10,11 @@ trip.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -112,19 +113,55 @@ def _integral_value(cfg: Config, m: MetricConfig) -> bool:
     return spec is not None and FieldType.parse(spec).type in ("long", "int")
 
 
-class _Commands(list[tuple[Any, ...]]):
-    """Commands queued like on a pipeline, to be sent by `_aexecute`."""
+@functools.lru_cache(maxsize=4096)
+def slice_fields(first: int, last: int, step: int) -> tuple[str, ...]:
+    """The hash fields of the slices first, first + step, ..., last. Lookups in the same minute
+    share their covers, so these repeat, and are made once."""
+    return tuple(map(str, range(first, last + 1, step)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields_resp(first: int, last: int, step: int) -> bytes:
+    """slice_fields as RESP bulk strings: the tail of an HMGET command."""
+    return b"".join(
+        b"$%d\r\n%s\r\n" % (len(f), f.encode()) for f in slice_fields(first, last, step)
+    )
+
+
+class _Hmget(NamedTuple):
+    key: str
+    first: int
+    last: int
+    step: int
+
+    def resp(self) -> bytes:
+        """The whole command, RESP-encoded, from the cached fields."""
+        key = self.key.encode()
+        n = (self.last - self.first) // self.step + 1
+        head = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(key), key)
+        return head + _fields_resp(self.first, self.last, self.step)
+
+    def args(self) -> tuple[str, ...]:
+        return ("HMGET", self.key, *slice_fields(self.first, self.last, self.step))
+
+
+class _Commands(list[Any]):
+    """Commands queued like on a pipeline (argument tuples, or `_Hmget`s), to be sent by
+    `_aexecute`."""
 
     def execute_command(self, *args: Any) -> None:
         self.append(args)
 
+    def hmget_slices(self, key: str, first: int, last: int, step: int) -> None:
+        self.append(_Hmget(key, first, last, step))
 
-async def _aexecute(aclient: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+
+async def _aexecute(aclient: Any, commands: Sequence[Any]) -> list[Any]:
     if isinstance(aclient, MuxClient):
-        return await aclient.execute(commands)
+        return await aclient.execute([c.resp() if isinstance(c, _Hmget) else c for c in commands])
     pipe = aclient.pipeline(transaction=False)
     for command in commands:
-        pipe.execute_command(*command)
+        pipe.execute_command(*(command.args() if isinstance(command, _Hmget) else command))
     return list(await pipe.execute())
 
 
@@ -268,8 +305,11 @@ class QueryEngine:
             return 1
         if raw:
             for p in cov.pieces:
-                fields = map(str, range(p.first, p.last + 1, p.slice_ms))
-                pipe.execute_command("HMGET", slice_hash_key(m.name, encoded, res(p)), *fields)
+                key = slice_hash_key(m.name, encoded, res(p))
+                if isinstance(pipe, _Commands):
+                    pipe.hmget_slices(key, p.first, p.last, p.slice_ms)
+                else:
+                    pipe.execute_command("HMGET", key, *slice_fields(p.first, p.last, p.slice_ms))
             return len(cov.pieces)
         args: list[Any] = [LUA_AGG[m.agg]]
         for p in cov.pieces:

@@ -28,7 +28,7 @@ from typing import Any
 import hiredis
 from redis import exceptions
 
-Command = tuple[Any, ...]
+Command = tuple[Any, ...] | bytes  # arguments, or a command already RESP-encoded
 
 
 class _Waiter:
@@ -89,7 +89,7 @@ class _Protocol(asyncio.Protocol):
             return future
         if not self.out:
             self._loop.call_soon(self._flush)
-        self.out.extend(hiredis.pack_command(c) for c in commands)
+        self.out.extend(c if isinstance(c, bytes) else hiredis.pack_command(c) for c in commands)
         self.waiters.append(_Waiter(future, len(commands)))
         if self.timeout_s is not None and self._watchdog is None:
             self._watchdog = self._loop.call_later(self.timeout_s, self._check_timeout)
@@ -156,7 +156,8 @@ class MuxClient:
         return self.path or f"{self.host}:{self.port}"
 
     async def execute(self, commands: Sequence[Command]) -> list[Any]:
-        """The replies to `commands`, in order. Raises NoScriptError or ResponseError if one
+        """The replies to `commands` (argument tuples, or bytes already in RESP), in order.
+        Raises NoScriptError or ResponseError if one
         of them failed (after all were answered), ConnectionError or TimeoutError."""
         proto = self._proto
         if proto is None or proto.lost is not None:
