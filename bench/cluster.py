@@ -14,7 +14,7 @@ persistence (`appendonly no`, no snapshots), started fresh for this run: one pla
   processes write disjoint halves of the keys at once, like Spark's `local[2]` writer
   partitions. Rate = updates applied / wall time of the round; median of the rounds.
 - **Query**: `QueryEngine.run` in one process, over the same keys: batches of 100 lookups
-  (`txn_count` over 15 m: 90 slice fields of one hash, one EVALSHA each) and single lookups, for
+  (`txn_count` over 15 m: 90 slice fields of one hash, one HMGET each) and single lookups, for
   `--query-s` seconds each. Rate = lookups answered / s.
 
 The machine has 2 cores shared with other work; 3 cluster nodes plus the driver then compete
