@@ -108,7 +108,12 @@ def test_prepacked_hmget_is_the_command_its_arguments_make() -> None:
 
     from sluice.query.engine import _Hmget
 
-    for first, last, step in [(T0, T0, SLICE), (T0, T0 + 83 * SLICE, SLICE), (0, 9_000, 1_000)]:
+    for first, last, step in [
+        (T0, T0, SLICE),
+        (T0, T0 + 83 * SLICE, SLICE),
+        (0, 9_000, 1_000),
+        (T0, T0 + 1_999 * SLICE, SLICE),  # longer than the cached pieces
+    ]:
         command = _Hmget("sluice:s:{m|k\u00e9}", first, last, step)
         assert command.resp() == hiredis.pack_command(command.args())
         assert len(command.args()) == 2 + (last - first) // step + 1

@@ -113,19 +113,39 @@ def _integral_value(cfg: Config, m: MetricConfig) -> bool:
     return spec is not None and FieldType.parse(spec).type in ("long", "int")
 
 
-@functools.lru_cache(maxsize=4096)
+# Pieces of up to this many slices have their fields cached (at most 1,024 of them, a few MB).
+CACHED_PIECE_SLICES = 256
+
+
 def slice_fields(first: int, last: int, step: int) -> tuple[str, ...]:
     """The hash fields of the slices first, first + step, ..., last. Lookups in the same minute
-    share their covers, so these repeat, and are made once."""
+    share their covers, so the fields of short pieces repeat, and are made once."""
+    if (last - first) // step < CACHED_PIECE_SLICES:
+        return _cached_fields(first, last, step)
+    return _make_fields(first, last, step)
+
+
+def _make_fields(first: int, last: int, step: int) -> tuple[str, ...]:
     return tuple(map(str, range(first, last + 1, step)))
 
 
-@functools.lru_cache(maxsize=4096)
+_cached_fields = functools.lru_cache(maxsize=1024)(_make_fields)
+
+
 def _fields_resp(first: int, last: int, step: int) -> bytes:
     """slice_fields as RESP bulk strings: the tail of an HMGET command."""
+    if (last - first) // step < CACHED_PIECE_SLICES:
+        return _cached_resp(first, last, step)
+    return _make_resp(first, last, step)
+
+
+def _make_resp(first: int, last: int, step: int) -> bytes:
     return b"".join(
         b"$%d\r\n%s\r\n" % (len(f), f.encode()) for f in slice_fields(first, last, step)
     )
+
+
+_cached_resp = functools.lru_cache(maxsize=1024)(_make_resp)
 
 
 class _Hmget(NamedTuple):
