@@ -22,6 +22,8 @@ from urllib.parse import parse_qsl
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice.query.engine import MAX_BATCH
+
 PREFIX = "/v1/metrics/"
 ROUTE = PREFIX + "{name}"
 BATCH = "/v1/query"
@@ -149,8 +151,6 @@ class FastLookups:
         await send_json(send, body)
 
     async def _batch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        from sluice.query.engine import MAX_BATCH
-
         raw, messages, complete = await read_body(receive, MAX_BATCH_BODY)
         try:
             if not complete:
