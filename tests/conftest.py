@@ -18,6 +18,8 @@ from sluice.config import Config, config_from_dict
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.local_cluster import LocalCluster
+from sluice.source.kafka_records import forget_consumers
+from sluice.testing.kafka import TEST_PRODUCER_OPTIONS, KafkaBroker
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -59,6 +61,26 @@ def rc(redis_cluster: LocalCluster) -> Iterator[Any]:
     client = client_for(redis_cluster.url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    """A real Kafka-compatible broker (`tansu`, memory storage) on a loopback port, for the
+    whole run, or the broker at $SLUICE_TEST_KAFKA. Started only by the tests that ask for it;
+    see `sluice.testing.kafka` for the broker's defects that tests work around."""
+    log = tmp_path_factory.mktemp("kafka") / "broker.log"
+    with KafkaBroker(log, external=os.environ.get("SLUICE_TEST_KAFKA") or None) as broker:
+        yield broker
+        forget_consumers()  # before the broker goes, or they keep trying to reach it
+
+
+@pytest.fixture
+def kafka_topic(kafka_broker: KafkaBroker, request: pytest.FixtureRequest) -> str:
+    """A fresh 2-partition topic named after the test."""
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[:120]
+    name += f"-{time.monotonic_ns() % 1_000_000}"
+    kafka_broker.create_topic(name, partitions=2)
+    return name
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +158,24 @@ def config_data(redis_url: str, state_dir: Path, **overrides: Any) -> dict[str, 
         else:
             data[k] = v
     return data
+
+
+def kafka_config(
+    redis_url: str,
+    state_dir: Path,
+    broker: KafkaBroker,
+    topic: str,
+    fmt: str = "jsonl",
+    **overrides: Any,
+) -> Config:
+    """`make_config` reading Kafka topic `topic` instead of Redis Streams. Its producers send
+    one record per request (see `sluice.testing.kafka`)."""
+    data = config_data(redis_url, state_dir, **overrides)
+    source = {k: v for k, v in data["source"].items() if k != "shards"}
+    kafka = {"bootstrap": broker.bootstrap, "topic": topic, "group_id": f"sluice-{topic}",
+             "producer_options": dict(TEST_PRODUCER_OPTIONS)}  # fmt: skip
+    data["source"] = {**source, "format": fmt, "kafka": {**kafka, **source.get("kafka", {})}}
+    return config_from_dict(data)
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import click
 from sluice.config import Config, load_config
 from sluice.errors import SluiceError
 from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
-from sluice.views import format_dead_letters, format_dead_summary, format_status
+from sluice.status.views import format_dead_letters, format_dead_summary, format_status
 
 log = logging.getLogger("sluice")
 
@@ -77,7 +77,7 @@ def main(
 )
 def run(config_path: str, stages: tuple[str, ...]) -> None:
     """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
-    from sluice.pipeline.run import Run
+    from sluice.pipeline.run import Pipeline
     from sluice.pipeline.spark import build_spark
     from sluice.redis.connection import open_redis
 
@@ -88,8 +88,9 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
         raise _fail(e) from None
     with handle:
         spark = build_spark(cfg)
+        pipeline = Pipeline(cfg, handle, spark, only=stages)
         try:
-            run_ = Run(cfg, handle, spark, only=stages)
+            pipeline.prepare()
         except SluiceError as e:
             raise _fail(e) from None
 
@@ -97,16 +98,16 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
             log.info(
                 "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
             )
-            run_.request_stop()
+            pipeline.request_stop()
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         log.info(
             "pipeline starting",
             extra={"redis": _redact(handle.url), "state_dir": str(cfg.state_dir),
-                   "queries": len(run_.parts)},
+                   "queries": len(pipeline.queries)},
         )  # fmt: skip
-        run_.run_forever()
+        pipeline.run_forever()
         spark.stop()
     log.info("stopped")
 
@@ -128,8 +129,8 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
     """Serve the HTTP API and the dashboard."""
     import uvicorn
 
-    from sluice.query.app import create_app
     from sluice.redis.connection import open_redis
+    from sluice.server.app import create_app
 
     cfg = _load(config_path)
     try:
@@ -163,7 +164,7 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
         os.environ[LOG_LEVEL_ENV] = (click.get_current_context().obj or {}).get("log_level", "info")
         with _multiprocess_metrics_dir():
             uvicorn.run(
-                "sluice.query.app:app_from_env",
+                "sluice.server.app:app_from_env",
                 factory=True,
                 workers=n_workers,
                 **bind,  # type: ignore[arg-type]
@@ -177,7 +178,7 @@ def _multiprocess_metrics_dir() -> Iterator[None]:
     import shutil
     import tempfile
 
-    from sluice.query.prom import MULTIPROC_ENV
+    from sluice.status.prometheus import MULTIPROC_ENV
 
     if os.environ.get(MULTIPROC_ENV):
         yield
@@ -270,8 +271,8 @@ def status(
     import redis
 
     from sluice.clock import SYSTEM_CLOCK
-    from sluice.pipeline.status import read_status
     from sluice.redis.connection import open_redis
+    from sluice.status.snapshot import read_status
 
     cfg = _load(config_path)
     views = count if watch else 1
@@ -345,8 +346,8 @@ def submit_path() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON lines on stdout, totals on stderr")
 def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool) -> None:
     """Show the newest dead letters (newest first), their total and the count per reason."""
-    from sluice.pipeline.dead_letters import parse_reason, read_dead_letters
     from sluice.redis.connection import open_redis
+    from sluice.status.dead_letters import parse_reason, read_dead_letters
 
     cfg = _load(config_path)
     try:

@@ -35,6 +35,17 @@ SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes)]
 AGGS = ("count", "sum", "min", "max", "avg", "distinct", "quantile", "last", "stddev", "variance")
 FIELD_TYPES = ("string", "long", "int", "double", "float", "boolean")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+KAFKA_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+# librdkafka settings Sluice sets itself on every client it makes.
+KAFKA_OWNED_OPTIONS = (
+    "bootstrap.servers",
+    "group.id",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "auto.offset.reset",
+    "enable.partition.eof",
+    "isolation.level",
+)
 RESERVED_STAGES = ("ingest", "spark", "store", "input")
 TABLE_FORMATS = (".csv", ".json", ".jsonl", ".parquet")
 
@@ -79,10 +90,74 @@ def check_schema(v: dict[str, str]) -> dict[str, str]:
     return {k: str(s) for k, s in v.items()}
 
 
+class KafkaConfig(_Model):
+    """`source.kafka`: read a Kafka topic instead of Redis Streams (see docs/kafka.md)."""
+
+    bootstrap: str = Field(description="bootstrap servers, host:port[,host:port...]")
+    topic: str
+    group_id: str = Field(
+        "sluice", description="processed offsets are committed to this group after each batch"
+    )
+    start: Literal["earliest", "latest"] = Field(
+        "earliest", description="where a fresh checkpoint begins in each partition"
+    )
+    options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="librdkafka settings for every client, passed as they are (TLS, SASL, ...)",
+    )
+    producer_options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="librdkafka settings for Sluice's producers only (linger.ms, acks, ...)",
+    )
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: str) -> str:
+        hosts = [h.strip() for h in v.split(",")]
+        for h in hosts:
+            host, sep, port = h.rpartition(":")
+            if not host or not sep or not port.isdigit():
+                raise ValueError(f"bootstrap server {h!r} must be host:port")
+        return ",".join(hosts)
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, v: str) -> str:
+        if not KAFKA_TOPIC_RE.match(v) or v in (".", ".."):
+            raise ValueError(
+                f"topic {v!r} is not a Kafka topic name (1-249 of letters, digits, '.', '_', '-')"
+            )
+        return v
+
+    @field_validator("group_id")
+    @classmethod
+    def _group(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("`group_id` must not be empty")
+        return v
+
+    @field_validator("options", "producer_options")
+    @classmethod
+    def _options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(k for k in v if k in KAFKA_OWNED_OPTIONS)
+        if owned:
+            raise ValueError(
+                f"{', '.join(owned)} cannot be set here: Sluice sets it (bootstrap servers,"
+                " group and offset handling come from the fields of `source.kafka`)"
+            )
+        return v
+
+
 class SourceConfig(_Model):
     stream: str = "events"
     shards: int = Field(1, ge=1, le=1024)
-    format: Literal["fields", "jsonl"] = "fields"
+    format: Literal["fields", "jsonl", "json"] = Field(
+        "fields",
+        description="Redis Streams: fields | jsonl; Kafka: json | jsonl (default json)",
+    )
+    kafka: KafkaConfig | None = Field(
+        None, description="read this Kafka topic; its partitions are the shards"
+    )
     schema_: dict[str, str] = Field(
         default_factory=lambda: {"ts": "long", "key": "string", "value": "double"},
         alias="schema",
@@ -114,6 +189,29 @@ class SourceConfig(_Model):
     @classmethod
     def _schema(cls, v: dict[str, str]) -> dict[str, str]:
         return check_schema(v)
+
+    @model_validator(mode="after")
+    def _log_format(self) -> SourceConfig:
+        if self.kafka is not None:
+            if "format" not in self.model_fields_set:
+                object.__setattr__(self, "format", "json")
+            elif self.format == "fields":
+                raise _FieldError(
+                    "format",
+                    "format `fields` is for Redis Streams; a Kafka record value is `json` (one"
+                    " JSON object) or `jsonl` (newline-separated JSON objects)",
+                )
+            if "shards" in self.model_fields_set:
+                raise _FieldError(
+                    "shards", "`shards` does not apply to Kafka: the topic's partitions are them"
+                )
+        elif self.format == "json":
+            raise _FieldError(
+                "format",
+                "format `json` is for Kafka records; a Redis stream entry is `fields` (one"
+                " event, its fields) or `jsonl` (field `d`: newline-separated JSON objects)",
+            )
+        return self
 
     @model_validator(mode="after")
     def _time_field(self) -> SourceConfig:
@@ -513,6 +611,16 @@ class Config(_Model):
                     )
                 if writers.get(src) == st.name:
                     raise _at(f"stages[{i}].from[{j}]", "a stage cannot read its own output")
+                if (
+                    self.source.kafka is not None
+                    and src == self.source.stream
+                    and len(st.from_) > 1
+                ):
+                    raise _at(
+                        f"stages[{i}].from[{j}]",
+                        f"a stage that reads the Kafka source {src!r} reads it alone; read the"
+                        " other streams in a stage of their own",
+                    )
         _check_acyclic(self.stages, writers)
         for i, m in enumerate(self.metrics):
             if m.from_ is not None and m.from_ != self.source.stream and m.from_ not in writers:

@@ -61,11 +61,11 @@ def _port_free(port: int) -> bool:
 
 
 def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) -> None:
-    from sluice.pipeline.job import Pipeline
+    from sluice.pipeline.fold import FoldQuery
     from sluice.pipeline.spark import build_spark
-    from sluice.pipeline.status import read_status
-    from sluice.query.app import create_app
+    from sluice.server.app import create_app
     from sluice.source.loadgen import Profile, run_load
+    from sluice.status.snapshot import read_status
 
     state_dir.mkdir(parents=True, exist_ok=True)
     cfg = demo_config(state_dir)
@@ -93,7 +93,7 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
         print(f"Sluice demo: open the dashboard at http://127.0.0.1:{bound}/", flush=True)
         print("starting Spark (takes a few seconds)...", flush=True)
         spark = build_spark(cfg, app_name="sluice-demo")
-        pipeline = Pipeline(cfg, handle, spark)
+        pipeline = FoldQuery(cfg, handle, spark)
         pipeline.start()
         load = threading.Thread(
             target=run_load,

@@ -31,11 +31,13 @@ import redis
 
 from sluice.config import Config, config_from_dict
 from sluice.flow.board import Board
-from sluice.pipeline.job import Pipeline
-from sluice.pipeline.run import Run
+from sluice.pipeline.fold import FoldQuery
+from sluice.pipeline.run import Pipeline
+from sluice.pipeline.writer import write_partition
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import stats_keys
 from sluice.source.producer import Producer
+from sluice.testing.faults import SlowStore
 
 CARDS = 200
 BRANCHES = ("left", "right")
@@ -187,8 +189,9 @@ def run_experiment(
     client = redis.Redis.from_url(redis_url)
     client.flushall()
     cfg = branch_config(redis_url, state_dir, propagation, stream_hw)
-    run = Run(cfg, RedisHandle(redis_url), spark)
-    folds = {p.name: p for p in run.parts if isinstance(p, Pipeline)}
+    run = Pipeline(cfg, RedisHandle(redis_url), spark)
+    run.prepare()
+    folds = {q.name: q for q in run.queries if isinstance(q, FoldQuery)}
     runner = threading.Thread(target=run.run_forever, name="branches", daemon=True)
     runner.start()
     base = warm_up(cfg, client, 180)
@@ -200,7 +203,7 @@ def run_experiment(
         end = warm_s + slow_s + tail_s
         while (t := time.monotonic() - producer.t0) < end:
             slow = warm_s <= t < warm_s + slow_s
-            folds["fold:left"].write_delay_ms = slow_write_ms if slow else 0.0
+            folds["fold:left"].writer = SlowStore(slow_write_ms) if slow else write_partition
             folded = {b: n - base[b] for b, n in _folded(client).items()}
             result.samples.append(Sample(t, producer.sent, folded, _flags(board)))
             if progress and len(result.samples) % 10 == 0:

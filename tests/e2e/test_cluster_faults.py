@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from sluice.pipeline.audit import Ledger
-from sluice.pipeline.job import Pipeline
+from sluice.pipeline.fold import FoldQuery
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import RedisHandle, client_for
 from sluice.redis.keys import HEALTH_KEY, STATS_KEY, key_slot, slice_hash_key
@@ -129,7 +129,7 @@ def test_slots_migrated_under_load_lose_nothing_and_count_nothing_twice(
             key_slot(slice_hash_key("txn_count", "c0")),
             key_slot(slice_hash_key("qty_sum", "m0")),
         })  # fmt: skip
-        pipeline = Pipeline(cfg, RedisHandle(cluster.url), spark)
+        pipeline = FoldQuery(cfg, RedisHandle(cluster.url), spark)
         supervisor = threading.Thread(target=pipeline.run_forever, daemon=True)
         producer = ClusterProducer(client_for(cluster.url), shards)
 
@@ -175,7 +175,7 @@ def test_a_master_restart_under_load_loses_nothing_and_counts_nothing_twice(
         # The master to restart holds a shard, the stats and a share of the slices.
         victim = cluster.node_of_slot(key_slot(STATS_KEY))
         assert victim in {cluster.node_of_slot(key_slot(s)) for s in shards}
-        pipeline = Pipeline(cfg, RedisHandle(cluster.url), spark)
+        pipeline = FoldQuery(cfg, RedisHandle(cluster.url), spark)
         supervisor = threading.Thread(target=pipeline.run_forever, daemon=True)
         producer = ClusterProducer(client_for(cluster.url), shards)
 

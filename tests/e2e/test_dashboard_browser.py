@@ -31,9 +31,9 @@ import pytest
 import redis
 
 from sluice.config import Config
-from sluice.pipeline.job import Pipeline
-from sluice.query.app import create_app
+from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
+from sluice.server.app import create_app
 from sluice.source.loadgen import Profile, run_load
 from sluice.source.producer import Producer
 from tests.conftest import ServerThread, make_config
@@ -108,7 +108,7 @@ class Live:
     cfg: Config
     client: redis.Redis
     url: str
-    pipeline: Pipeline
+    pipeline: FoldQuery
     before: dict[str, Any]
     load: threading.Thread
     stop: threading.Event
@@ -170,7 +170,7 @@ def live(spark: Any, redis_server: Any, tmp_path_factory: pytest.TempPathFactory
     client = redis.Redis.from_url(redis_server.url)
     client.flushall()
     cfg = _config(redis_server.url, tmp_path_factory.mktemp("dashboard"))
-    pipeline = Pipeline(cfg, RedisHandle(redis_server.url), spark)
+    pipeline = FoldQuery(cfg, RedisHandle(redis_server.url), spark)
     supervisor = threading.Thread(target=pipeline.run_forever, name="supervisor", daemon=True)
     supervisor.start()
     stop = threading.Event()

@@ -17,9 +17,9 @@ import pandas as pd
 import pytest
 import redis
 
-from sluice.pipeline.job import Pipeline
-from sluice.query.app import create_app
+from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
+from sluice.server.app import create_app
 from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
 from tests.conftest import ServerThread, make_config
@@ -215,7 +215,7 @@ def test_random_queries_match_the_reference(
     now = time.time_ns() // 1_000_000
     events = make_events(now)
     produce(cfg, r, events, now)
-    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline = FoldQuery(cfg, RedisHandle(redis_url), spark)
     pipeline.start()
     try:
         assert pipeline.wait_idle(600), "the pipeline did not drain its input"

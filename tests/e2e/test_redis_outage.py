@@ -14,11 +14,11 @@ from typing import Any
 import orjson
 import redis
 
-from sluice.pipeline.job import Pipeline
-from sluice.pipeline.status import pipeline_health
+from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.keys import STATS_KEY
+from sluice.status.snapshot import pipeline_health
 from tests.conftest import make_config
 
 
@@ -53,7 +53,7 @@ def test_pipeline_pauses_through_a_redis_outage_and_resumes(spark: Any, tmp_path
     )  # fmt: skip
     handle = RedisHandle(server.url)
     client = redis.Redis.from_url(server.url, socket_timeout=5)
-    p = Pipeline(cfg, handle, spark)
+    p = FoldQuery(cfg, handle, spark)
     runner = threading.Thread(target=p.run_forever, kwargs={"max_backoff_s": 2.0}, daemon=True)
     runner.start()
     states: list[str] = []

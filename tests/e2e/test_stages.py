@@ -15,9 +15,9 @@ import redis
 
 from sluice.config import config_from_dict
 from sluice.errors import ConfigError
-from sluice.pipeline.graph import graph_topology
-from sluice.pipeline.run import Run, build_parts
-from sluice.pipeline.stage import StreamStage
+from sluice.graph import graph_topology
+from sluice.pipeline.run import Pipeline, build_queries
+from sluice.pipeline.stage import StageQuery
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import dead_letter_stream_key, shard_side_key, stats_keys
@@ -94,7 +94,7 @@ def test_chains_and_branches_answer_exactly(
     shard = cfg.source.shard_keys()[0]
     r.xadd(shard, {"ts": str(now), "card": "c1", "merchant": "m", "amount": "x", "qty": "1"})
 
-    run = Run(cfg, RedisHandle(redis_url), spark)
+    run = Pipeline(cfg, RedisHandle(redis_url), spark)
     thread = threading.Thread(target=run.run_forever, daemon=True)
     thread.start()
     try:
@@ -151,13 +151,13 @@ def test_a_rerun_batch_writes_its_output_once(
     """Spark re-runs a batch after a crash with the same id and input: nothing is written
     twice, and a half-written batch is completed."""
     from sluice.source.decode import spark_schema_ddl
-    from sluice.source.options import SourceOptions
+    from sluice.source.options import SourceOptions, StreamsSpec
 
     cfg = config_from_dict(stage_config(redis_url, tmp_path))
-    _, parts = build_parts(cfg, RedisHandle(redis_url), spark)
-    stage = next(p for p in parts if isinstance(p, StreamStage) and p.name == "parts")
+    _, parts = build_queries(cfg, RedisHandle(redis_url), spark)
+    stage = next(p for p in parts if isinstance(p, StageQuery) and p.name == "parts")
     opts = SourceOptions(
-        url=redis_url, shards=("big",), format="jsonl",
+        url=redis_url, log=StreamsSpec(("big",)), format="jsonl",
         fields=(("ts", "long", True), ("card", "string", False), ("merchant", "string", False),
                 ("amount", "double", False), ("qty", "long", False)),
         time_field="ts", max_events_per_batch=None, max_string_bytes=4096,
@@ -184,15 +184,15 @@ def test_stage_config_errors_name_the_field(redis_url: str, spark: Any, tmp_path
     data = stage_config(redis_url, tmp_path)
     data["stages"][0]["sql"] = "SELECT nope FROM input"
     with pytest.raises(ConfigError, match=r"stages\[0\]\.sql"):
-        build_parts(config_from_dict(data), RedisHandle(redis_url), spark)
+        build_queries(config_from_dict(data), RedisHandle(redis_url), spark)
     data = stage_config(redis_url, tmp_path)
     data["stages"][1]["sql"] = "SELECT ts, card, array(qty) AS qty FROM input"
     with pytest.raises(ConfigError, match=r"type array<bigint>"):
-        build_parts(config_from_dict(data), RedisHandle(redis_url), spark)
+        build_queries(config_from_dict(data), RedisHandle(redis_url), spark)
     data = stage_config(redis_url, tmp_path)
     data["metrics"][4]["key"] = ["merchant"]  # `tiered` has ts, card, tier
     with pytest.raises(ConfigError, match=r"metrics\[4\]\.key.*not in stream 'tiered'"):
-        build_parts(config_from_dict(data), RedisHandle(redis_url), spark)
+        build_queries(config_from_dict(data), RedisHandle(redis_url), spark)
 
 
 def test_hop_by_hop_topology_and_heron_style(tmp_path: Path) -> None:
@@ -211,7 +211,7 @@ def test_hop_by_hop_topology_and_heron_style(tmp_path: Path) -> None:
 def test_a_run_can_take_some_queries_only(redis_url: str, spark: Any, tmp_path: Path) -> None:
     """Stages may run in separate Spark applications: each runs the queries it is given."""
     cfg = config_from_dict(stage_config(redis_url, tmp_path))
-    _, parts = build_parts(cfg, RedisHandle(redis_url), spark, only=("big", "fold:big"))
+    _, parts = build_queries(cfg, RedisHandle(redis_url), spark, only=("big", "fold:big"))
     assert [p.name for p in parts] == ["big", "fold:big"]
     with pytest.raises(ConfigError, match="no query named nope; this config has big, "):
-        build_parts(cfg, RedisHandle(redis_url), spark, only=("nope",))
+        build_queries(cfg, RedisHandle(redis_url), spark, only=("nope",))

@@ -8,10 +8,13 @@ from typing import Any
 import pyarrow as pa
 import redis
 
-from sluice.config import Config
+from sluice.config import BackpressureConfig, Config
+from sluice.flow.levels import QueueLevel
+from sluice.source.admission import log_measure
 from sluice.source.decode import output_schema
 from sluice.source.ids import event_ids
-from sluice.source.options import SourceOptions
+from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.streams import RedisStreamsLog
 
 
 def decoded_table(cfg: Config, events: Sequence[dict[str, Any]], ref_ms: int) -> pa.Table:
@@ -43,3 +46,20 @@ def slice_snapshot(client: redis.Redis) -> dict[bytes, Any]:
     out: dict[bytes, Any] = {k: client.hgetall(k) for k in client.scan_iter(match="sluice:s:*")}
     out.update({k: client.get(k) for k in client.scan_iter(match="sluice:h:*")})
     return dict(sorted(out.items()))
+
+
+def stream_level(
+    client: Any, streams: Sequence[str], bp: BackpressureConfig, reader: str | None = None
+) -> QueueLevel:
+    """The backlog of Redis streams `streams` (of `reader`, or the slowest reader), judged by
+    `bp`: what the valves measure."""
+    opts = SourceOptions(
+        url="",
+        log=StreamsSpec(tuple(streams)),
+        format="jsonl",
+        fields=(),
+        time_field=None,
+        max_events_per_batch=None,
+        max_string_bytes=4096,
+    )
+    return log_measure(RedisStreamsLog(opts, client), bp, reader)()

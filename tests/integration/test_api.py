@@ -14,9 +14,9 @@ import redis
 from fastapi.testclient import TestClient
 
 from sluice.errors import BadQuery, UnknownMetric
-from sluice.query.app import create_app
 from sluice.query.client import Client
 from sluice.redis.keys import encode_key, slice_hash_key
+from sluice.server.app import create_app
 from tests.conftest import ServerThread, make_config
 
 

@@ -13,11 +13,12 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.pipeline.audit import Ledger, source_xor
-from sluice.pipeline.job import Pipeline
+from sluice.pipeline.audit import Ledger
+from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY, slice_hash_key
 from sluice.source.ids import event_ids, parse_id, xor_all
+from sluice.testing.faults import LoseOne
 from tests.conftest import make_config
 
 METRICS = [
@@ -71,8 +72,9 @@ def _stats(r: redis.Redis) -> dict[str, str]:
 def test_event_ids_agree_between_the_decoder_and_the_audit_script(r: redis.Redis) -> None:
     """The source side reads the stream with a Lua script; the ids must be the decoder's."""
     from sluice.source.decode import Decoder
+    from sluice.source.log import Span
     from sluice.source.options import SourceOptions
-    from sluice.source.reader import raw_client, read_range
+    from sluice.source.streams import RedisStreamsLog, raw_client, read_range
 
     ids = [
         r.xadd("events:0", {"d": b'{"ts":1}\n\n{"ts":2}\r\n \t\n{"ts":3}'}),
@@ -80,12 +82,12 @@ def test_event_ids_agree_between_the_decoder_and_the_audit_script(r: redis.Redis
         r.xadd("events:0", {"x": b"no d"}),
         r.xadd("events:0", {"d": b"[1,2]\n{bad"}),
     ]
-    x, events, entries = source_xor(r, {"events:0": "0-0"}, {"events:0": ids[-1].decode()},
-                                    "jsonl", 8_000_000)  # fmt: skip
-    assert (events, entries) == (3 + 1 + 1 + 2, 4)
     cfg = _cfg("redis://unused", Path("."))
-    opts = SourceOptions.from_config(cfg, r.connection_pool.connection_kwargs and "redis://x")
     url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}"
+    opts = SourceOptions.from_config(cfg, url)
+    admitted = RedisStreamsLog(opts, r).admitted([Span("events:0", "0-0", ids[-1].decode())])
+    x, events, entries = admitted.xor, admitted.events, admitted.entries
+    assert (events, entries) == (3 + 1 + 1 + 2, 4)
     decoder = Decoder(opts, 0, "events:0")
     decoded = []
     for chunk in read_range(raw_client(url), "events:0", "0-0", ids[-1].decode()):
@@ -101,7 +103,7 @@ def test_every_batch_balances_and_the_counters_add_up(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     cfg = _cfg(redis_url, tmp_path)
-    p = Pipeline(cfg, RedisHandle(redis_url), spark)
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
     p.start()
     try:
         sent = 0
@@ -127,7 +129,8 @@ def test_a_lost_slice_update_is_caught_and_written_again_in_place(
 ) -> None:
     cfg = _cfg(redis_url, tmp_path)
     sent = _produce(r, 10, 40)
-    p = Pipeline(cfg, RedisHandle(redis_url), spark, fault_lose_one=True)
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    p.writer = LoseOne(redis_url, f"test:lose-one:{tmp_path.name}")
     p.start()
     try:
         assert p.wait_idle(120)
@@ -150,7 +153,8 @@ def test_a_batch_that_stays_unbalanced_fails_and_is_replayed_after_the_restart(
     query replays it from the offset log; the store ends exact."""
     cfg = _cfg(redis_url, tmp_path, audit={"retries": 0})
     sent = _produce(r, 10, 40)
-    p = Pipeline(cfg, RedisHandle(redis_url), spark, fault_lose_one=True)
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    p.writer = LoseOne(redis_url, f"test:lose-one:{tmp_path.name}")
     failures: list[int] = []
     runner = threading.Thread(target=p.run_forever, kwargs={"max_backoff_s": 1.0}, daemon=True)
     runner.start()

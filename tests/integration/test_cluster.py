@@ -18,14 +18,14 @@ import pytest
 
 from sluice.config import Config
 from sluice.pipeline.audit import Ledger
-from sluice.pipeline.job import Pipeline
+from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.writer import WriterContext, _run_write_script
-from sluice.query.app import create_app
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.cluster import node_clients
 from sluice.redis.connection import RedisHandle, client_for
 from sluice.redis.keys import STATS_KEY, key_slot, shard_keys, slice_hash_key
 from sluice.redis.local_cluster import LocalCluster
+from sluice.server.app import create_app
 from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
 from tests.conftest import ServerThread, make_config
@@ -84,7 +84,7 @@ def run(
     bad = b'{"ts": %d, "card": "card-1", "merchant": "m-1", "amount": "x", "qty": 1}' % now
     for _ in range(N_BAD // 2):  # 2 bad events per entry: a bad type and not JSON
         client.xadd(cfg.source.shard_keys()[1], {"d": bad + b"\nnot json", "n": 2})
-    pipeline = Pipeline(cfg, RedisHandle(url), spark)
+    pipeline = FoldQuery(cfg, RedisHandle(url), spark)
     pipeline.start()
     try:
         assert pipeline.wait_idle(300), "the pipeline did not drain its input"
@@ -249,8 +249,8 @@ def test_a_script_call_keeps_its_keys_in_one_slot(rc: Any, tmp_path: Path) -> No
 
 def test_the_stats_scripts_and_the_board_run_on_the_cluster(rc: Any) -> None:
     from sluice.flow.board import Board
-    from sluice.pipeline.history import record_sample
     from sluice.redis.keys import HISTORY_KEY
+    from sluice.status.history import record_sample
 
     rc.script_flush()  # record_sample must load its script on the master it lands on
     now_s = time.time_ns() // 1_000_000_000

@@ -111,10 +111,10 @@ def test_cli_status_shows_each_stage_throttle(
     from sluice.clock import SYSTEM_CLOCK
     from sluice.config import load_config
     from sluice.flow.board import Board
-    from sluice.flow.valves import IngestValve
+    from sluice.source.admission import ingest_valve
 
     path = _config_file(tmp_path, redis_url)
-    valve = IngestValve.from_config(load_config(path), r)
+    valve = ingest_valve(load_config(path), r)
     valve.try_admit(1_000_000)  # publishes its state; measures a rate far above min_rate
     Board(r).send(valve.task.id, "overload", "spark/test", 60_000_000, SYSTEM_CLOCK.now_ms())
     valve.task._next_tick = 0  # look at the signals now

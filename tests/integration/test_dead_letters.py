@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from sluice.cli import main
 from sluice.config import Config
 from sluice.pipeline.writer import WriterContext, write_dead_letters
-from sluice.query.app import create_app
 from sluice.redis.keys import BATCHES_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
+from sluice.server.app import create_app
 from sluice.source.decode import Decoder, entry_event_count
 from sluice.source.options import SourceOptions
 from tests.conftest import make_config
@@ -290,7 +290,7 @@ def test_api_limit_and_reason(api: TestClient, dead: list[dict[str, Any]]) -> No
 def test_reason_filter_pages_back_through_the_stream(
     api: TestClient, dead: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sluice.pipeline.dead_letters as dl
+    import sluice.status.dead_letters as dl
 
     monkeypatch.setattr(dl, "PAGE_ENTRIES", 1)
     body = api.get("/v1/dead-letters", params={"reason": "missing_field"}).json()

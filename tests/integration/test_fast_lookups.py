@@ -16,10 +16,10 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from sluice.query.app import AsyncClients, create_app
 from sluice.query.engine import QueryEngine
-from sluice.query.fast import FastLookups, parse_batch, parse_lookup
 from sluice.redis.keys import encode_key, slice_hash_key
+from sluice.server.app import AsyncClients, create_app
+from sluice.server.fast import FastLookups, parse_batch, parse_lookup
 from tests.conftest import make_config
 
 

@@ -14,13 +14,14 @@ from fastapi.testclient import TestClient
 from sluice.clock import ManualClock
 from sluice.errors import BackpressureError
 from sluice.flow.board import Board
-from sluice.flow.stages import stream_level
-from sluice.flow.status import flow_status
 from sluice.flow.valves import AdmissionValve, IngestValve, StoreMonitor, spark_task_id
-from sluice.query.app import create_app
+from sluice.graph import graph_topology
 from sluice.redis.keys import STATS_KEY
+from sluice.server.app import create_app
 from sluice.source.producer import Producer
+from sluice.status.flow import flow_status
 from tests.conftest import make_config
+from tests.integration.helpers import stream_level
 
 NOW = 1_800_000_000_000
 
@@ -44,14 +45,16 @@ def _drain(r: redis.Redis, cfg: Any) -> None:
         r.xtrim(s, maxlen=0)
 
 
+def _measure(r: redis.Redis, cfg: Any) -> Any:
+    def measure() -> Any:
+        return stream_level(r, tuple(cfg.source.shard_keys()), cfg.backpressure)
+
+    return measure
+
+
 def _ingest(r: redis.Redis, cfg: Any, clock: ManualClock) -> IngestValve:
     return IngestValve(
-        r,
-        cfg.backpressure,
-        tuple(cfg.source.shard_keys()),
-        cfg.spark.trigger,
-        clock,
-        clock_sleep(clock),
+        r, cfg.backpressure, cfg.spark.trigger, _measure(r, cfg), clock, clock_sleep(clock)
     )
 
 
@@ -63,9 +66,14 @@ def clock_sleep(clock: ManualClock) -> Any:
 
 
 def _spark(r: redis.Redis, cfg: Any, clock: ManualClock) -> AdmissionValve:
+    flow = graph_topology(cfg).flow
     return AdmissionValve(
-        r, cfg.backpressure, tuple(cfg.source.shard_keys()), cfg.spark.trigger, 1_000_000, clock
+        r, cfg.backpressure, cfg.spark.trigger, 1_000_000, flow["spark"], _measure(r, cfg), clock
     )
+
+
+def _store(r: redis.Redis, cfg: Any, clock: ManualClock) -> StoreMonitor:
+    return StoreMonitor(r, cfg.backpressure, graph_topology(cfg).flow["store"], clock)
 
 
 def _warm(valve: IngestValve, clock: ManualClock, per_tick: int = 2_500, ticks: int = 12) -> None:
@@ -190,7 +198,7 @@ def test_slow_store_throttles_the_spark_stage(
         spark.limit()
         spark.admitted(4_000, held_back=False)
         clock.advance(250)
-    store = StoreMonitor(r, cfg.backpressure, tuple(cfg.source.shard_keys()), clock)
+    store = _store(r, cfg, clock)
     store.observe(write_ms=900.0)  # over latency_high: overload to the spark task
     limit = spark.limit()
     ctl = spark.task.controller
@@ -203,7 +211,7 @@ def test_slow_store_throttles_the_spark_stage(
     st = flow_status(r, cfg, clock.now_ms())
     assert st["stages"]["spark"]["backpressure"] is True
     assert st["stages"]["store"]["overloaded"] is True
-    assert spark_task_id(tuple(cfg.source.shard_keys())) in {
+    assert spark_task_id(graph_topology(cfg).flow["spark"]) in {
         t["task"] for t in st["stages"]["spark"]["task_states"]
     }
 
@@ -285,7 +293,7 @@ def test_flagged_spark_steps_back_once_the_store_stops_overloading(
         spark.limit()
         spark.admitted(4_000, held_back=False)
         clock.advance(250)
-    store = StoreMonitor(r, cfg.backpressure, tuple(cfg.source.shard_keys()), clock)
+    store = _store(r, cfg, clock)
     ctl = spark.task.controller
     for _ in range(12):  # 3 s of overload, every batch held back by the cap
         store.observe(write_ms=900.0)

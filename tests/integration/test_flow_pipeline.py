@@ -15,13 +15,15 @@ from typing import Any
 import redis
 
 from sluice.flow.board import Board
-from sluice.flow.stages import stream_level
-from sluice.pipeline.job import Pipeline
+from sluice.pipeline.fold import FoldQuery
+from sluice.pipeline.writer import write_partition
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from sluice.source.loadgen import TICK_S, EventGenerator, produce_frame, run_load
 from sluice.source.producer import Producer
+from sluice.testing.faults import SlowStore
 from tests.conftest import make_config
+from tests.integration.helpers import stream_level
 
 RATE = 4_000  # offered events/s
 LOAD_S = 14.0  # at least this long; longer (up to MAX_LOAD_S) until both stages have throttled
@@ -95,7 +97,8 @@ def test_slow_store_throttles_spark_then_the_producer_and_nothing_is_lost(
     streams = tuple(cfg.source.shard_keys())
     # About 1 s of store time per 1,000 slice updates: a store several times slower than the
     # offered load, so both hops must throttle.
-    p = Pipeline(cfg, RedisHandle(redis_url), spark, write_delay_ms=1000.0)
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    p.writer = SlowStore(1000.0)
     samples: list[tuple[int, int]] = []  # (bytes, entries) of the input over time
     done = threading.Event()
 
@@ -113,7 +116,7 @@ def test_slow_store_throttles_spark_then_the_producer_and_nothing_is_lost(
         done.set()
         watcher.join()
         timeline = Board(r).timeline(1000)
-        p.write_delay_ms = 0.0  # a healthy store again: drain
+        p.writer = write_partition  # a healthy store again: drain
         assert p.wait_idle(180), "the pipeline did not drain"
     finally:
         done.set()

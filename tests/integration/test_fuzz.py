@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from sluice.query.app import create_app
+from sluice.server.app import create_app
 from tests.conftest import make_config
 
 

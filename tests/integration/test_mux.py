@@ -13,9 +13,9 @@ import pytest
 import redis
 from redis import exceptions
 
-from sluice.query.app import AsyncClients
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.mux import MuxClient
+from sluice.server.app import AsyncClients
 from tests.conftest import free_port
 
 

@@ -19,12 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.cli import main
 from sluice.clock import ManualClock
-from sluice.pipeline.freshness import increments, read_histogram
-from sluice.pipeline.history import Sampler, read_history
-from sluice.query.app import create_app
 from sluice.redis.keys import BATCHES_KEY, FRESHNESS_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
+from sluice.server.app import create_app
 from sluice.source.producer import Producer
+from sluice.status.freshness import increments, read_histogram
+from sluice.status.history import Sampler, read_history
 from tests.conftest import make_config
 
 

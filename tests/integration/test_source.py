@@ -14,23 +14,23 @@ import pytest
 import redis
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-from sluice.pipeline.job import Pipeline
+from sluice.pipeline.fold import FoldQuery
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
 from sluice.source.options import SourceOptions
 from sluice.source.producer import Producer
-from sluice.source.reader import FORMAT, RedisStreamReader
+from sluice.source.reader import FORMAT, LogStreamReader
 from tests.conftest import make_config
 
 NOW = time.time_ns() // 1_000_000
 
 
-def _reader(cfg: Any, url: str, **kw: Any) -> RedisStreamReader:
+def _reader(cfg: Any, url: str, **kw: Any) -> LogStreamReader:
     opts = dataclasses.replace(SourceOptions.from_config(cfg, url), **kw)
-    return RedisStreamReader(opts)
+    return LogStreamReader(opts)
 
 
-def _read_all(reader: RedisStreamReader, start: dict[str, Any], end: dict[str, Any]) -> pa.Table:
+def _read_all(reader: LogStreamReader, start: dict[str, Any], end: dict[str, Any]) -> pa.Table:
     batches = [b for p in reader.partitions(start, end) for b in reader.read(p)]
     return pa.Table.from_batches(batches) if batches else pa.table({})
 
@@ -191,7 +191,7 @@ def test_malformed_entries_are_dead_lettered_and_the_batch_goes_on(
             )
         },
     )
-    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline = FoldQuery(cfg, RedisHandle(redis_url), spark)
     pipeline.start()
     try:
         assert pipeline.wait_idle(120)
@@ -223,9 +223,9 @@ def test_flow_control_falls_back_to_the_static_limit_while_redis_refuses_writes_
 ) -> None:
     """At `maxmemory` (noeviction) the admission valve cannot publish its state: batches are then
     sized by the static limit, never stopped, and the valve is used again once Redis recovers."""
-    import sluice.source.reader as reader_mod
+    import sluice.source.admission as admission_mod
 
-    monkeypatch.setattr(reader_mod, "FLOW_RETRY_S", 0.3)
+    monkeypatch.setattr(admission_mod, "FLOW_RETRY_S", 0.3)
     cfg = make_config(
         redis_url, tmp_path, source={"max_events_per_batch": 10_000},
         backpressure={"controller": "fixed", "fixed_rate": 1000},
@@ -244,7 +244,7 @@ def test_flow_control_falls_back_to_the_static_limit_while_redis_refuses_writes_
     try:
         # The budget comes from the valve (1000/s over one trigger); publishing it fails.
         first = reader.latestOffset(start, ReadMaxRows(10_000))
-        assert admitted(first) == 200 and reader._valve_errors == 1
+        assert admitted(first) == 200 and reader.admission._errors == 1
         # Meanwhile the static limit applies: the rest of the input in one batch.
         rest = reader.latestOffset(start, ReadMaxRows(10_000))
         assert admitted(rest) == 2000
@@ -254,7 +254,7 @@ def test_flow_control_falls_back_to_the_static_limit_while_redis_refuses_writes_
     time.sleep(0.4)
     again = reader.latestOffset(start, ReadMaxRows(10_000))
     assert 0 < admitted(again) < 2000  # the fixed rate's share of a trigger, again
-    assert reader._valve_errors == 0
+    assert reader.admission._errors == 0
     messages = [m for m in caplog.messages if m.startswith("flow control")]
     assert messages == [
         "flow control failed; admitting with the static limit until it recovers",

@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import redis
 
-from sluice.pipeline.job import Pipeline
+from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.plan import explode_updates
+from sluice.pipeline.writer import write_partition
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
+from sluice.testing.faults import DropEvery
 from tests.conftest import make_config
 from tests.integration.helpers import decoded_table, slice_snapshot
 
@@ -25,13 +27,15 @@ HOUR_MS = 3_600_000
 T0 = (time.time_ns() // 1_000_000 // HOUR_MS - 1) * HOUR_MS
 
 
-def _pipeline(spark: Any, redis_url: str, tmp_path: Path, **overrides: Any) -> Pipeline:
+def _pipeline(spark: Any, redis_url: str, tmp_path: Path, **overrides: Any) -> FoldQuery:
     cfg = make_config(redis_url, tmp_path, **overrides)
-    return Pipeline(cfg, RedisHandle(redis_url), spark)
+    fold = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    fold.prepare()
+    return fold
 
 
 def _apply(
-    p: Pipeline, spark: Any, events: list[dict[str, Any]], batch_id: int, ref_ms: int = T0 + 60_000
+    p: FoldQuery, spark: Any, events: list[dict[str, Any]], batch_id: int, ref_ms: int = T0 + 60_000
 ) -> dict[str, Any]:
     df = spark.createDataFrame(decoded_table(p.cfg, events, ref_ms))
     return p.process_batch(explode_updates(df, p.cfg, list(p.specs)), batch_id)
@@ -103,8 +107,8 @@ def test_same_batch_twice_leaves_slices_unchanged(
     # is recognised by its token and skipped.
     hll_cells = len(list(r.scan_iter(match="sluice:h:*")))
     assert hll_cells > 0
-    assert again["applied"] == hll_cells
-    assert again["duplicates"] == first["applied"] - hll_cells > 0
+    assert again["updates_applied"] == hll_cells
+    assert again["updates_duplicate"] == first["updates_applied"] - hll_cells > 0
     assert int(r.hget(STATS_KEY, "batches")) == 1
     assert int(r.hget(STATS_KEY, "events_in")) == len(EVENTS)
 
@@ -130,10 +134,12 @@ def test_rerun_after_partial_write_converges(
     expected = _states(slice_snapshot(r))
     r.flushall()
     crashed = _pipeline(spark, redis_url, tmp_path / "crashed")
-    crashed.fault_drop_every = 2  # the first attempt loses every other script call
+    crashed.writer = DropEvery(2)  # the first attempt loses every other slice update
     partial = _apply(crashed, spark, many, 3)
-    assert partial["applied"] < sum(len(h) if isinstance(h, dict) else 1 for h in expected.values())
-    crashed.fault_drop_every = 0
+    assert partial["updates_applied"] < sum(
+        len(h) if isinstance(h, dict) else 1 for h in expected.values()
+    )
+    crashed.writer = write_partition
     _apply(crashed, spark, many, 3)  # Spark re-runs the batch with the same id
     assert _states(slice_snapshot(r)) == expected
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sluice.errors import ConfigError
 from sluice.source.decode import META_FIELDS, Decoder, output_schema, spark_schema_ddl
-from sluice.source.options import SourceOptions
+from sluice.source.options import SourceOptions, StreamsSpec
 
 FAST = settings(max_examples=40, deadline=None, database=None)
 REF_MS = 1_700_000_999_000
@@ -24,7 +24,7 @@ META = [n for n, _ in META_FIELDS]
 def options(fmt: str = "fields", max_string_bytes: int = 64) -> SourceOptions:
     return SourceOptions(
         url="redis://127.0.0.1:6379/0",
-        shards=("events",),
+        log=StreamsSpec(("events",)),
         format=fmt,
         fields=(("ts", "long", True), ("card", "string", False), ("amount", "double", False)),
         time_field="ts",

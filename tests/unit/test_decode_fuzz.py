@@ -24,7 +24,7 @@ from sluice.source.decode import (
     entry_event_count,
     output_schema,
 )
-from sluice.source.options import SourceOptions
+from sluice.source.options import SourceOptions, StreamsSpec
 
 FUZZ = settings(
     max_examples=60,
@@ -52,7 +52,7 @@ INT_RANGE = {"long": (-(2**63), 2**63 - 1), "int": (-(2**31), 2**31 - 1)}
 def options(fmt: str, max_entry_bytes: int = MAX_ENTRY) -> SourceOptions:
     return SourceOptions(
         url="redis://127.0.0.1:6379/0",
-        shards=("events",),
+        log=StreamsSpec(("events",)),
         format=fmt,
         fields=FIELDS,
         time_field="ts",
@@ -237,7 +237,7 @@ def test_oversize_raw_is_short_even_with_huge_field_names() -> None:
 def test_default_limit_is_eight_megabytes() -> None:
     opts = SourceOptions(
         url="redis://127.0.0.1:6379/0",
-        shards=("events",),
+        log=StreamsSpec(("events",)),
         format="jsonl",
         fields=FIELDS,
         time_field="ts",

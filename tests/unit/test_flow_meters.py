@@ -8,6 +8,7 @@ import pytest
 
 from sluice.clock import ManualClock
 from sluice.flow.board import OVERLOAD, UNDERLOAD
+from sluice.flow.levels import QueueLevel
 from sluice.flow.meters import (
     PROBE,
     RELEASE,
@@ -17,7 +18,6 @@ from sluice.flow.meters import (
     TokenBucket,
     batch_interval_ms,
 )
-from sluice.flow.stages import QueueLevel
 from sluice.flow.task import QueueWatch
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.pipeline.freshness import BUCKETS_MS, increments, observation
-from sluice.pipeline.history import RATE_WINDOW, with_rates_of
+from sluice.status.freshness import BUCKETS_MS, increments, observation
+from sluice.status.history import RATE_WINDOW, with_rates_of
 
 
 def _sample(t: int, produced: int, events_in: int, admitted: int | None = None) -> dict[str, Any]:

@@ -1,10 +1,10 @@
-"""sluice.flow.stages.backlog_share: a reader's share of a stream, estimated by entry time."""
+"""sluice.source.streams.backlog_share: a reader's share of a stream, estimated by entry time."""
 
 from __future__ import annotations
 
 import pytest
 
-from sluice.flow.stages import backlog_share
+from sluice.source.streams import backlog_share
 
 
 @pytest.mark.parametrize(

@@ -79,16 +79,6 @@ class Board:
     def forget(self, task: str) -> None:
         self.client.hdel(FLOW_STATE_KEY, task)
 
-    def prune(self, now_ms: int, older_than_ms: int = 600_000) -> None:
-        """Drop the states of tasks gone for long (keeps the hash small across restarts)."""
-        gone = [
-            k
-            for k, st in self.all_tasks().items()
-            if now_ms - int(st.get("updated_ms", 0)) > older_than_ms
-        ]
-        if gone:
-            self.client.hdel(FLOW_STATE_KEY, *gone)
-
     def timeline(self, n: int = 200) -> list[dict[str, Any]]:
         return [orjson.loads(b) for b in self.client.lrange(FLOW_TIMELINE_KEY, 0, n - 1)]
 

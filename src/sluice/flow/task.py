@@ -25,8 +25,9 @@ from typing import Any
 from sluice.clock import Clock
 from sluice.flow.board import OVERLOAD, UNDERLOAD, Board, task_id
 from sluice.flow.controllers import BatchSample, Controller
+from sluice.flow.levels import QueueLevel
 from sluice.flow.meters import PROBE, RELEASE, CapWatch, RateMeter, RatioMeter
-from sluice.flow.stages import QueueLevel, Stage
+from sluice.graph import FlowStage
 
 SIGNAL_DRIVEN = ("stepwise",)
 
@@ -55,7 +56,7 @@ class QueueWatch:
 
 def notify_upstreams(
     board: Board,
-    stages: dict[str, Stage],
+    stages: dict[str, FlowStage],
     stage: str,
     verdict: str | None,
     level: QueueLevel,
@@ -86,7 +87,7 @@ class StageTask:
     def __init__(
         self,
         board: Board,
-        stage: Stage,
+        stage: FlowStage,
         controller: Controller,
         clock: Clock,
         tick_ms: int,

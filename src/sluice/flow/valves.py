@@ -33,22 +33,14 @@ import orjson
 import redis
 
 from sluice.clock import SYSTEM_CLOCK, Clock
-from sluice.config import BackpressureConfig, Config
+from sluice.config import BackpressureConfig
 from sluice.errors import BackpressureError
 from sluice.flow.board import Board, task_id
 from sluice.flow.controllers import BatchSample, make_controller
+from sluice.flow.levels import QueueLevel, store_level
 from sluice.flow.meters import TokenBucket, batch_interval_ms
-from sluice.flow.stages import (
-    INGEST,
-    SPARK,
-    STORE,
-    QueueLevel,
-    Stage,
-    store_level,
-    stream_level,
-    topology,
-)
 from sluice.flow.task import QueueWatch, StageTask, notify_upstreams
+from sluice.graph import INGEST, FlowStage
 from sluice.redis.keys import stats_keys
 
 log = logging.getLogger(__name__)
@@ -57,45 +49,44 @@ _seq = itertools.count()
 # A micro-batch's budget covers the time since the previous one was planned, up to this many
 # trigger intervals: more would let a stalled query admit a burst when it resumes.
 MAX_INTERVAL_TRIGGERS = 4
+INGEST_STAGE = FlowStage(INGEST, (), "none")
+Measure = Callable[[], QueueLevel]  # one look at a stage's input queue (see source.admission)
 
 
-def spark_task_id(streams: tuple[str, ...], stage: str = SPARK) -> str:
+def spark_task_id(stage: FlowStage) -> str:
     """A Spark stage has one admitting task; its id survives restarts."""
-    return f"{stage}/{streams[0]}"
+    return f"{stage.name}/{stage.inputs[0]}" if stage.inputs else stage.name
 
 
 class IngestValve:
+    """The ingest task of one producer process. `measure` looks at the input queue (the
+    source log's backlog against the watermarks)."""
+
     def __init__(
         self,
         client: Any,
         bp: BackpressureConfig,
-        input_streams: tuple[str, ...],
         trigger_ms: int,
+        measure: Measure,
         clock: Clock = SYSTEM_CLOCK,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.client = client
         self.bp = bp
-        self.streams = input_streams
+        self.measure = measure
         self.clock = clock
         self.sleep = sleep
         self.enabled = bp.controller != "none"
-        stages = topology(input_streams)
         kind = "stepwise" if bp.controller == "stepwise" else "none"
         controller = make_controller(bp, trigger_ms, clock, None, kind=kind)
         n = next(_seq)
         tid = task_id(INGEST) + (f"/{n}" if n else "")
-        self.task = StageTask(Board(client), stages[INGEST], controller, clock, bp.tick, tid)
+        self.task = StageTask(Board(client), INGEST_STAGE, controller, clock, bp.tick, tid)
         self.bucket = TokenBucket(clock, controller.rate)
         self.gate_open = True
         self.level: QueueLevel | None = None
         self._lock = threading.Lock()
         self._publish_failing = False
-
-    @classmethod
-    def from_config(cls, cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> IngestValve:
-        streams = tuple(cfg.source.shard_keys())
-        return cls(client, cfg.backpressure, streams, cfg.spark.trigger, clock)
 
     def _tick(self) -> None:
         if not self.task.due():
@@ -104,7 +95,7 @@ class IngestValve:
         self.task.review_cap(self.bp.sensitivity)
         self.bucket.set_rate(self.task.controller.rate)
         if self.enabled:
-            self.level = stream_level(self.client, self.streams, self.bp)
+            self.level = self.measure()
             self.gate_open = not self.level.overloaded
             self.task.queue = self.level.as_dict()
         self.task.extra = {"gate_open": self.gate_open}
@@ -174,35 +165,35 @@ class IngestValve:
 
 
 class AdmissionValve:
-    """The Spark stage's admission: lives in the source reader (on the driver host)."""
+    """The Spark stage's admission: lives in the source reader (on the driver host).
+    `measure` looks at the stage's own input queue."""
 
     def __init__(
         self,
         client: Any,
         bp: BackpressureConfig,
-        input_streams: tuple[str, ...],
         trigger_ms: int,
         max_batch_events: int | None,
+        stage: FlowStage,
+        measure: Measure,
         clock: Clock = SYSTEM_CLOCK,
-        stage: Stage | None = None,
-        reader: str | None = None,
     ) -> None:
         self.client = client
         self.bp = bp
         self.trigger_ms = trigger_ms
         self.max_batch_events = max_batch_events
         self.clock = clock
-        self.stage: Stage = stage or topology(input_streams)[SPARK]
-        self.stages = {self.stage.name: self.stage}
-        self.reader = reader  # its own offsets, when other stages read the same streams
-        self.stats_key = stats_keys(self.stage.name).stats
+        self.stage = stage
+        self.stages = {stage.name: stage}
+        self.measure = measure
+        self.stats_key = stats_keys(stage.name).stats
         controller = make_controller(bp, trigger_ms, clock, max_batch_events)
         board = Board(client)
-        tid = spark_task_id(input_streams, self.stage.name)
+        tid = spark_task_id(stage)
         previous = board.all_tasks().get(tid)
         if previous is not None:
             controller.restore(previous)
-        self.task = StageTask(board, self.stage, controller, clock, bp.tick, tid)
+        self.task = StageTask(board, stage, controller, clock, bp.tick, tid)
         self.watch = QueueWatch(bp.sensitivity, clock)
         self._last_token = self._newest_batch_token()
         self._admit_ms: int | None = None
@@ -232,7 +223,7 @@ class AdmissionValve:
         now = self.clock.now_ms()
         self._feedback()
         self.task.poll()
-        level = stream_level(self.client, self.stage.streams, self.bp, self.reader)
+        level = self.measure()
         self.task.queue = level.as_dict()
         verdict = self.watch.update(level)
         notify_upstreams(
@@ -293,17 +284,16 @@ class StoreMonitor:
         self,
         client: Any,
         bp: BackpressureConfig,
-        input_streams: tuple[str, ...],
+        stage: FlowStage,
         clock: Clock = SYSTEM_CLOCK,
-        stage: Stage | None = None,
     ) -> None:
         self.client = client
         self.bp = bp
         self.clock = clock
-        self.stage: Stage = stage or topology(input_streams)[STORE]
-        self.stages = {self.stage.name: self.stage}
+        self.stage = stage
+        self.stages = {stage.name: stage}
         self.board = Board(client)
-        self.id = f"{STORE}/{input_streams[0]}"
+        self.id = f"{stage.name}/{stage.upstreams[0]}" if stage.upstreams else stage.name
         self.watch = QueueWatch(bp.sensitivity, clock)
         self.write_ms: float | None = None
         self.last_observed_s: float | None = None

@@ -3,9 +3,9 @@
 Every source event has a 64-bit id derived from its stream, its entry id and its index in the
 entry (`source.ids.event_ids`). Three XORs are taken per batch:
 
-- **source**: the ids of the events the batch admitted, read from Redis by this module with a
-  Lua script over the batch's offset range (taken from Spark's offset log), independently of
-  the Spark plan;
+- **source**: the ids of the events the batch admitted, read from the log itself over the
+  batch's spans (taken from Spark's offset log; `source.log.Log.admitted`: a Lua script over a
+  Redis stream, a second read of a Kafka partition), independently of the Spark plan;
 - **fan-out**: per event, its id XOR the ids of the updates it fans out into (one per metric
   group it touches, or its dead-letter record); computed in the plan before anything is written
   (`pipeline.plan._audit_columns`);
@@ -31,17 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from sluice.redis.keys import STATS_KEY
-from sluice.redis.scripts import AUDIT_SOURCE, script_source
-from sluice.source.ids import ZERO_ID, event_ids, parse_id, xor_all
 
 LEDGER_KEEP = 1024  # records kept per ledger shard
-# Entries per Lua call: a jsonl entry holds hundreds of events and tens of KB, so fewer of them
-# keep each call short (Redis serves no one else meanwhile) and its memory small.
-SOURCE_CHUNK = {"fields": 5000, "jsonl": 20}
 
 
 @dataclass(frozen=True)
@@ -67,68 +61,23 @@ class AuditResult:
         return {**asdict(self), "residual": self.residual, "ok": self.ok}
 
 
-def batch_offsets(ckpt: Path, batch_id: int) -> tuple[dict[str, str], dict[str, str]]:
-    """(start ids, end ids) of a batch, from Spark's offset log (written before it ran)."""
-    end = _logged_ids(ckpt / "offsets" / str(batch_id))
+def batch_offsets(ckpt: Path, batch_id: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(start, end) offsets of a batch, as the source logged them in Spark's offset log
+    (written before the batch ran); the start of batch 0 is {}."""
+    end = _logged(ckpt / "offsets" / str(batch_id))
     if end is None:
         raise FileNotFoundError(f"no offset log entry for batch {batch_id} under {ckpt}")
-    start = _logged_ids(ckpt / "offsets" / str(batch_id - 1)) if batch_id > 0 else None
-    return (start or dict.fromkeys(end, ZERO_ID)), end
+    start = _logged(ckpt / "offsets" / str(batch_id - 1)) if batch_id > 0 else None
+    return (start or {}), end
 
 
-def _logged_ids(path: Path) -> dict[str, str] | None:
+def _logged(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     lines = path.read_text(encoding="utf-8").splitlines()
     # v1 / batch metadata / one line per source: ours is the only source.
-    ids: dict[str, str] = json.loads(lines[2])["ids"]
-    return ids
-
-
-def source_xor(
-    client: Any,
-    start: dict[str, str],
-    end: dict[str, str],
-    fmt: str,
-    max_entry_bytes: int,
-) -> tuple[int, int, int]:
-    """XOR of the ids of the events in (start, end], shard by shard: (xor, events, entries)."""
-    script = client.register_script(script_source(AUDIT_SOURCE))
-    acc, events, entries = 0, 0, 0
-    for shard, hi in end.items():
-        lo = start.get(shard, ZERO_ID)
-        if parse_id(hi) <= parse_id(lo):
-            continue
-        cursor = lo
-        while True:
-            reply = script(keys=[shard], args=[cursor, hi, fmt, max_entry_bytes, SOURCE_CHUNK[fmt]])
-            pairs = reply[1:]
-            if pairs:
-                ids = [parse_id(x) for x in (pairs[0::2] if fmt == "jsonl" else pairs)]
-                counts = (
-                    np.asarray(pairs[1::2], dtype=np.int64)
-                    if fmt == "jsonl"
-                    else np.ones(len(ids), dtype=np.int64)
-                )
-                parts = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
-                n = int(counts.sum())
-                starts = np.cumsum(counts) - counts
-                idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
-                acc ^= xor_all(
-                    event_ids(
-                        np.repeat(parts[:, 0], counts).astype(np.int64),
-                        np.repeat(parts[:, 1], counts),
-                        idx,
-                        shard,
-                    )
-                )
-                events += n
-                entries += len(ids)
-            nxt = reply[0]
-            if not nxt:
-                break
-            cursor = nxt.decode() if isinstance(nxt, bytes) else str(nxt)
-    return acc, events, entries
+    offsets: dict[str, Any] = json.loads(lines[2])
+    return offsets
 
 
 def writer_xors(rows: list[dict[str, Any]]) -> tuple[int, int]:

@@ -69,7 +69,7 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         shipped = package_zip(Path(cfg.state_dir) / "dist")
         spark.sparkContext.addPyFile(str(shipped))
         log.info("spark cluster", extra={"master": master, "shipped": shipped.name})
-    from sluice.source.reader import RedisStreamDataSource
+    from sluice.source.reader import LogDataSource
 
-    spark.dataSource.register(RedisStreamDataSource)
+    spark.dataSource.register(LogDataSource)
     return spark

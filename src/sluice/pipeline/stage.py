@@ -29,25 +29,23 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.streaming import StreamingQuery
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, StageConfig
-from sluice.pipeline import freshness
-from sluice.pipeline.graph import Graph, load_tables
-from sluice.pipeline.job import Role, checkpoint_dir, query_name, stop_query, writer_epoch
+from sluice.graph import Graph
 from sluice.pipeline.plan import dead_letter_json
-from sluice.pipeline.writer import WriterContext, write_dead_letters, writer_token
+from sluice.pipeline.query import Role, StreamQuery
+from sluice.pipeline.schemas import load_tables
+from sluice.pipeline.writer import WriterContext, write_dead_letters
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import shard_side_key
-from sluice.redis.scripts import EMIT, RECORD_BATCH, evalsha_on, execute_loading, script_source
-from sluice.source.decode import SPARK_TYPES
-from sluice.source.options import SourceOptions
-from sluice.source.reader import FORMAT, RedisStreamDataSource
+from sluice.redis.scripts import EMIT, evalsha_on, execute_loading
+from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.reader import LogDataSource
+from sluice.source.values import SPARK_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +148,9 @@ def _arrow_fields(ddl: str) -> list[tuple[str, pa.DataType]]:
     return [(n, kinds[t]) for n, t in (c.strip().split() for c in ddl.split(","))]
 
 
-class StreamStage:
-    """One `stages:` entry, run as its own streaming query."""
+class StageQuery(StreamQuery):
+    """One `stages:` entry, run as its own streaming query in its own Spark session (its temp
+    views, `input` and its tables, are its own)."""
 
     def __init__(
         self,
@@ -163,34 +162,33 @@ class StreamStage:
         spark: SparkSession,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, redis, spark, role, clock)
         self.graph = graph
         self.stage = stage
-        self.role = role
-        self.redis = redis
-        self.clock = clock
-        self.name = stage.name
         self.inputs = [graph.streams[s] for s in stage.from_]
         self.output = graph.streams[stage.to.stream]
         assert self.output.schema is not None, "resolve_schemas first"
-        self.session = spark.newSession()  # its own temp views: `input` and its tables
-        self.session.dataSource.register(RedisStreamDataSource)
-        load_tables(self.session, stage, f"stages.{stage.name}.tables")
-        self.ckpt = checkpoint_dir(cfg, self.name)
-        self.epoch = writer_epoch(self.ckpt, redis.client)
-        self._record = redis.client.register_script(script_source(RECORD_BATCH))
-        self.query: StreamingQuery | None = None
-        self.write_delay_ms = 0.0  # test and benchmark hook: a slow stage, ms per batch
+        self.session: SparkSession | None = None
 
-    def _options(self) -> SourceOptions:
+    def prepare(self) -> None:
+        if self.session is None:
+            self.session = self.spark.newSession()
+            self.session.dataSource.register(LogDataSource)
+            load_tables(self.session, self.stage, f"stages.{self.stage.name}.tables")
+        super().prepare()
+
+    def base_options(self) -> SourceOptions:
         first = self.inputs[0]
         fields = tuple(
             (n, t.type, t.nullable or n == first.time_field)
             for n, t in ((n, FieldType.parse(s)) for n, s in (first.schema or {}).items())
         )
-        base = SourceOptions(
+        log = first.log
+        if len(self.inputs) > 1:  # streams of one shape, read as one log (config checks it)
+            log = StreamsSpec(tuple(k for s in self.inputs for k in s.shards))
+        return SourceOptions(
             url=self.redis.url,
-            shards=tuple(k for s in self.inputs for k in s.shards),
+            log=log,
             format=first.format,
             fields=fields,
             time_field=first.time_field,
@@ -198,31 +196,19 @@ class StreamStage:
             max_string_bytes=self.cfg.source.max_string_bytes,
             max_entry_bytes=self.cfg.source.max_entry_bytes,
         )
-        return self.role.source_options(self.cfg.model_copy(
-            update={"backpressure": first.backpressure}), base)  # fmt: skip
 
-    def start(self) -> StreamingQuery:
-        opts = self._options()
-        events = self.session.readStream.format(FORMAT).options(**opts.to_spark()).load()
-        self.query = (
-            events.writeStream.queryName(query_name(self.name))
-            .foreachBatch(self._on_batch)
-            .option("checkpointLocation", str(self.ckpt))
-            .trigger(processingTime=f"{self.cfg.spark.trigger} milliseconds")
-            .start()
-        )
-        return self.query
+    def source_options(self) -> SourceOptions:
+        # The stage's watermarks are those of the stream it reads.
+        cfg = self.cfg.model_copy(update={"backpressure": self.inputs[0].backpressure})
+        return self.role.source_options(self.base_options(), cfg, self.ckpt)
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        stop_query(self.query, grace_s)
-        self.query = None
-
-    def _on_batch(self, events: DataFrame, batch_id: int) -> None:
-        self.process_batch(events, batch_id)
+    def frame(self) -> DataFrame:
+        return self.read_stream(self.session)
 
     def process_batch(self, events: DataFrame, batch_id: int) -> dict[str, Any]:
+        self.prepare()
         started = self.clock.now_ms()
-        token = writer_token(self.epoch, batch_id)
+        token = self.token(batch_id)
         first = self.inputs[0]
         events = events.persist()
         try:
@@ -251,8 +237,6 @@ class StreamStage:
             emitted = self._emit(events.where(~bad), token)
         finally:
             events.unpersist()
-        if self.write_delay_ms:
-            time.sleep(self.write_delay_ms / 1000)
         rec = {
             "batch": batch_id,
             "token": token,
@@ -268,19 +252,16 @@ class StreamStage:
             "done_ms": self.clock.now_ms(),
             "dead_by_reason": {r["reason"]: int(r["events"]) for r in dead_rows},
         }
-        counters: list[Any] = [
-            "batches", 1,
-            "events_in", rec["events"],
-            "dead_letters", rec["dead"],
-            "events_out", rec["out"],
-            "entries_out", rec["entries"],
-        ]  # fmt: skip
-        for reason, n in rec["dead_by_reason"].items():
-            counters += [f"dead_{reason}", n]
-        wait_ms = freshness.observation(rec)
-        if wait_ms is not None:
-            counters += ["|", *freshness.increments(wait_ms)]
-        self._record(keys=list(self.role.stats), args=[token, orjson.dumps(rec), *counters])
+        self.record(
+            rec,
+            [
+                "batches", 1,
+                "events_in", rec["events"],
+                "dead_letters", rec["dead"],
+                "events_out", rec["out"],
+                "entries_out", rec["entries"],
+            ],
+        )  # fmt: skip
         return rec
 
     def _emit(self, good: DataFrame, token: int) -> list[Any]:

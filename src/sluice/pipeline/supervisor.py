@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class Part(Protocol):
-    """One streaming query: a fold (`pipeline.job.Pipeline`) or a `pipeline.stage.StreamStage`."""
+    """One streaming query (`pipeline.query.StreamQuery`): a fold or a stage."""
 
     name: str
     query: Any

@@ -3,10 +3,11 @@
 Runs inside `mapInArrow` on the executors, so the writes go straight from the tasks to Redis and
 only a few counters come back to the driver.
 
-Idempotency. Every write carries a *token* = epoch * 10**12 + batch_id. `epoch` is a counter
-taken once per fresh checkpoint (see `job.writer_epoch`), so tokens only grow across the life of a
-deployment. The slice-write script stores the token beside each slice's state and skips an update
-whose token is not newer than the stored one, atomically with the merge. A batch that Spark
+Idempotency. Every write carries a *token* = epoch * 10**12 + batch_id
+(`query.writer_token`). `epoch` is a counter taken once per fresh checkpoint (see
+`query.writer_epoch`), so tokens only grow across the life of a deployment. The slice-write
+script stores the token beside each slice's state and skips an update whose token is not newer
+than the stored one, atomically with the merge. A batch that Spark
 re-runs after a crash has the same batch id and offsets, hence the same updates and token: slices
 that the failed attempt already wrote are skipped, the rest are applied. Dead letters are guarded
 the same way, by a marker per (token, content digest) set in the same script as the XADDs.
@@ -31,7 +32,6 @@ from sluice.redis.keys import (
 )
 from sluice.redis.scripts import evalsha_on
 
-TOKEN_EPOCH = 10**12
 PIPELINE_CHUNK = 50
 KEYS_PER_CALL = 100
 DEAD_MARKER_TTL_S = 7 * 86400
@@ -41,9 +41,9 @@ RESULT_SCHEMA = pa.schema(
     [
         ("kind", pa.string()),
         ("m", pa.int32()),
-        ("applied", pa.int64()),
-        ("dups", pa.int64()),
-        ("expired", pa.int64()),
+        ("updates_applied", pa.int64()),
+        ("updates_duplicate", pa.int64()),
+        ("updates_expired", pa.int64()),
         ("events", pa.int64()),
         ("min_ems", pa.int64()),
         ("max_ems", pa.int64()),
@@ -54,13 +54,10 @@ RESULT_SCHEMA = pa.schema(
     ]
 )
 RESULT_DDL = (
-    "kind string, m int, applied long, dups long, expired long, events long,"
+    "kind string, m int, updates_applied long, updates_duplicate long, updates_expired long,"
+    " events long,"
     " min_ems long, max_ems long, reason string, write_ms double, fan_x long, applied_x long"
 )
-
-
-def writer_token(epoch: int, batch_id: int) -> int:
-    return epoch * TOKEN_EPOCH + batch_id
 
 
 @dataclass(frozen=True)
@@ -71,10 +68,6 @@ class WriterContext:
     source_stream: str
     dead_letter_maxlen: int
     cluster: bool = False  # Redis Cluster: a script call carries keys of one slot only
-    fault_drop_every: int = 0  # test hook: drop every n-th script call (0 = never)
-    write_delay_ms: float = 0.0  # test hook: a slow store, this much extra per 1000 updates
-    # Test hook: the store loses one slice update, in the one partition that claims this key.
-    fault_lose_one: str | None = None
 
 
 def _num(x: Any) -> str:
@@ -205,8 +198,6 @@ def write_partition(
         reasons = write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
     finally:
         client.close()
-    if ctx.write_delay_ms and totals[0]:
-        time.sleep(ctx.write_delay_ms * totals[0] / 1000 / 1000)
     write_ms = (time.perf_counter() - t0) * 1000
     out: list[dict[str, Any]] = [
         {
@@ -215,9 +206,9 @@ def write_partition(
             "events": updates.good,
             "min_ems": updates.min_ems,
             "max_ems": updates.max_ems,
-            "applied": totals[0],
-            "dups": totals[1],
-            "expired": totals[2],
+            "updates_applied": totals[0],
+            "updates_duplicate": totals[1],
+            "updates_expired": totals[2],
             "fan_x": _signed(updates.fan_x) if updates.audited else None,
             "applied_x": _signed(updates.applied_x(failed)) if updates.audited else None,
         }
@@ -251,11 +242,9 @@ def _run_write_script(
     by_slot: dict[int, list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
     for item in calls:
         by_slot.setdefault(key_slot(item[0]) if ctx.cluster else 0, []).append(item)
-    lose_one = bool(calls) and ctx.fault_lose_one is not None and _claim(client, ctx.fault_lose_one)
     totals = [0, 0, 0]
     pipe = client.pipeline(transaction=False)
     queued: list[tuple[int, list[tuple[Any, ...]]]] = []  # (slices sent, deps) per call
-    n_calls = 0
 
     def drain() -> None:
         for res, (expected, deps) in zip(pipe.execute(), queued, strict=True):
@@ -268,28 +257,14 @@ def _run_write_script(
     for items in by_slot.values():
         for j in range(0, len(items), KEYS_PER_CALL):
             chunk = items[j : j + KEYS_PER_CALL]
-            n_calls += 1
             deps = [dep for _, _, dep in chunk]
-            if ctx.fault_drop_every and n_calls % ctx.fault_drop_every == 0:
-                failed.update(deps)
-                continue
             flat: list[Any] = [str(ctx.token)]
             keys: list[str] = []
             expected = 0
             for key, args, _ in chunk:
-                n_slices, width = int(args[3]), int(args[4])
-                expected += n_slices
-                if lose_one:
-                    # The store "loses" one slice update: Redis never sees it.
-                    lose_one = False
-                    if n_slices == 1:
-                        continue
-                    args = [*args[:3], str(n_slices - 1), *args[4 : len(args) - width - 1]]
+                expected += int(args[3])
                 keys.append(key)
                 flat.extend(args)
-            if not keys:
-                failed.update(deps)
-                continue
             evalsha_on(pipe, WRITE_SLICES, keys, flat)
             queued.append((expected, deps))
             if len(queued) >= PIPELINE_CHUNK:
@@ -297,11 +272,6 @@ def _run_write_script(
     if queued:
         drain()
     return totals
-
-
-def _claim(client: Any, key: str) -> bool:
-    """True for exactly one writer partition (fault hooks only)."""
-    return bool(client.set(key, 1, nx=True, ex=3600))
 
 
 def _apply_lua(

@@ -16,6 +16,7 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats}:history         list: per-second samples for the dashboard (JSON, newest first)
     sluice:{stats}:history:t       string: the second of the newest sample
     sluice:{stats:<stage>}[:batches|:freshness]  the same three for each other stage
+    sluice:{stats[:<stage>]}:log   hash: whether a stage's log can be read (state, reason, since)
     sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
     sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
     sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
@@ -24,6 +25,7 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:dlm:{<stream>}:<token>:<digest>  marker: these dead letters are already written
     sluice:audit:{<stream>#<n>}    hash: the audit ledger, one of `audit.ledger_shards`
     sluice:rd:{<shard>}            hash: reader name -> its committed entry id in that shard
+    sluice:rd:{kafka:<topic>:<p>}  hash: reader name -> its committed offset in a Kafka partition
     sluice:emit:{<shard>}:<token>:<part>:<chunk>  marker: a stage already wrote this chunk
                                    (`{<shard>}` stands for the shard's own tag when it has one)
 
@@ -70,6 +72,11 @@ def stats_keys(stage: str = "spark") -> StatsKeys:
         return StatsKeys(STATS_KEY, BATCHES_KEY, FRESHNESS_KEY)
     base = f"{PREFIX}:{{stats:{stage}}}"
     return StatsKeys(base, f"{base}:batches", f"{base}:freshness")
+
+
+def log_state_key(stage: str = "spark") -> str:
+    """Whether the log a stage reads can be read now (see `source.waiting.LogState`)."""
+    return f"{stats_keys(stage).stats}:log"
 
 
 # Order matters: '%' first, so that the escapes themselves are not escaped again.

@@ -9,7 +9,7 @@ to one output buffer that is written once per event-loop turn. Replies come back
 also reads many commands per read, so it spends less time on I/O too.
 
 Scope: a single Redis over TCP or a Unix socket, with optional AUTH and SELECT. TLS and
-clusters keep using redis-py's asyncio clients (see `sluice.query.app.AsyncClients`).
+clusters keep using redis-py's asyncio clients (see `sluice.server.app.AsyncClients`).
 
 Errors are redis-py's exception classes, so callers handle both clients alike:
 `ConnectionError` (connect failed, connection lost; every waiting caller gets it and the next

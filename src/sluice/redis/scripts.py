@@ -19,6 +19,7 @@ AUDIT_SOURCE = "audit_source"
 RECORD_SAMPLE = "record_sample"
 EMIT = "emit"
 RELEASE = "release"
+RELEASE_OFFSET = "release_offset"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)

@@ -1,22 +1,27 @@
-"""Decode raw stream entries into Arrow record batches, and flag bad events instead of failing.
+"""Decode raw log entries into Arrow record batches, and flag bad events instead of failing.
 
-Input is what XRANGE returns without client-side parsing: `[[id, [f1, v1, f2, v2, ...]], ...]`
-with every element as bytes. Output columns are the schema fields followed by:
+Input is a chunk of log entries: what XRANGE returns without client-side parsing,
+`[[id, [f1, v1, f2, v2, ...]], ...]` with every element as bytes (`decode`), or the values,
+offsets and timestamps of Kafka records (`decode_records`). Output columns are the schema
+fields followed by:
 
-    _ts   long    event time in ms (the time field, or the entry id's time when it is missing)
-    _ems  long    the entry id's time (when Redis accepted the entry)
-    _ref  long    the batch's reference time: the newest entry time of the batch's end offset
+    _ts   long    event time in ms (the time field, or the entry's log time when it is missing)
+    _ems  long    the entry's log time (when Redis accepted it; a Kafka record's timestamp)
+    _ref  long    the batch's reference time, fixed when the batch was planned
     _err  string  null for a good event, else the dead-letter reason
     _field string the offending field, when there is one
-    _eid  string  the stream entry id, for bad events only
+    _eid  string  the entry's name in the log, for bad events only: a stream entry id, or
+                  `<topic>:<partition>@<offset>` for a Kafka record
     _idx  int     the event's index within its entry
     _raw  string  the offending input, truncated, for bad events only
-    _e    long    the event's 64-bit id, from (stream, entry id, _idx): see source.ids.event_ids
+    _e    long    the event's 64-bit id (see source.ids.event_ids): from the shard, the entry's
+                  position (a stream entry id; a Kafka offset) and `_idx`
 
-How many events an entry holds is `entry_event_count` (one rule, also applied by the
-completeness audit): one per `fields` entry, one per non-blank line of a `jsonl` entry's `d`,
-and one dead letter for an entry that is empty, has no `d`, has only blank lines or is over
-`max_entry_bytes`. A bad event never takes its neighbours down with it.
+How many events an entry holds is `values.entry_event_count` (Kafka: `record_event_count`),
+one rule also applied by the completeness audit: one per `fields` or `json` entry, one per
+non-blank line of a `jsonl` payload, and one dead letter for an entry that is empty, has no
+`d`, has only blank lines, is over `max_entry_bytes` or is a null Kafka record. A bad event
+never takes its neighbours down with it.
 
 The dead-letter reasons (`_err`) the decoder sets are `DECODE_REASONS`:
 
@@ -26,11 +31,14 @@ The dead-letter reasons (`_err`) the decoder sets are `DECODE_REASONS`:
     non_finite      NaN or ±infinity in a double or float field
     too_long        a string value over `max_string_bytes`
     out_of_range    an integer outside its type's range
-    bad_json        a jsonl line that is not JSON
-    not_object      a jsonl line that is JSON but not an object
-    empty_entry     an entry with no fields, or whose `d` has no non-blank line
-    oversize_entry  an entry over `max_entry_bytes` (names and values): one dead letter, whose
-                    `_raw` describes the entry instead of holding it
+    bad_json        a JSON line (a Kafka `json` value) that is not JSON
+    not_object      a JSON line that is JSON but not an object
+    empty_entry     an entry with no fields, or whose payload has no non-blank line
+    oversize_entry  an entry over `max_entry_bytes` (a stream entry's names and values; a Kafka
+                    record's value): one dead letter, whose `_raw` describes the entry
+    null_value      a Kafka record with a null value (a tombstone)
+    lost_records    Kafka records deleted by the broker before they were read (one dead
+                    letter for the run of offsets; see `Decoder.lost`)
 
 Fields (or JSON keys) that are not in the schema are ignored; the event still counts. JSON
 lines may use the non-standard `NaN`, `Infinity` and `-Infinity` that Python's `json.dumps`
@@ -46,29 +54,49 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
-import math
-import re
-from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, cast
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 from sluice.source.ids import event_ids, parse_id
 from sluice.source.options import SourceOptions
+from sluice.source.values import (
+    ARROW_TYPES,
+    DECODE_REASONS,
+    RAW_LIMIT,
+    SPARK_TYPES,
+    Bad,
+    arrow_only_number,
+    convert_json,
+    convert_text,
+    entry_bytes,
+    entry_event_count,
+    event_lines,
+    event_payload,
+    has_x,
+    loads_json,
+    object_lines,
+    orjson_fields,
+    oversize_raw,
+    record_payload,
+    truncate,
+)
 
-ARROW_TYPES: dict[str, pa.DataType] = {
-    "string": pa.string(),
-    "long": pa.int64(),
-    "int": pa.int32(),
-    "double": pa.float64(),
-    "float": pa.float32(),
-    "boolean": pa.bool_(),
-}
+__all__ = [
+    "CHUNK_ENTRIES",
+    "DECODE_REASONS",
+    "META_FIELDS",
+    "RAW_LIMIT",
+    "Decoder",
+    "entry_event_count",
+    "output_schema",
+    "spark_schema_ddl",
+]
+
 META_FIELDS: list[tuple[str, pa.DataType]] = [
     ("_ts", pa.int64()),
     ("_ems", pa.int64()),
@@ -80,98 +108,8 @@ META_FIELDS: list[tuple[str, pa.DataType]] = [
     ("_raw", pa.string()),
     ("_e", pa.int64()),
 ]
-SPARK_TYPES = {
-    "string": "string",
-    "long": "bigint",
-    "int": "int",
-    "double": "double",
-    "float": "float",
-    "boolean": "boolean",
-}
-RAW_LIMIT = 1024
 CHUNK_ENTRIES = 4096
-DECODE_REASONS: tuple[str, ...] = (
-    "missing_field",
-    "bad_type",
-    "invalid_utf8",
-    "non_finite",
-    "too_long",
-    "out_of_range",
-    "bad_json",
-    "not_object",
-    "empty_entry",
-    "oversize_entry",
-)
-_INT_RANGE = {"long": (-(2**63), 2**63 - 1), "int": (-(2**31), 2**31 - 1)}
-# Blank lines, as `bytes.strip` sees them: only b" \t\r\x0b\x0c" between two newlines.
-_BLANK_FIRST = re.compile(rb"[ \t\r\x0b\x0c]*(?:\n|\Z)")
-_BLANK_AFTER_NL = re.compile(rb"\n[ \t\r\x0b\x0c]*(?:\n|\Z)")
-# A line break not between `}` (or `}\r`) and `{`. The literal prefix keeps it fast.
-_ODD_LINE_BREAK = re.compile(rb"\n(?:(?!\{)|(?<!\}\n)(?<!\}\r\n))")
-# `Inf` or `-Inf` where a JSON value starts: after `:`, `,` or `[` and up to 3 whitespace
-# bytes, or after 4 whitespace bytes (so a longer run is caught too). Arrow's reader takes
-# these as infinity; orjson and Python's json refuse them. The literal prefix keeps it fast.
-_VALUE_START = (
-    rb"[:,\[]",
-    rb"[:,\[][ \t\r]",
-    rb"[:,\[][ \t\r]{2}",
-    rb"[:,\[][ \t\r]{3}",
-    rb"[ \t\r]{4}",
-)
-_ARROW_ONLY_INF = re.compile(
-    rb"Inf(?!inity)(?:"
-    + b"|".join(rb"(?<=" + v + sign + rb"Inf)" for v in _VALUE_START for sign in (b"", b"-"))
-    + b")"
-)
-
-
-def entry_event_count(fields: dict[bytes, bytes], fmt: str, max_entry_bytes: int) -> int:
-    """How many events (good or dead-lettered) one stream entry holds: the decoder yields
-    exactly this many rows for it. The completeness audit replicates this rule in Lua, so any
-    change here must be made there too.
-
-    1. The entry's size is the sum of `len(name) + len(value)` over `fields`. Over
-       `max_entry_bytes`: 1 (one `oversize_entry` dead letter).
-    2. `fmt == "fields"`: 1.
-    3. `fmt == "jsonl"` without a `d` field: 1 (`missing_field` on `d`, or `empty_entry` when
-       the entry has no fields at all).
-    4. `fmt == "jsonl"`: split `d` on b"\\n" only (a b"\\r" stays in its line) and keep the
-       lines with a non-empty `line.strip()` (Python's bytes.strip: b" \\t\\n\\r\\x0b\\x0c").
-       The count is the number of kept lines, or 1 when none is kept (`empty_entry`).
-
-    An event's `_idx` is its 0-based position among the kept lines (0 in cases 1 to 3).
-    `fields` is the entry's field map; with a repeated field name the last value wins (as in
-    a Lua table filled in order), and only the surviving pairs count towards the size.
-    """
-    if fmt not in ("fields", "jsonl"):
-        raise ValueError(f"unknown source format {fmt!r}; expected `fields` or `jsonl`")
-    if _entry_bytes(fields) > max_entry_bytes or fmt == "fields":
-        return 1
-    payload = fields.get(b"d")
-    if payload is None:
-        return 1
-    return max(1, len(_event_lines(payload)))
-
-
-def _entry_bytes(fields: dict[bytes, bytes]) -> int:
-    return sum(len(k) + len(v) for k, v in fields.items())
-
-
-def _event_lines(payload: bytes) -> list[bytes]:
-    """The event lines of a jsonl payload, in order: its non-blank lines."""
-    return [ln for ln in payload.split(b"\n") if ln.strip()]
-
-
-def _has_blank_line(payload: bytes) -> bool:
-    return _BLANK_FIRST.match(payload) is not None or _BLANK_AFTER_NL.search(payload) is not None
-
-
-def _event_payload(payload: bytes) -> bytes:
-    """The payload's event lines joined by b"\\n" (the payload itself when it has no blank
-    line, which is checked without splitting it)."""
-    if not _has_blank_line(payload):
-        return payload
-    return b"\n".join(_event_lines(payload))
+Err = tuple[str, str | None]
 
 
 def output_schema(opts: SourceOptions) -> pa.Schema:
@@ -195,135 +133,112 @@ def spark_schema_ddl(opts: SourceOptions) -> str:
     return ", ".join(cols + [f"`{k}` {v}" for k, v in meta.items()])
 
 
-class _Bad(Exception):
-    def __init__(self, reason: str, field: str | None = None) -> None:
-        self.reason = reason
-        self.field = field
+class EntryIds(NamedTuple):
+    """Per entry of a chunk: the two halves of its position (for event ids), its log time, and
+    its name for dead letters (asked only for entries that have one)."""
+
+    hi: np.ndarray  # uint64: a stream entry id's ms; a Kafka offset
+    lo: np.ndarray  # uint64: a stream entry id's sequence; 0 for Kafka
+    ems: np.ndarray  # int64
+    name: Callable[[int], str]
 
 
-def _truncate(raw: bytes | str) -> str:
-    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
-    return text if len(text) <= RAW_LIMIT else text[:RAW_LIMIT] + "…"
+def stream_entry_ids(chunk: Sequence[Sequence[Any]]) -> EntryIds:
+    parts = np.array([parse_id(e[0]) for e in chunk], dtype=np.uint64).reshape(-1, 2)
 
+    def name(k: int) -> str:
+        eid = chunk[k][0]
+        return eid.decode() if isinstance(eid, bytes) else str(eid)
 
-def _convert_text(value: bytes, typ: str, name: str, max_bytes: int) -> Any:
-    """Convert one `fields`-format value (bytes) to its Python value, or raise _Bad."""
-    try:
-        text = value.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _Bad("invalid_utf8", name) from None
-    if typ == "string":
-        if len(value) > max_bytes:
-            raise _Bad("too_long", name)
-        return text
-    if typ in ("long", "int"):
-        try:
-            v = int(text.strip())
-        except ValueError:
-            raise _Bad("bad_type", name) from None
-        lo, hi = _INT_RANGE[typ]
-        if not lo <= v <= hi:
-            raise _Bad("out_of_range", name)
-        return v
-    if typ in ("double", "float"):
-        try:
-            f = float(text)
-        except ValueError:
-            raise _Bad("bad_type", name) from None
-        if not math.isfinite(f):
-            raise _Bad("non_finite", name)
-        return f
-    low = text.strip().lower()
-    if low in ("true", "1"):
-        return True
-    if low in ("false", "0"):
-        return False
-    raise _Bad("bad_type", name)
-
-
-def _convert_json(value: Any, typ: str, name: str, max_bytes: int) -> Any:
-    """Check one decoded JSON value against its declared type, or raise _Bad."""
-    if typ == "string":
-        if not isinstance(value, str):
-            raise _Bad("bad_type", name)
-        try:
-            size = len(value.encode("utf-8"))
-        except UnicodeEncodeError:  # a lone surrogate, which Python's json lets through
-            raise _Bad("invalid_utf8", name) from None
-        if size > max_bytes:
-            raise _Bad("too_long", name)
-        return value
-    if typ in ("long", "int"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _Bad("bad_type", name)
-        lo, hi = _INT_RANGE[typ]
-        if not lo <= value <= hi:
-            raise _Bad("out_of_range", name)
-        return value
-    if typ in ("double", "float"):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _Bad("bad_type", name)
-        f = float(value)
-        if not math.isfinite(f):
-            raise _Bad("non_finite", name)
-        return f
-    if not isinstance(value, bool):
-        raise _Bad("bad_type", name)
-    return value
-
-
-def _loads(line: bytes) -> Any:
-    """One JSON line, or raise _Bad (`invalid_utf8` or `bad_json`).
-
-    orjson first; when it refuses, Python's json, which also reads the `NaN`, `Infinity` and
-    `-Infinity` that Arrow's reader accepts on the vectorised path, so that both paths agree.
-    """
-    try:
-        return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _Bad("invalid_utf8") from None
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        raise _Bad("bad_json") from None
-
-
-def _oversize_raw(eid: Any, fields: dict[bytes, bytes], max_entry_bytes: int) -> str:
-    """A short description of an oversize entry, for its dead letter (never the payload)."""
-    entry_id = eid.decode("utf-8", "replace") if isinstance(eid, bytes) else str(eid)
-    names = [_truncate(k[:64]) for k in list(fields)[:16]]
-    more = ", …" if len(fields) > 16 else ""
-    return _truncate(
-        f"entry {entry_id} is {_entry_bytes(fields)} bytes, over max_entry_bytes"
-        f" {max_entry_bytes}; fields: {', '.join(names)}{more}"
-    )
+    return EntryIds(parts[:, 0], parts[:, 1], parts[:, 0].astype(np.int64), name)
 
 
 class Decoder:
-    """Turns raw entries into record batches. One per `read()` call; holds no connections."""
+    """Turns raw entries into record batches. One per `read()` call; holds no connections.
+
+    `stream` is the shard's name in event ids: the stream key, or `<topic>:<partition>`.
+    """
 
     def __init__(self, opts: SourceOptions, ref_ms: int, stream: str) -> None:
         self.opts = opts
         self.ref_ms = ref_ms
-        self.stream = stream  # the shard read: part of every event id
+        self.stream = stream
         self.schema = output_schema(opts)
         self.names = [n for n, _, _ in opts.fields]
         self.bnames = [n.encode() for n in self.names]
         self.json_schema = pa.schema([(n, ARROW_TYPES[t]) for n, t, _ in opts.fields])
 
     def decode(self, entries: Sequence[Sequence[Any]]) -> Iterator[pa.RecordBatch]:
-        """One record batch per chunk of entries, with `entry_event_count` rows per entry, in
-        order. Never raises on bad input: bad events are rows with `_err` set."""
+        """Stream entries: one record batch per chunk, with `entry_event_count` rows per entry,
+        in order. Never raises on bad input: bad events are rows with `_err` set."""
         for i in range(0, len(entries), CHUNK_ENTRIES):
             chunk = entries[i : i + CHUNK_ENTRIES]
             if self.opts.format == "jsonl":
-                yield self._jsonl(chunk)
+                yield self._jsonl_entries(chunk)
             else:
                 yield self._fields(chunk)
+
+    def decode_records(
+        self,
+        values: Sequence[bytes | None],
+        offsets: Sequence[int],
+        timestamps: Sequence[int],
+        topic: str,
+        partition: int,
+    ) -> Iterator[pa.RecordBatch]:
+        """Kafka records of one partition (`json` or `jsonl`): one record batch per chunk,
+        `values.record_event_count` rows per record, in order. Never raises on bad input."""
+        limit = self.opts.max_entry_bytes
+        for i in range(0, len(values), CHUNK_ENTRIES):
+            vals = values[i : i + CHUNK_ENTRIES]
+            offs = np.asarray(offsets[i : i + CHUNK_ENTRIES], dtype=np.int64)
+
+            def name(k: int, offs: np.ndarray = offs) -> str:
+                return f"{topic}:{partition}@{int(offs[k])}"
+
+            ids = EntryIds(
+                offs.astype(np.uint64),
+                np.zeros(len(offs), dtype=np.uint64),
+                np.asarray(timestamps[i : i + CHUNK_ENTRIES], dtype=np.int64),
+                name,
+            )
+            whole: dict[int, Err] = {}
+            for k, v in enumerate(vals):
+                if v is None:
+                    whole[k] = ("null_value", None)
+                elif len(v) > limit:
+                    whole[k] = ("oversize_entry", None)
+
+            def raw_entry(k: int, vals: Sequence[bytes | None] = vals, ids: EntryIds = ids) -> str:
+                v = vals[k]
+                if v is None:
+                    return f"record {ids.name(k)} has a null value (a tombstone)"
+                if len(v) > limit:
+                    return f"record {ids.name(k)} is {len(v)} bytes, over max_entry_bytes {limit}"
+                return truncate(v)
+
+            payloads = [None if k in whole else record_payload(v, self.opts.format)
+                        for k, v in enumerate(vals)]  # fmt: skip
+            yield self._jsonl(ids, payloads, whole, raw_entry)
+
+    def lost(self, run: tuple[int, int], topic: str, partition: int) -> pa.RecordBatch:
+        """One dead letter (`lost_records`) for the offsets [run[0], run[1]) of a Kafka
+        partition that the broker deleted before they were read: the records are gone, and
+        this row says so (the audit counts it as one event at offset run[0])."""
+        lo, hi = run
+        ids = EntryIds(
+            np.array([lo], dtype=np.uint64),
+            np.zeros(1, dtype=np.uint64),
+            np.array([self.ref_ms], dtype=np.int64),
+            lambda k: f"{topic}:{partition}@{lo}",
+        )
+        cols = {n: pa.nulls(1, ARROW_TYPES[t]) for n, t, _ in self.opts.fields}
+        raw = (
+            f"records {lo}..{hi - 1} of {topic}:{partition} were deleted (retention or"
+            " truncation) before they were read"
+        )
+        return self._finish(ids, np.ones(1, dtype=np.int64), cols, [("lost_records", None)],
+                            lambda i: raw)  # fmt: skip
 
     def _oversize(self, chunk: Sequence[Sequence[Any]], maps: list[dict[bytes, bytes]]) -> set[int]:
         """Indexes of the entries over `max_entry_bytes`. The sum over the raw field list is an
@@ -334,22 +249,22 @@ class Decoder:
         return {
             k
             for k, e in enumerate(chunk)
-            if sum(map(len, e[1])) > limit and _entry_bytes(maps[k]) > limit
+            if sum(map(len, e[1])) > limit and entry_bytes(maps[k]) > limit
         }
 
     def _raw_entry(
         self, chunk: Sequence[Sequence[Any]], maps: list[dict[bytes, bytes]], big: set[int], k: int
     ) -> str:
-        """The dead-letter `_raw` of entry `k` as a whole."""
+        """The dead-letter `_raw` of stream entry `k` as a whole."""
         if k in big:
-            return _oversize_raw(chunk[k][0], maps[k], self.opts.max_entry_bytes)
+            return oversize_raw(chunk[k][0], maps[k], self.opts.max_entry_bytes)
         return orjson_fields(maps[k])
 
     # -- fields format: one event per entry -------------------------------------------------
 
     def _fields(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
         maps = [dict(zip(fl[0::2], fl[1::2], strict=False)) for _, fl in chunk]
-        ems = [parse_id(e[0])[0] for e in chunk]
+        ids = stream_entry_ids(chunk)
         counts = np.ones(len(chunk), dtype=np.int64)
         big = self._oversize(chunk, maps)
 
@@ -358,12 +273,12 @@ class Decoder:
 
         cols = None if big else self._fast_fields(maps)
         if cols is not None:
-            return self._finish(chunk, counts, ems, cols, None, raw_of)
+            return self._finish(ids, counts, cols, None, raw_of)
         values: list[list[Any]] = [[] for _ in self.names]
-        errs: list[tuple[str, str | None] | None] = []
+        errs: list[Err | None] = []
         for k, m in enumerate(maps):
             row: list[Any] = []
-            err: tuple[str, str | None] | None = None
+            err: Err | None = None
             if k in big:
                 err = ("oversize_entry", None)
             elif not m:
@@ -377,8 +292,8 @@ class Decoder:
                     row.append(None)
                     continue
                 try:
-                    row.append(_convert_text(raw, typ, name, self.opts.max_string_bytes))
-                except _Bad as b:
+                    row.append(convert_text(raw, typ, name, self.opts.max_string_bytes))
+                except Bad as b:
                     err = (b.reason, b.field)
                     row.append(None)
             for j, v in enumerate(row):
@@ -388,7 +303,7 @@ class Decoder:
             n: pa.array(values[j], type=ARROW_TYPES[t])
             for j, (n, t, _) in enumerate(self.opts.fields)
         }
-        return self._finish(chunk, counts, ems, cols, errs, raw_of)
+        return self._finish(ids, counts, cols, errs, raw_of)
 
     def _fast_fields(self, maps: list[dict[bytes, bytes]]) -> dict[str, pa.Array] | None:
         cols: dict[str, pa.Array] = {}
@@ -400,7 +315,7 @@ class Decoder:
                     cols[name] = text
                 elif typ == "boolean":
                     cols[name] = pc.cast(pc.utf8_lower(pc.utf8_trim_whitespace(text)), pa.bool_())
-                elif typ in ("long", "int") and pc.any(_has_x(text)).as_py():
+                elif typ in ("long", "int") and pc.any(has_x(text)).as_py():
                     return None  # Arrow's cast reads hex, "0xFFFFFFFFFFFFFFFF" as -1; int() not
                 else:
                     cols[name] = pc.cast(text, ARROW_TYPES[typ])
@@ -410,30 +325,51 @@ class Decoder:
             return None
         return cols
 
-    # -- jsonl format: many events per entry, newline-separated JSON objects in field `d` ---
+    # -- jsonl: many events per entry, newline-separated JSON objects ----------------------
 
-    def _jsonl(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
+    def _jsonl_entries(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
+        """Stream entries in `jsonl`: the payload is field `d`."""
         maps = [dict(zip(fl[0::2], fl[1::2], strict=False)) for _, fl in chunk]
-        ems = [parse_id(e[0])[0] for e in chunk]
         big = self._oversize(chunk, maps)
-        got = [m.get(b"d") for m in maps]
-        if big or any(p is None for p in got):
-            return self._jsonl_slow(chunk, maps, ems, big)
-        payloads = cast(list[bytes], got)
-        buf = b"\n".join(payloads)
-        if not _object_lines(buf):
+        whole: dict[int, Err] = {}
+        payloads: list[bytes | None] = []
+        for k, m in enumerate(maps):
+            payload = None if k in big else m.get(b"d")
+            if k in big:
+                whole[k] = ("oversize_entry", None)
+            elif payload is None:
+                whole[k] = ("missing_field", "d") if m else ("empty_entry", None)
+            payloads.append(payload)
+
+        def raw_entry(k: int) -> str:
+            return self._raw_entry(chunk, maps, big, k)
+
+        return self._jsonl(stream_entry_ids(chunk), payloads, whole, raw_entry)
+
+    def _jsonl(
+        self,
+        ids: EntryIds,
+        payloads: list[bytes | None],
+        whole: dict[int, Err],
+        raw_entry: Callable[[int], str],
+    ) -> pa.RecordBatch:
+        """Decode jsonl payloads. `whole`: entries that are one dead letter as a whole (their
+        payload is None); `raw_entry(k)` describes entry k for such a dead letter."""
+        if whole:
+            return self._jsonl_slow(ids, payloads, whole, raw_entry)
+        given = cast(list[bytes], payloads)
+        buf = b"\n".join(given)
+        if not object_lines(buf):
             # Blank lines (a trailing newline, say) are not events (see entry_event_count).
-            payloads = [_event_payload(p) for p in payloads]
-            buf = b"\n".join(payloads)
-            if not all(payloads) or not _object_lines(buf):
-                return self._jsonl_slow(chunk, maps, ems, big)
-        counts = np.fromiter(
-            (p.count(b"\n") + 1 for p in payloads), dtype=np.int64, count=len(payloads)
-        )
+            given = [event_payload(p) for p in given]
+            buf = b"\n".join(given)
+            if not all(given) or not object_lines(buf):
+                return self._jsonl_slow(ids, payloads, whole, raw_entry)
+        counts = np.fromiter((p.count(b"\n") + 1 for p in given), dtype=np.int64, count=len(given))
         n = int(counts.sum())
-        table = None if _arrow_only_number(buf) else self._read_json(buf)
+        table = None if arrow_only_number(buf) else self._read_json(buf)
         if table is None or table.num_rows != n:
-            return self._jsonl_slow(chunk, maps, ems, big)
+            return self._jsonl_slow(ids, payloads, whole, raw_entry)
         cols = {name: table.column(name).combine_chunks() for name in self.names}
         lines: list[bytes] | None = None
 
@@ -441,9 +377,9 @@ class Decoder:
             nonlocal lines
             if lines is None:
                 lines = buf.split(b"\n")
-            return _truncate(lines[i])
+            return truncate(lines[i])
 
-        return self._finish(chunk, counts, ems, cols, None, raw_of)
+        return self._finish(ids, counts, cols, None, raw_of)
 
     def _read_json(self, buf: bytes) -> pa.Table | None:
         try:
@@ -461,26 +397,20 @@ class Decoder:
 
     def _jsonl_slow(
         self,
-        chunk: Sequence[Sequence[Any]],
-        maps: list[dict[bytes, bytes]],
-        ems: list[int],
-        big: set[int],
+        ids: EntryIds,
+        payloads: list[bytes | None],
+        whole: dict[int, Err],
+        raw_entry: Callable[[int], str],
     ) -> pa.RecordBatch:
         values: list[list[Any]] = [[] for _ in self.names]
-        errs: list[tuple[str, str | None] | None] = []
+        errs: list[Err | None] = []
         raws: list[str] = []
-        counts = np.zeros(len(chunk), dtype=np.int64)
-        for k, m in enumerate(maps):
-            payload = None if k in big else m.get(b"d")
-            lines = _event_lines(payload) if payload is not None else []
+        counts = np.zeros(len(payloads), dtype=np.int64)
+        for k, payload in enumerate(payloads):
+            lines = event_lines(payload) if payload is not None else []
             if not lines:  # one dead letter for the whole entry
-                if k in big:
-                    errs.append(("oversize_entry", None))
-                elif payload is None and m:
-                    errs.append(("missing_field", "d"))
-                else:
-                    errs.append(("empty_entry", None))
-                raws.append(self._raw_entry(chunk, maps, big, k))
+                errs.append(whole.get(k, ("empty_entry", None)))
+                raws.append(raw_entry(k))
                 for col in values:
                     col.append(None)
                 counts[k] = 1
@@ -491,19 +421,19 @@ class Decoder:
                 for j, v in enumerate(row):
                     values[j].append(v)
                 errs.append(err)
-                raws.append(_truncate(line))
+                raws.append(truncate(line))
         cols = {
             n: pa.array(values[j], type=ARROW_TYPES[t])
             for j, (n, t, _) in enumerate(self.opts.fields)
         }
-        return self._finish(chunk, counts, ems, cols, errs, lambda i: raws[i])
+        return self._finish(ids, counts, cols, errs, lambda i: raws[i])
 
-    def _json_line(self, line: bytes) -> tuple[list[Any], tuple[str, str | None] | None]:
+    def _json_line(self, line: bytes) -> tuple[list[Any], Err | None]:
         """One jsonl event: its schema values, and its error (None for a good event)."""
         row: list[Any] = [None] * len(self.names)
         try:
-            obj = _loads(line)
-        except _Bad as b:
+            obj = loads_json(line)
+        except Bad as b:
             return row, (b.reason, b.field)
         if not isinstance(obj, dict):
             return row, ("not_object", None)
@@ -514,8 +444,8 @@ class Decoder:
                     return [None] * len(self.names), ("missing_field", name)
                 continue
             try:
-                row[j] = _convert_json(v, typ, name, self.opts.max_string_bytes)
-            except _Bad as b:
+                row[j] = convert_json(v, typ, name, self.opts.max_string_bytes)
+            except Bad as b:
                 return [None] * len(self.names), (b.reason, b.field)
         return row, None
 
@@ -523,11 +453,10 @@ class Decoder:
 
     def _finish(
         self,
-        chunk: Sequence[Sequence[Any]],
+        ids: EntryIds,
         counts: np.ndarray,
-        ems_per_entry: list[int],
         cols: dict[str, pa.Array],
-        errs: list[tuple[str, str | None] | None] | None,
+        errs: list[Err | None] | None,
         raw_of: Any,
     ) -> pa.RecordBatch:
         n = int(counts.sum())
@@ -555,7 +484,7 @@ class Decoder:
                 too_long = pc.greater(pc.binary_length(col), self.opts.max_string_bytes)
                 flag(pc.fill_null(too_long, False), "too_long", name)
 
-        ems = pa.array(np.repeat(np.asarray(ems_per_entry, dtype=np.int64), counts))
+        ems = pa.array(np.repeat(ids.ems, counts))
         starts = np.cumsum(counts) - counts
         idx = pa.array((np.arange(n, dtype=np.int64) - np.repeat(starts, counts)).astype(np.int32))
         if self.opts.time_field is not None:
@@ -566,11 +495,16 @@ class Decoder:
         eid = np.full(n, None, dtype=object)
         raw = np.full(n, None, dtype=object)
         if len(bad):
-            entry_of = np.repeat(np.arange(len(chunk)), counts)
+            entry_of = np.repeat(np.arange(len(counts)), counts)
             for row in bad.tolist():
-                e_id = chunk[entry_of[row]][0]
-                eid[row] = e_id.decode() if isinstance(e_id, bytes) else str(e_id)
+                eid[row] = ids.name(int(entry_of[row]))
                 raw[row] = raw_of(row)
+        e = event_ids(
+            np.repeat(ids.hi, counts).astype(np.int64),
+            np.repeat(ids.lo, counts),
+            idx.to_numpy(zero_copy_only=False),
+            self.stream,
+        )
         arrays = [cols[name] for name in self.names] + [
             ts,
             ems,
@@ -580,57 +514,6 @@ class Decoder:
             pa.array(eid, type=pa.string()),
             idx,
             pa.array(raw, type=pa.string()),
-            pa.array(self._event_ids(chunk, counts, idx, self.stream)),
+            pa.array(e),
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
-
-    @staticmethod
-    def _event_ids(
-        chunk: Sequence[Sequence[Any]], counts: np.ndarray, idx: pa.Array, stream: str
-    ) -> np.ndarray:
-        parts = np.array([parse_id(e[0]) for e in chunk], dtype=np.uint64).reshape(-1, 2)
-        return event_ids(
-            np.repeat(parts[:, 0], counts).astype(np.int64),
-            np.repeat(parts[:, 1], counts),
-            idx.to_numpy(zero_copy_only=False),
-            stream,
-        )
-
-
-def _has_x(text: pa.Array) -> pa.Array:
-    return pc.match_substring(text, "x", ignore_case=True)
-
-
-def _object_lines(buf: bytes) -> bool:
-    """Whether every line of `buf` starts with `{` and ends with `}` (or `}\\r`); one regex pass.
-
-    Only then is Arrow's reader used. No object can span two such lines (after a `}` inside an
-    object or array a `{` is a syntax error, and Arrow refuses raw newlines in strings), so
-    equal line and row counts mean one row per line. And Arrow never sees a line that is not
-    an object: it reads a `null` line as a row, and crashes when every line is `null`.
-    """
-    return (
-        buf[:1] == b"{"
-        and (buf[-1:] == b"}" or buf[-2:] == b"}\r")
-        and _ODD_LINE_BREAK.search(buf) is None
-    )
-
-
-def _arrow_only_number(buf: bytes) -> bool:
-    """Whether `buf` may hold a number literal that Arrow's reader accepts and the
-    event-by-event path refuses (`Inf`, `-Inf`, `-NaN`). One-byte searches first: they are
-    memchr-fast, and most buffers have neither an `I` nor an `N`."""
-    if b"N" in buf and b"-NaN" in buf:
-        return True
-    if b"I" in buf and b"Inf" in buf:
-        return _ARROW_ONLY_INF.search(buf) is not None
-    return False
-
-
-def orjson_fields(m: dict[bytes, bytes]) -> str:
-    """A readable JSON rendering of a `fields` entry, for the dead-letter record."""
-    return _truncate(
-        orjson.dumps(
-            {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in m.items()}
-        )
-    )

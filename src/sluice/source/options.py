@@ -1,23 +1,77 @@
 """Options of the Spark source, parsed once from Spark's string options.
 
-The reader keeps only plain, picklable values: the Redis URL, the shard keys, the schema as
-(name, type, nullable) triples. Clients are created inside `read()` on the executors.
+The reader keeps only plain, picklable values: the Redis URL, the log to read (the shard keys
+of a Redis stream, or a Kafka topic), the schema as (name, type, nullable) triples, and the
+reading stage's flow settings. Clients are created on first use, on the driver for planning and
+inside `read()` on the executors.
+
+Spark hands a data source its options as strings, so the whole of it travels as one JSON
+option, `sluice.source`, and is turned back into these types in `from_spark`, once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.config import Config, FieldType
+from sluice.config import BackpressureConfig, Config, FieldType
 from sluice.errors import ConfigError
+
+OPTION = "sluice.source"
+
+
+@dataclass(frozen=True)
+class StreamsSpec:
+    """Redis Streams: the shard keys, in the Redis of `SourceOptions.url`."""
+
+    shards: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KafkaSpec:
+    """A Kafka topic: its partitions are the shards. `options` go to librdkafka as they are."""
+
+    bootstrap: str
+    topic: str
+    group_id: str
+    start: str = "earliest"  # where a fresh checkpoint begins: earliest | latest
+    options: tuple[tuple[str, str], ...] = ()
+    producer_options: tuple[tuple[str, str], ...] = ()
+
+    def client_config(self, **extra: Any) -> dict[str, Any]:
+        """A librdkafka config: the bootstrap servers, the user's options, then `extra`.
+        librdkafka's own log lines go to the `sluice.kafka` logger (key=value lines, like
+        every other log line), not straight to stderr."""
+        import logging
+
+        return {
+            "bootstrap.servers": self.bootstrap,
+            "logger": logging.getLogger("sluice.kafka"),
+            **dict(self.options),
+            **extra,
+        }
+
+
+@dataclass(frozen=True)
+class FlowOptions:
+    """Admission control of the stage that reads: its flow stage and the stages it signals,
+    its backpressure settings and the trigger interval. `own_level`: measure this reader's own
+    backlog, for a log that other stages read too."""
+
+    backpressure: BackpressureConfig
+    trigger_ms: int
+    stage: str = "spark"
+    upstreams: tuple[str, ...] = ("ingest",)
+    inputs: tuple[str, ...] = ("events",)  # the streams it reads
+    own_level: bool = False
 
 
 @dataclass(frozen=True)
 class SourceOptions:
-    url: str
-    shards: tuple[str, ...]
+    url: str  # the Redis that holds the slices, the flow state and the readers' offsets
+    log: StreamsSpec | KafkaSpec
     format: str
     fields: tuple[tuple[str, str, bool], ...]  # (name, type, nullable)
     time_field: str | None
@@ -25,14 +79,18 @@ class SourceOptions:
     max_string_bytes: int
     partition_events: int = 50_000
     max_partitions_per_shard: int = 8
-    flow: str | None = None  # JSON {"backpressure": {...}, "trigger_ms": n}; None = no valve
+    flow: FlowOptions | None = None  # None: no admission control beyond the static limit
     max_entry_bytes: int = 8_000_000  # a larger entry is one `oversize_entry` dead letter
     # Several queries may read the same shards, each with its own offsets ("" is the default
-    # pipeline). A shard is trimmed only up to the slowest of its `readers`, so they must name
-    # every reader of it: one left out may lose input it has not read yet. A shard not listed
-    # has this reader alone.
+    # pipeline). A shard is trimmed (a Kafka group committed) only up to the slowest of its
+    # `readers`, so they must name every reader of it: one left out may lose input it has not
+    # read yet. A shard not listed has this reader alone.
     reader: str = ""
     readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The streaming query's checkpoint directory (on the driver host): a Kafka log keeps the
+    # positions a fresh checkpoint started from there, so that a re-run first batch reads the
+    # same records.
+    checkpoint: str | None = None
 
     def __post_init__(self) -> None:
         for shard, names in self.readers.items():
@@ -42,43 +100,86 @@ class SourceOptions:
                     f" shard {shard!r}; list every reader of a shard, this one included"
                 )
 
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """The shard keys of a Redis stream (a Kafka topic's partitions are found at run time)."""
+        return self.log.shards if isinstance(self.log, StreamsSpec) else ()
+
     def readers_of(self, shard: str) -> tuple[str, ...]:
-        return self.readers.get(shard, (self.reader,))
+        """Every reader of `shard`; `*` stands for every shard (a Kafka topic's partitions
+        are only known at run time)."""
+        return self.readers.get(shard) or self.readers.get("*") or (self.reader,)
 
     def to_spark(self) -> dict[str, str]:
         """Flatten to Spark's `option(k, v)` strings."""
-        return {"sluice.source": json.dumps(self.__dict__, default=list)}
+        data = dataclasses.asdict(self)
+        data["log"] = {"kind": "kafka" if isinstance(self.log, KafkaSpec) else "redis",
+                       **data["log"]}  # fmt: skip
+        if self.flow is not None:
+            data["flow"]["backpressure"] = self.flow.backpressure.model_dump(mode="json")
+        return {OPTION: json.dumps(data)}
 
     @classmethod
     def from_spark(cls, options: Any) -> SourceOptions:
-        raw = options.get("sluice.source")
+        raw = options.get(OPTION)
         if raw is None:
             raise ConfigError(
-                "the redis-streams source needs option `sluice.source`;"
+                f"the Sluice source needs option `{OPTION}`;"
                 " build it with SourceOptions.from_config(cfg, url).to_spark()"
             )
         data = json.loads(raw)
-        data["shards"] = tuple(data["shards"])
+        log = data.pop("log")
+        kind = log.pop("kind")
+        if kind == "kafka":
+            log["options"] = tuple(tuple(kv) for kv in log["options"])
+            log["producer_options"] = tuple(tuple(kv) for kv in log["producer_options"])
+            data["log"] = KafkaSpec(**log)
+        else:
+            data["log"] = StreamsSpec(tuple(log["shards"]))
+        if data.get("flow") is not None:
+            flow = data["flow"]
+            flow["backpressure"] = BackpressureConfig.model_validate(flow["backpressure"])
+            flow["upstreams"] = tuple(flow["upstreams"])
+            flow["inputs"] = tuple(flow["inputs"])
+            data["flow"] = FlowOptions(**flow)
         data["fields"] = tuple(tuple(f) for f in data["fields"])
         data["readers"] = {k: tuple(v) for k, v in data.get("readers", {}).items()}
         return cls(**data)
 
     @classmethod
     def from_config(cls, cfg: Config, url: str) -> SourceOptions:
+        """The source of `cfg`, read by the source's fold (`spark`)."""
         types: dict[str, FieldType] = cfg.source.field_types()
         return cls(
             url=url,
-            shards=tuple(cfg.source.shard_keys()),
+            log=log_spec(cfg),
             format=cfg.source.format,
             fields=tuple((n, t.type, t.nullable) for n, t in types.items()),
             time_field=cfg.source.time_field,
             max_events_per_batch=cfg.source.max_events_per_batch,
             max_string_bytes=cfg.source.max_string_bytes,
             max_entry_bytes=cfg.source.max_entry_bytes,
-            flow=json.dumps(
-                {
-                    "backpressure": cfg.backpressure.model_dump(mode="json"),
-                    "trigger_ms": cfg.spark.trigger,
-                }
-            ),
+            flow=FlowOptions(cfg.backpressure, cfg.spark.trigger, inputs=(cfg.source.stream,)),
         )
+
+
+def log_spec(cfg: Config) -> StreamsSpec | KafkaSpec:
+    """The log of `cfg.source`: its Kafka topic when `source.kafka` is set, else its streams."""
+    k = cfg.source.kafka
+    if k is None:
+        return StreamsSpec(tuple(cfg.source.shard_keys()))
+    return KafkaSpec(
+        bootstrap=k.bootstrap,
+        topic=k.topic,
+        group_id=k.group_id,
+        start=k.start,
+        options=_librdkafka(k.options),
+        producer_options=_librdkafka(k.producer_options),
+    )
+
+
+def _librdkafka(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Settings as librdkafka takes them: strings, booleans as `true` / `false`."""
+    return tuple(
+        (str(k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in options.items()
+    )

@@ -1,23 +1,31 @@
-"""The Python producer SDK: batches events into stream entries, sharded by key.
+"""The Python producer SDK: batches events into log entries, sharded by key.
 
     with Producer.from_config(cfg, client) as p:
         p.send({"ts": 1700000000000, "card": "c1", "merchant": "m1", "amount": 12.5})
 
-`jsonl` packs up to `batch_events` events into one entry (field `d`: newline-separated JSON
-objects, field `n`: how many), which is what makes high rates cheap; `fields` writes one entry
-per event with the event's fields as entry fields, like a plain `XADD`. Events with the same
-`shard_by` value always go to the same shard. `send` buffers; `flush` (called on close, and
-when a shard's buffer is full) writes with one pipelined round trip.
+The log is the source's: Redis Streams, or the Kafka topic of `source.kafka`.
+
+- Redis Streams. `jsonl` packs up to `batch_events` events into one entry (field `d`:
+  newline-separated JSON objects, field `n`: how many), which is what makes high rates cheap;
+  `fields` writes one entry per event with the event's fields as entry fields, like a plain
+  `XADD`.
+- Kafka. `jsonl` packs up to `batch_events` events into one record value; `json` writes one
+  record per event, keyed by its `shard_by` value, as any Kafka producer would.
+
+Events with the same `shard_by` value (by default the first key field of the first metric)
+always go to the same shard or partition, in the order they were sent, so per-key order holds.
+`send` buffers; `flush` (called on close, and when a shard's buffer is full) writes everything
+buffered: one pipelined round trip to Redis, or one produce-and-wait to Kafka.
 
 Flow control: with a `valve` (`from_config` attaches one), `flush` first asks it to admit the
 events, which blocks while the input is backpressured (seed 000's throttled upstream) and raises
 `BackpressureError` after `block_timeout_s`. A refused flush keeps everything buffered, so the
-caller can retry; nothing is dropped. The same holds for a Redis error during `flush`: the
-buffer is kept, and since a pipeline is not atomic, a retry may repeat entries that were written
-before the error (at least once, never lost).
+caller can retry; nothing is dropped. The same holds when the write fails: the buffer is kept,
+and since neither a pipeline nor a set of Kafka deliveries is atomic, a retry may repeat what was
+written before the error (at least once, never lost).
 
-Each flush also adds its event count to the `events_produced` counter in the same round trip;
-the dashboard's input rate is taken from it.
+Each flush also adds its event count to the `events_produced` counter in Redis; the dashboard's
+input rate is taken from it.
 """
 
 from __future__ import annotations
@@ -32,9 +40,14 @@ import orjson
 from sluice.config import Config
 from sluice.errors import SluiceError
 from sluice.redis.keys import STATS_KEY, shard_keys
+from sluice.source.options import KafkaSpec, log_spec
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
+
+STREAM_FORMATS = ("jsonl", "fields")
+KAFKA_FORMATS = ("jsonl", "json")
+DELIVERY_TIMEOUT_S = 30.0
 
 
 def shard_of(value: Any, shards: int) -> int:
@@ -55,13 +68,22 @@ class Producer:
         valve: IngestValve | None = None,
         block_timeout_s: float | None = None,
         hash_tags: bool = False,
+        kafka: KafkaSpec | None = None,
     ) -> None:
-        if format not in ("jsonl", "fields"):
-            raise SluiceError(f"`format` must be 'jsonl' or 'fields', got {format!r}")
+        allowed = KAFKA_FORMATS if kafka is not None else STREAM_FORMATS
+        if format not in allowed:
+            log = "Kafka" if kafka is not None else "Redis Streams"
+            raise SluiceError(
+                f"`format` must be {' or '.join(map(repr, allowed))} for {log}, got {format!r}"
+            )
         if batch_events < 1:
             raise SluiceError(f"`batch_events` must be at least 1, got {batch_events}")
         self.client = client
-        self.keys = shard_keys(stream, shards, hash_tags)
+        self.kafka = KafkaSink(kafka) if kafka is not None else None
+        if self.kafka is not None:
+            self.keys = [str(p) for p in range(self.kafka.partitions())]
+        else:
+            self.keys = shard_keys(stream, shards, hash_tags)
         self.format = format
         self.shard_by = shard_by
         self.batch_events = batch_events
@@ -75,14 +97,16 @@ class Producer:
 
     @classmethod
     def from_config(cls, cfg: Config, client: Any, flow: bool = True, **kw: Any) -> Producer:
-        """A producer for `cfg.source`, sharding by the first key field of the first metric,
-        throttled by `cfg.backpressure` unless `flow` is False."""
+        """A producer for `cfg.source` (its streams, or its Kafka topic), sharding by the first
+        key field of the first metric, throttled by `cfg.backpressure` unless `flow` is False."""
         kw.setdefault("shard_by", cfg.metrics[0].key[0])
         if flow and "valve" not in kw:
-            from sluice.flow.valves import IngestValve
+            from sluice.source.admission import ingest_valve
 
-            kw["valve"] = IngestValve.from_config(cfg, client)
+            kw["valve"] = ingest_valve(cfg, client)
         kw.setdefault("hash_tags", bool(cfg.source.hash_tags))
+        spec = log_spec(cfg)
+        kw.setdefault("kafka", spec if isinstance(spec, KafkaSpec) else None)
         return cls(client, cfg.source.stream, cfg.source.shards, cfg.source.format, **kw)
 
     def _shard(self, event: Mapping[str, Any]) -> int:
@@ -96,13 +120,13 @@ class Producer:
         if not isinstance(event, Mapping):
             raise SluiceError(f"an event must be a mapping, got {type(event).__name__}")
         i = self._shard(event)
-        if self.format == "jsonl":
+        if self.format == "fields":
+            self._fields[i].append(event)
+        else:
             try:
                 self._buf[i].append(orjson.dumps(event))
             except TypeError as e:
                 raise SluiceError(f"event is not JSON-serialisable: {e}") from None
-        else:
-            self._fields[i].append(event)
         if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
             self.flush()
 
@@ -111,9 +135,10 @@ class Producer:
             self.send(e)
 
     def send_lines(self, shard: int, lines: Sequence[bytes]) -> None:
-        """Buffer already-serialised JSON lines for one shard (the load generator's fast path)."""
-        if self.format != "jsonl":
-            raise SluiceError("send_lines needs format 'jsonl'")
+        """Buffer already-serialised JSON objects for one shard (the load generator's fast
+        path)."""
+        if self.format == "fields":
+            raise SluiceError("send_lines needs format 'jsonl' or 'json'")
         self._buf[shard].extend(lines)
 
     def pending(self) -> int:
@@ -121,13 +146,27 @@ class Producer:
         return sum(len(b) for b in self._buf) + sum(len(f) for f in self._fields)
 
     def flush(self) -> int:
-        """Write everything buffered in one pipelined round trip. Returns events written.
+        """Write everything buffered. Returns events written.
 
-        Blocks while backpressured; raises BackpressureError (keeping the buffer) on timeout."""
+        Blocks while backpressured; raises BackpressureError (keeping the buffer) on timeout,
+        and SluiceError or a Redis error (keeping the buffer) when the write fails."""
         if self.valve is not None:
             n = self.pending()
             if n:
                 self.valve.admit(n, self.block_timeout_s)
+        if self.kafka is not None:
+            events, entries = self._flush_kafka(self.kafka)
+        else:
+            events, entries = self._flush_streams()
+        # The buffer is emptied only once the log has answered: after an error the caller
+        # still holds every event (a retry may repeat what did land).
+        self._buf = [[] for _ in self.keys]
+        self._fields = [[] for _ in self.keys]
+        self.sent_events += events
+        self.sent_entries += entries
+        return events
+
+    def _flush_streams(self) -> tuple[int, int]:
         pipe = self.client.pipeline(transaction=False)
         events = entries = 0
         for i, key in enumerate(self.keys):
@@ -145,14 +184,32 @@ class Producer:
             # For the input rate on the dashboard and in /v1/status history (a rate, not an
             # audit: a retried flush may count its events twice).
             pipe.hincrby(STATS_KEY, "events_produced", events)
-            # The buffer is emptied only once Redis has answered: after a connection error the
-            # caller still holds every event (a retry may repeat the entries that did land).
             pipe.execute()
-        self._buf = [[] for _ in self.keys]
-        self._fields = [[] for _ in self.keys]
-        self.sent_events += events
-        self.sent_entries += entries
-        return events
+        return events, entries
+
+    def _flush_kafka(self, sink: KafkaSink) -> tuple[int, int]:
+        records: list[tuple[int, bytes, bytes | None]] = []  # (partition, value, key)
+        events = 0
+        for i, lines in enumerate(self._buf):
+            if not lines:
+                continue
+            events += len(lines)
+            if self.format == "jsonl":
+                for j in range(0, len(lines), self.batch_events):
+                    records.append((i, b"\n".join(lines[j : j + self.batch_events]), None))
+            else:
+                records += [(i, line, self._key_of(line)) for line in lines]
+        if records:
+            sink.write(records)
+            self.client.hincrby(STATS_KEY, "events_produced", events)
+        return events, len(records)
+
+    def _key_of(self, line: bytes) -> bytes | None:
+        """A `json` record's key: its `shard_by` value, as Kafka tools expect keys to be."""
+        if self.shard_by is None:
+            return None
+        value = orjson.loads(line).get(self.shard_by)
+        return None if value is None else str(value).encode()
 
     def close(self) -> None:
         try:
@@ -169,6 +226,71 @@ class Producer:
     ) -> None:
         if t is None:
             self.close()
+
+
+class KafkaSink:
+    """Writes records to a Kafka topic and waits for every delivery (librdkafka retries on
+    its own; with idempotence on by default, a retry neither repeats nor reorders)."""
+
+    def __init__(self, spec: KafkaSpec) -> None:
+        self.spec = spec
+        self._producer: Any = None
+
+    def _client(self) -> Any:
+        if self._producer is None:
+            from confluent_kafka import Producer as KafkaProducer
+
+            defaults = {"enable.idempotence": True, "linger.ms": 5}
+            config = self.spec.client_config(**dict(self.spec.producer_options))
+            self._producer = KafkaProducer({**defaults, **config})
+        return self._producer
+
+    def partitions(self) -> int:
+        """The topic's partition count. Raises SluiceError when the topic cannot be found."""
+        from sluice.source.log import LogUnavailable
+
+        try:
+            md = self._client().list_topics(timeout=10)
+        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
+            raise LogUnavailable(
+                "unreachable", f"Kafka at {self.spec.bootstrap} does not answer: {e}"
+            ) from None
+        topic = md.topics.get(self.spec.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            raise LogUnavailable(
+                "no_topic",
+                f"Kafka topic {self.spec.topic!r} does not exist at {self.spec.bootstrap};"
+                " create it, or fix `source.kafka.topic`",
+            )
+        return len(topic.partitions)
+
+    def write(self, records: list[tuple[int, bytes, bytes | None]]) -> None:
+        """Produce every record and wait until each is delivered. Raises SluiceError naming
+        the first failure when any was not (the caller keeps the events)."""
+        producer = self._client()
+        errors: list[str] = []
+
+        def delivered(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        for partition, value, key in records:
+            while True:
+                try:
+                    producer.produce(
+                        self.spec.topic, value, key, partition=partition, on_delivery=delivered
+                    )
+                    break
+                except BufferError:  # the local queue is full: let deliveries drain it
+                    producer.poll(0.1)
+        left = producer.flush(DELIVERY_TIMEOUT_S)
+        if left:
+            errors.append(f"{left} records still undelivered after {DELIVERY_TIMEOUT_S:.0f}s")
+        if errors:
+            raise SluiceError(
+                f"{len(errors)} of {len(records)} records to Kafka topic {self.spec.topic!r}"
+                f" were not delivered: {errors[0]}"
+            )
 
 
 def _field_value(v: Any) -> bytes | str:

@@ -187,6 +187,22 @@
     return cell;
   }
 
+  function renderLog(backlog, log) {
+    const kafka = log.kind === "kafka";
+    const n = backlog.entries === null || backlog.entries === undefined ? "–" : backlog.entries.toLocaleString();
+    text("t-backlog", `${backlog.bytes_estimated ? "≈ " : ""}${fmt.bytes(backlog.bytes)}`);
+    text("t-backlog-entries", `${n} ${kafka ? "records of lag" : "entries"} · high ${fmt.bytes(backlog.high_watermark)}`);
+    let where = kafka ? `kafka ${log.topic} · group ${log.group_id}` : "redis streams";
+    if (kafka && log.lag) {
+      const parts = Object.entries(log.lag).sort((a, b) => Number(a[0]) - Number(b[0]));
+      where += ` · lag by partition ${parts.map(([p, v]) => `${p}: ${v.toLocaleString()}`).join(", ")}`;
+    }
+    if (log.state === "waiting") where = `waiting for the log (${log.reason}): ${log.message || ""}`;
+    const line = $("t-log");
+    line.textContent = where;
+    line.className = log.state === "waiting" ? "bad" : "muted";
+  }
+
   function renderStatus(st) {
     const p = st.pipeline || { state: "unknown" };
     const badge = $("pipeline-state");
@@ -204,8 +220,7 @@
     text("t-input", fmt.num(pick(recent.input_per_s, rates.input_events_per_s)));
     text("t-admitted", fmt.num(pick(recent.admitted_per_s, rates.admitted_events_per_s)));
     text("t-processed", fmt.num(pick(recent.processed_per_s, st.processed_events_per_s)));
-    text("t-backlog", fmt.bytes(st.backlog.bytes));
-    text("t-backlog-entries", `${st.backlog.entries.toLocaleString()} entries · high ${fmt.bytes(st.backlog.high_watermark)}`);
+    renderLog(st.backlog, st.log || {});
     text("t-fresh", `${fmt.ms(st.freshness_ms.p50)} / ${fmt.ms(st.freshness_ms.p99)}`);
     const audit = st.audit;
     const tile = $("t-audit").parentElement;

@@ -1,6 +1,6 @@
 """A short per-second history of the pipeline, for the dashboard's charts.
 
-Every API process runs a `Sampler` (started with the app, see `query.app`). Once a second it
+Every API process runs a `Sampler` (started with the app, see `server.app`). Once a second it
 reads a compact sample from Redis and offers it to `record_sample.lua`, which keeps the first
 sample of each second and drops the rest: N workers (or servers) cost N small reads but one
 write a second, and they share one history, so a reload of the page, whichever worker answers,
@@ -25,11 +25,10 @@ import orjson
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
-from sluice.flow.stages import stream_level
-from sluice.flow.status import flow_status
-from sluice.pipeline.status import backlog, freshness_of, pipeline_health, recent_batches
 from sluice.redis.keys import HISTORY_KEY, HISTORY_SECOND_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_SAMPLE, execute_loading, script_sha
+from sluice.status.flow import flow_status
+from sluice.status.snapshot import freshness_of, log_status, pipeline_health, recent_batches
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,7 @@ MAX_GAP_MS = 5_000  # consecutive samples further apart than this are not diffed
 
 def take_sample(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
     """One compact sample (about 400 bytes of JSON). Blocks on a few Redis round trips."""
-    entries, _ = backlog(client, cfg)
-    level = stream_level(client, tuple(cfg.source.shard_keys()), cfg.backpressure)
+    level, log_section = log_status(client, cfg)
     raw = client.hmget(STATS_KEY, list(_COUNTERS))
     stats = {k: int(v) for k, v in zip(_COUNTERS, raw, strict=True) if v is not None}
     recent = [b for b in recent_batches(client, 30) if b["done_ms"] >= now_ms - 10_000]
@@ -64,10 +62,13 @@ def take_sample(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
         "produced": stats.get("events_produced", 0),
         "in": stats.get("events_in", 0),
         "dead": stats.get("dead_letters", 0),
-        "backlog": {"entries": entries, "bytes": level.bytes},
+        "backlog": {
+            "entries": level.entries if level else None,
+            "bytes": level.bytes if level else None,
+        },
         "fresh": {"p50": fresh["p50"], "p99": fresh["p99"]},
         "stages": stages,
-        "state": pipeline_health(client, now_ms)["state"],
+        "state": pipeline_health(client, now_ms, log_section)["state"],
     }
 
 

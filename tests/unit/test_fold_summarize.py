@@ -1,4 +1,4 @@
-"""sluice.pipeline.job.summarize: folding the writer's per-partition rows into a batch record."""
+"""sluice.pipeline.fold.summarize: folding the writer's per-partition rows into a batch record."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.pipeline.job import summarize
-from sluice.pipeline.writer import RESULT_DDL, RESULT_SCHEMA, writer_token
+from sluice.pipeline.fold import summarize
+from sluice.pipeline.query import writer_token
+from sluice.pipeline.writer import RESULT_DDL, RESULT_SCHEMA
 
 FAST = settings(max_examples=80, deadline=None, database=None)
 
@@ -27,9 +28,9 @@ def stats(
     return {
         "kind": "stats",
         "m": None,
-        "applied": applied,
-        "dups": dups,
-        "expired": expired,
+        "updates_applied": applied,
+        "updates_duplicate": dups,
+        "updates_expired": expired,
         "events": events,
         "min_ems": min_ems,
         "max_ems": max_ems,
@@ -42,9 +43,9 @@ def dead(reason: str, events: int) -> dict[str, Any]:
     return {
         "kind": "dead",
         "m": None,
-        "applied": None,
-        "dups": None,
-        "expired": None,
+        "updates_applied": None,
+        "updates_duplicate": None,
+        "updates_expired": None,
         "events": events,
         "min_ems": None,
         "max_ems": None,
@@ -69,9 +70,9 @@ def test_no_rows() -> None:
         "token": 7,
         "events": 0,
         "dead": 0,
-        "applied": 0,
-        "duplicates": 0,
-        "expired_updates": 0,
+        "updates_applied": 0,
+        "updates_duplicate": 0,
+        "updates_expired": 0,
         "min_ems": None,
         "max_ems": None,
         "started_ms": 100,
@@ -97,9 +98,9 @@ def test_folds_stats_and_dead_rows() -> None:
     assert rec["token"] == writer_token(2, 42)
     assert rec["dead"] == 7
     assert rec["events"] == 10 + 7 + 7  # good events plus dead ones
-    assert rec["applied"] == 8
-    assert rec["duplicates"] == 1
-    assert rec["expired_updates"] == 2
+    assert rec["updates_applied"] == 8
+    assert rec["updates_duplicate"] == 1
+    assert rec["updates_expired"] == 2
     assert rec["min_ems"] == 500
     assert rec["max_ems"] == 2_000
     assert rec["dead_by_reason"] == {"bad_type": 6, "missing_field": 1}
@@ -110,7 +111,7 @@ def test_only_dead_rows_leave_times_unset() -> None:
     rec = summarize(as_writer_rows([dead("non_finite", 3)]), 0, 0, 0, 0)
     assert rec["events"] == rec["dead"] == 3
     assert rec["min_ems"] is None and rec["max_ems"] is None
-    assert rec["applied"] == 0
+    assert rec["updates_applied"] == 0
 
 
 def test_unknown_kinds_are_ignored() -> None:
@@ -141,9 +142,9 @@ def test_summarize_matches_a_direct_fold(rows: list[dict[str, Any]]) -> None:
     d = [r for r in rows if r["kind"] == "dead"]
     assert rec["dead"] == sum(r["events"] for r in d)
     assert rec["events"] == sum(r["events"] for r in s) + rec["dead"]
-    assert rec["applied"] == sum(r["applied"] for r in s)
-    assert rec["duplicates"] == sum(r["dups"] for r in s)
-    assert rec["expired_updates"] == sum(r["expired"] for r in s)
+    assert rec["updates_applied"] == sum(r["updates_applied"] for r in s)
+    assert rec["updates_duplicate"] == sum(r["updates_duplicate"] for r in s)
+    assert rec["updates_expired"] == sum(r["updates_expired"] for r in s)
     lows = [r["min_ems"] for r in s if r["min_ems"] is not None]
     highs = [r["max_ems"] for r in s if r["max_ems"] is not None]
     assert rec["min_ems"] == (min(lows) if lows else None)

@@ -24,13 +24,14 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import BackpressureError, BadQuery, QueryError, SluiceError
 from sluice.flow.valves import IngestValve
-from sluice.pipeline.history import HISTORY_LEN, Sampler, read_history
-from sluice.pipeline.status import read_status
 from sluice.query.engine import QueryEngine
-from sluice.query.fast import FastLookups
-from sluice.query.prom import RequestTimer
 from sluice.redis.mux import MuxClient
+from sluice.server.fast import FastLookups
+from sluice.source.admission import ingest_valve
 from sluice.source.producer import Producer
+from sluice.status.history import HISTORY_LEN, Sampler, read_history
+from sluice.status.prometheus import RequestTimer
+from sluice.status.snapshot import read_status
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
 MAX_EVENTS_PER_REQUEST = 100_000
@@ -229,11 +230,11 @@ def create_app(
     valves: list[IngestValve] = []
     valve_lock = threading.Lock()
 
-    def ingest_valve() -> IngestValve:
+    def worker_valve() -> IngestValve:
         """This worker's ingest task, made on the first POST (a query-only server has none)."""
         with valve_lock:
             if not valves:
-                valves.append(IngestValve.from_config(cfg, client, clock))
+                valves.append(ingest_valve(cfg, client, clock))
             return valves[0]
 
     @app.exception_handler(QueryError)
@@ -306,7 +307,7 @@ def create_app(
         events = _parse_events(raw)
 
         def send() -> None:  # blocking Redis calls: off the event loop
-            wait = ingest_valve().try_admit(len(events))
+            wait = worker_valve().try_admit(len(events))
             if wait > 0:
                 raise BackpressureError(wait, "input is backpressured; retry later")
             producer = Producer.from_config(cfg, client, flow=False)
@@ -337,14 +338,14 @@ def create_app(
     ) -> dict[str, Any]:
         """The newest dead letters, newest first: `total` in the stream, `by_reason` counted
         since the start, and `items` (entry id, idx, reason, field, raw, ts, written_ms)."""
-        from sluice.pipeline.dead_letters import parse_limit, parse_reason, read_dead_letters
+        from sluice.status.dead_letters import parse_limit, parse_reason, read_dead_letters
 
         return read_dead_letters(client, cfg, parse_limit(limit), parse_reason(reason))
 
     @app.get("/healthz")
     def healthz() -> Response:
         """200 while Redis answers and the pipeline is not failing; 503 otherwise."""
-        from sluice.pipeline.status import pipeline_health
+        from sluice.status.snapshot import pipeline_health
 
         try:
             client.ping()
@@ -363,8 +364,8 @@ def create_app(
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> Response:
         """Prometheus text format: the pipeline's state from Redis, and request latency."""
-        from sluice.pipeline.freshness import read_histogram
-        from sluice.query.prom import exposition, redis_health
+        from sluice.status.freshness import read_histogram
+        from sluice.status.prometheus import exposition, redis_health
 
         health = redis_health(client)
         st = fresh = None

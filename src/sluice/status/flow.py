@@ -7,14 +7,14 @@ from typing import Any
 
 from sluice.config import Config
 from sluice.flow.board import STALE_MS, Board
-from sluice.flow.stages import config_topology
+from sluice.graph import graph_topology
 
 
 def flow_status(client: Any, cfg: Config, now_ms: int, timeline: int = 50) -> dict[str, Any]:
     board = Board(client)
     tasks = board.all_tasks()
     stages: dict[str, Any] = {}
-    for name, stage in config_topology(cfg).items():
+    for name, stage in graph_topology(cfg).flow.items():
         mine = [t for t in tasks.values() if t.get("stage") == name]
         live = [t for t in mine if now_ms - int(t.get("updated_ms", 0)) <= STALE_MS]
         rates = [t.get("rate") for t in live]

@@ -1,9 +1,9 @@
-"""Pipeline state as seen from Redis: backlog, counters, rates and freshness.
+"""Pipeline state as seen from Redis (and the log): backlog, counters, rates and freshness.
 
-Everything here reads Redis only, so `sluice status`, the API and the demo line can show it from
-any process. The backlog is the number of input entries not yet committed: the input is trimmed
-at the last committed id (which itself stays, as the resume point), so it is the stream length,
-less one when the first entry is that resume point.
+Everything here reads only, so `sluice status`, the API and the demo line can show it from any
+process. The backlog is what the slowest reader of the source has not committed yet: for Redis
+Streams the entries left in the streams, for Kafka the consumer lag per partition
+(`source.log.Log.level`).
 """
 
 from __future__ import annotations
@@ -13,44 +13,57 @@ from typing import Any
 import orjson
 
 from sluice.config import Config
-from sluice.flow.stages import memory_fraction, stream_level
-from sluice.flow.status import flow_status
-from sluice.redis.keys import (
-    BATCHES_KEY,
-    HEALTH_KEY,
-    OFFSETS_KEY,
-    STATS_KEY,
-    shard_side_key,
-    stats_keys,
-)
+from sluice.flow.levels import memory_fraction
+from sluice.graph import graph_topology, reader_name
+from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, STATS_KEY, stats_keys
+from sluice.source.log import Backlog, Log, LogUnavailable, open_log
+from sluice.source.options import SourceOptions, log_spec
+from sluice.source.waiting import read_log_state
+from sluice.status.flow import flow_status
+
+_logs: dict[tuple[int, str], Log] = {}
+
+
+def source_log(client: Any, cfg: Config, stream: str | None = None) -> Log:
+    """The log of `stream` (the source by default), kept per client and log: a Kafka log holds
+    an admin client that is costly to make for every look."""
+    graph = graph_topology(cfg) if stream not in (None, cfg.source.stream) else None
+    spec = log_spec(cfg) if graph is None else graph.streams[str(stream)].log
+    key = (id(client), repr(spec))
+    found = _logs.get(key)
+    if found is None:
+        base = SourceOptions.from_config(cfg, "")
+        found = _logs[key] = open_log(SourceOptions(**{**base.__dict__, "log": spec}), client)
+    return found
 
 
 def backlog(client: Any, cfg: Config) -> tuple[int, dict[str, int]]:
-    """Input entries not yet committed by the slowest reader, in all and per shard."""
-    shards = cfg.source.shard_keys()
-    pipe = client.pipeline(transaction=False)
-    for s in shards:
-        pipe.xlen(s)
-        pipe.execute_command("XRANGE", s, "-", "+", "COUNT", 1)
-        pipe.hvals(shard_side_key("rd", s))  # every reader's committed id
-    pipe.hgetall(OFFSETS_KEY)  # the default reader's, as written before readers had names
-    res = pipe.execute()
-    legacy = {k.decode(): v.decode() for k, v in res[-1].items()}
-    per: dict[str, int] = {}
-    for i, s in enumerate(shards):
-        length, first, ids = int(res[3 * i]), res[3 * i + 1], res[3 * i + 2]
-        first_id = _first_id(first)
-        committed = {v.decode() for v in ids} | ({legacy[s]} if s in legacy else set())
-        per[s] = max(0, length - (1 if first_id is not None and first_id in committed else 0))
-    return sum(per.values()), per
+    """Input entries not yet committed by the slowest reader, in all and per shard (Kafka:
+    per partition). Raises LogUnavailable when the log cannot be read."""
+    b = source_log(client, cfg).level()
+    return b.entries, b.shards
 
 
-def _first_id(reply: Any) -> str | None:
-    if not reply:
-        return None
-    entry = reply[0]
-    eid = entry[0]
-    return eid.decode() if isinstance(eid, bytes) else str(eid)
+def log_status(client: Any, cfg: Config) -> tuple[Backlog | None, dict[str, Any]]:
+    """The source log's backlog (None when it cannot be read) and its section of the status:
+    its kind, whether it can be read, and for Kafka the topic, group and lag per partition."""
+    kind = "redis" if cfg.source.kafka is None else "kafka"
+    section: dict[str, Any] = {"kind": kind, "state": "ok"}
+    if cfg.source.kafka is not None:
+        section.update(topic=cfg.source.kafka.topic, group_id=cfg.source.kafka.group_id,
+                       bootstrap=cfg.source.kafka.bootstrap)  # fmt: skip
+    waiting = read_log_state(client)
+    if waiting is not None and waiting["state"] == "waiting":
+        section.update(state="waiting", reason=waiting["reason"], message=waiting["message"],
+                       since_ms=waiting["since_ms"])  # fmt: skip
+    try:
+        b = source_log(client, cfg).level()
+    except LogUnavailable as e:
+        section.update(state="waiting", reason=e.reason, message=str(e))
+        return None, section
+    if kind == "kafka":
+        section["lag"] = b.shards
+    return b, section
 
 
 def recent_batches(client: Any, n: int = 60) -> list[dict[str, Any]]:
@@ -67,8 +80,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -> dict[str, Any]:
     """A JSON-ready snapshot: backlog, totals, processed rate and freshness over `window_s`."""
-    total, per_shard = backlog(client, cfg)
-    level = stream_level(client, tuple(cfg.source.shard_keys()), cfg.backpressure)
+    level, log_section = log_status(client, cfg)
     raw = client.hgetall(STATS_KEY)
     stats = {k.decode(): v.decode() for k, v in raw.items()}
     counters = {k: int(v) for k, v in stats.items() if k not in ("last_token", "last_batch")}
@@ -85,12 +97,14 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
     used, cap = memory_fraction(client)
     return {
         "backlog": {
-            "entries": total,
-            "bytes": level.bytes,
+            "entries": level.entries if level else None,
+            "bytes": level.bytes if level else None,
+            "bytes_estimated": bool(level and level.detail.get("bytes_estimated")),
             "high_watermark": cfg.backpressure.high_watermark,
             "low_watermark": cfg.backpressure.low_watermark,
-            "shards": per_shard,
+            "shards": level.shards if level else {},
         },
+        "log": log_section,
         "processed_events_per_s": processed,
         "rates": {
             # Events per second: sent by producers (the SDK and POST /v1/events, metered by
@@ -105,7 +119,7 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
         "redis": {"used_memory": used, "maxmemory": cap},
         "flow": flow,
-        "pipeline": pipeline_health(client, now_ms),
+        "pipeline": pipeline_health(client, now_ms, log_section),
         "audit": audit_status(client, cfg, counters, last),
         "stages": stages_status(client, cfg, now_ms),
     }
@@ -116,23 +130,31 @@ def stages_status(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
     counters, the age of its newest batch, and its own input backlog. Empty without stages."""
     if not cfg.stages:
         return {}
-    from sluice.pipeline.graph import graph_topology, reader_name
+    from sluice.flow.levels import QueueLevel
 
     graph = graph_topology(cfg)
-    by_shard = {k: spec for spec in graph.streams.values() for k in spec.shards}
     out: dict[str, Any] = {}
     for name, stage in graph.flow.items():
         if stage.queue != "streams":
             continue
         raw = {k.decode(): v.decode() for k, v in client.hgetall(stats_keys(name).stats).items()}
         last = orjson.loads(raw["last_batch"]) if "last_batch" in raw else None
-        bp = by_shard[stage.streams[0]].backpressure
-        level = stream_level(client, stage.streams, bp, reader_name(name))
+        first = graph.streams[stage.inputs[0]]
+        backlog_: dict[str, Any] | None = None
+        try:
+            entries = size = 0
+            for stream in stage.inputs:
+                b = source_log(client, cfg, stream).level(reader_name(name))
+                entries, size = entries + b.entries, size + b.bytes
+            backlog_ = QueueLevel.against(entries, size, first.backpressure,
+                                          reader=reader_name(name)).as_dict()  # fmt: skip
+        except LogUnavailable:
+            backlog_ = None
         out[name] = {
             "upstreams": list(stage.upstreams),
             "counters": {k: int(v) for k, v in raw.items() if not k.startswith("last_")},
             "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
-            "backlog": level.as_dict(),
+            "backlog": backlog_,
         }
     return out
 
@@ -157,8 +179,11 @@ def _stage_rate(flow: dict[str, Any], stage: str) -> float:
 HEARTBEAT_STALE_MS = 10_000
 
 
-def pipeline_health(client: Any, now_ms: int) -> dict[str, Any]:
-    """The supervisor's published state; `not_running` when no heartbeat came for a while."""
+def pipeline_health(
+    client: Any, now_ms: int, log_section: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The supervisor's published state; `not_running` when no heartbeat came for a while,
+    `waiting_for_log` while it runs but its log cannot be read (`log_section`)."""
     raw = {k.decode(): v.decode() for k, v in client.hgetall(HEALTH_KEY).items()}
     if not raw:
         return {"state": "not_running", "consecutive_failures": 0, "restarts": 0}
@@ -166,11 +191,14 @@ def pipeline_health(client: Any, now_ms: int) -> dict[str, Any]:
     state = raw.get("state", "unknown")
     if now_ms - beat > HEARTBEAT_STALE_MS and state != "stopped":
         state = "not_running"
+    last_error = raw.get("last_error") or None
+    if state == "running" and log_section is not None and log_section["state"] == "waiting":
+        state, last_error = "waiting_for_log", log_section.get("message")
     return {
         "state": state,
         "consecutive_failures": int(raw.get("consecutive_failures", 0)),
         "restarts": int(raw.get("restarts", 0)),
-        "last_error": raw.get("last_error") or None,
+        "last_error": last_error,
         "heartbeat_age_ms": now_ms - beat,
         "changed_ms": int(raw["changed_ms"]) if "changed_ms" in raw else None,
     }

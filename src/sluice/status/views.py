@@ -18,10 +18,14 @@ def format_status(st: dict[str, Any]) -> str:
     state = pipe["state"]
     if pipe.get("consecutive_failures"):
         state += f" ({pipe['consecutive_failures']} failures in a row: {pipe.get('last_error')})"
+    backlog = st["backlog"]
+    entries = backlog.get("entries")
+    size = _size(backlog.get("bytes")) + (" (estimated)" if backlog.get("bytes_estimated") else "")
     rows = [
         ("pipeline", state),
-        ("backlog (entries)", f"{st['backlog']['entries']:,}"),
-        ("backlog (bytes)", _size(st["backlog"].get("bytes"))),
+        ("log", _log(st.get("log") or {})),
+        ("backlog (entries)", "-" if entries is None else f"{entries:,}"),
+        ("backlog (bytes)", size),
         ("events/s in / admitted / processed", _rates(st)),
         ("freshness p50 / p99", f"{_ms(f['p50'])} / {_ms(f['p99'])}"),
         (
@@ -70,6 +74,23 @@ def format_status(st: dict[str, Any]) -> str:
     if flow:
         out += ["", *format_flow(flow)]
     return "\n".join(out)
+
+
+def _log(log: dict[str, Any]) -> str:
+    """The source log in one line: which, whether it can be read, and Kafka's lag."""
+    if log.get("kind") == "kafka":
+        text = f"kafka topic {log.get('topic')} (group {log.get('group_id')})"
+        lag = log.get("lag")
+        if lag:
+            parts = ", ".join(
+                f"{p}: {n:,}" for p, n in sorted(lag.items(), key=lambda kv: int(kv[0]))
+            )
+            text += f"; lag by partition {parts}"
+    else:
+        text = "redis streams"
+    if log.get("state") == "waiting":
+        text += f"; WAITING ({log.get('reason')}): {log.get('message')}"
+    return text
 
 
 def _rates(st: dict[str, Any]) -> str:

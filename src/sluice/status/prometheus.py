@@ -30,8 +30,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-PIPELINE_STATES = ("starting", "running", "restarting", "waiting_for_redis", "failing", "stopped",
-                   "not_running")  # fmt: skip
+PIPELINE_STATES = ("starting", "running", "restarting", "waiting_for_redis", "waiting_for_log",
+                   "failing", "stopped", "not_running")  # fmt: skip
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -58,7 +58,7 @@ def _gauge(name: str, doc: str, value: float | None, unit: str = "") -> Iterator
 
 
 class StatusCollector(Collector):
-    """Metric families from one `read_status` snapshot (see `pipeline.status`)."""
+    """Metric families from one `read_status` snapshot (see `status.snapshot`)."""
 
     def __init__(
         self,
@@ -116,11 +116,11 @@ class StatusCollector(Collector):
 
     def _backlog(self, st: dict[str, Any]) -> Iterator[Metric]:
         b = st["backlog"]
-        yield GaugeMetricFamily(
-            "sluice_backlog_entries", "Input entries not yet committed", value=b["entries"]
-        )
-        yield GaugeMetricFamily(
-            "sluice_backlog_bytes", "Input bytes not yet committed", value=b.get("bytes") or 0
+        yield from _gauge("sluice_backlog_entries", "Input entries not yet committed", b["entries"])
+        yield from _gauge(
+            "sluice_backlog_bytes",
+            "Input bytes not yet committed (Kafka: estimated from the mean record size)",
+            b.get("bytes"),
         )
         yield from _gauge(
             "sluice_backlog_high_watermark_bytes", "The input's high watermark",
@@ -130,6 +130,20 @@ class StatusCollector(Collector):
             "sluice_backlog_low_watermark_bytes", "The input's low watermark",
             b.get("low_watermark"),
         )  # fmt: skip
+        log = st.get("log") or {}
+        yield GaugeMetricFamily(
+            "sluice_log_up", "1 while the source log can be read (0: waiting for it)",
+            value=1 if log.get("state", "ok") == "ok" else 0,
+        )  # fmt: skip
+        if "lag" in log:
+            lag = GaugeMetricFamily(
+                "sluice_kafka_lag_records",
+                "Records of the Kafka topic not yet committed by Sluice's slowest reader",
+                labels=["topic", "partition"],
+            )
+            for partition, n in sorted(log["lag"].items(), key=lambda kv: int(kv[0])):
+                lag.add_metric([log.get("topic", ""), str(partition)], n)
+            yield lag
 
     def _freshness(self, st: dict[str, Any]) -> Iterator[Metric]:
         fresh = GaugeMetricFamily(
@@ -277,7 +291,7 @@ def redis_health(client: Any) -> dict[str, Any]:
     """PING round trip and memory; `{"up": 0}` when Redis does not answer. Never raises."""
     import redis
 
-    from sluice.flow.stages import memory_fraction
+    from sluice.flow.levels import memory_fraction
 
     try:
         t0 = time.perf_counter()

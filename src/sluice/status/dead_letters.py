@@ -1,9 +1,10 @@
 """The dead-letter stream, read back: the newest records, how many there are, and why.
 
 The writer appends one record per bad event to `sluice:dead:{<stream>}` (see
-`lua/dead_letters.lua`: fields id, idx, reason, field, raw, ts, batch) and counts each reason in
-the stats hash as `dead_<reason>`. `sluice dead-letters` and `GET /v1/dead-letters` read them
-here. Redis only; nothing is written or removed.
+`lua/dead_letters.lua`: fields id, idx, reason, field, raw, ts, batch; the id of a Kafka record
+is `<topic>:<partition>@<offset>`, and its item also has those three apart) and counts each
+reason in the stats hash as `dead_<reason>`. `sluice dead-letters` and `GET /v1/dead-letters`
+read them here. Redis only; nothing is written or removed.
 
 The stream is bounded (`source.dead_letter_maxlen`, trimmed approximately), while the counters
 are never trimmed: `total` is what the stream holds now, `by_reason` counts since the start.
@@ -23,6 +24,7 @@ DEFAULT_LIMIT = 50
 MAX_LIMIT = 1000
 PAGE_ENTRIES = 1000  # XREVRANGE page when filtering by reason
 _REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_KAFKA_ENTRY = re.compile(r"(.+):(\d+)@(\d+)")
 
 
 def parse_limit(value: str | None) -> int:
@@ -91,7 +93,7 @@ def _item(dead_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any]:
         raw = text(name)
         return int(raw) if raw.lstrip("-").isdigit() else None
 
-    return {
+    item: dict[str, Any] = {
         "dead_id": dead_id.decode(),
         "written_ms": id_ms(dead_id),
         "entry_id": text(b"id"),
@@ -102,3 +104,7 @@ def _item(dead_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any]:
         "ts": number(b"ts"),
         "token": number(b"batch"),
     }
+    kafka = _KAFKA_ENTRY.fullmatch(item["entry_id"])
+    if kafka is not None:  # a Kafka record: `<topic>:<partition>@<offset>`
+        item.update(topic=kafka.group(1), partition=int(kafka.group(2)), offset=int(kafka.group(3)))
+    return item

@@ -1,0 +1,281 @@
+"""A fold: the streaming query that folds one stream's events into slices in the store.
+
+Per micro-batch: the exploded updates (`pipeline.plan`) are folded by (group, key, slice),
+written by the executors (`pipeline.writer`, idempotent per writer token), and audited
+(`pipeline.audit`): the events the batch admitted, read again from the log itself, against the
+updates the plan fanned out and those the store acknowledged. A batch that does not balance is
+written again in place; after `audit.retries` replays it raises AuditError, so Spark neither
+commits nor releases it and replays it after the restart.
+
+The store's write time feeds its monitor (the `store` flow stage), after every batch and, from
+a thread, between batches, so quiet periods count (seed 000).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+
+from sluice.clock import SYSTEM_CLOCK, Clock
+from sluice.config import Config
+from sluice.errors import AuditError, PipelineError
+from sluice.flow.valves import StoreMonitor
+from sluice.pipeline.audit import AuditResult, Ledger, batch_offsets, writer_xors
+from sluice.pipeline.plan import check_expressions, explode_updates, fold_columns, fold_updates
+from sluice.pipeline.plan import metric_specs as make_specs
+from sluice.pipeline.query import Role, StreamQuery
+from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition
+from sluice.redis.cluster import is_cluster_url
+from sluice.redis.connection import RedisHandle
+from sluice.source.log import Admitted, Log, open_log
+from sluice.source.options import SourceOptions
+
+log = logging.getLogger(__name__)
+
+Writer = Callable[[WriterContext, Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+
+
+def summarize(
+    rows: list[Any], batch_id: int, token: int, started_ms: int, done_ms: int
+) -> dict[str, Any]:
+    """Fold the writer's per-partition counters into one batch record."""
+    rec: dict[str, Any] = {
+        "batch": batch_id,
+        "token": token,
+        "events": 0,
+        "dead": 0,
+        "updates_applied": 0,
+        "updates_duplicate": 0,
+        "updates_expired": 0,
+        "min_ems": None,
+        "max_ems": None,
+        "started_ms": started_ms,
+        "done_ms": done_ms,
+        "write_ms": None,
+        "dead_by_reason": {},
+    }
+    for r in rows:
+        if r["kind"] == "stats":
+            rec["events"] += r["events"]
+            w = r.get("write_ms")
+            if w is not None:
+                rec["write_ms"] = round(max(w, rec["write_ms"] or 0.0), 1)
+            for key, pick in (("min_ems", min), ("max_ems", max)):
+                v = r[key]
+                if v is not None:
+                    rec[key] = v if rec[key] is None else pick(rec[key], v)
+            for name in ("updates_applied", "updates_duplicate", "updates_expired"):
+                rec[name] += r[name]
+        elif r["kind"] == "dead":
+            rec["dead"] += r["events"]
+            rec["events"] += r["events"]
+            by = rec["dead_by_reason"]
+            by[r["reason"]] = by.get(r["reason"], 0) + r["events"]
+    return rec
+
+
+class FoldQuery(StreamQuery):
+    """The fold of one stream (the source's, named `spark`, or a stage output's `fold:<s>`).
+
+    `writer` is the executor-side partition writer; tests and benchmarks install a wrapper of
+    `write_partition` to inject store faults (see `sluice.testing.faults`).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        redis: RedisHandle,
+        spark: SparkSession,
+        clock: Clock = SYSTEM_CLOCK,
+        on_batch: Callable[[dict[str, Any]], None] | None = None,
+        role: Role | None = None,
+    ) -> None:
+        super().__init__(cfg, redis, spark, role or Role.single(cfg), clock)
+        self.on_batch = on_batch
+        self.writer: Writer = write_partition
+        self.specs: tuple[Any, ...] = ()
+        self.ledger = Ledger(redis.client, cfg.source.stream, cfg.audit.ledger_shards)
+        self.log: Log = open_log(self.base_options(), redis.client)
+        assert self.role.store is not None, "a fold feeds a store"
+        self.store = StoreMonitor(redis.client, cfg.backpressure, self.role.store, clock)
+        self._folds: list[Any] = []
+        self._flow_thread: threading.Thread | None = None
+        self._flow_stop = threading.Event()
+
+    def base_options(self) -> SourceOptions:
+        return SourceOptions.from_config(self.cfg, self.redis.url)
+
+    def prepare(self) -> None:
+        if not self.specs:
+            types = check_expressions(self.spark, self.cfg)
+            self.specs = tuple(make_specs(self.cfg, types))
+            self._folds = fold_columns(list(self.specs), self.cfg.audit.enabled)
+        super().prepare()
+
+    def frame(self) -> DataFrame:
+        return explode_updates(self.read_stream(), self.cfg, list(self.specs))
+
+    def process_batch(self, exploded: DataFrame, batch_id: int) -> dict[str, Any]:
+        """Fold and write one micro-batch of exploded updates, then audit it (see the module
+        docstring). Safe to re-run with the same batch id."""
+        self.prepare()
+        started = self.clock.now_ms()
+        token = self.token(batch_id)
+        ctx = WriterContext(
+            url=self.redis.url,
+            token=token,
+            specs=self.specs,
+            source_stream=self.cfg.source.stream,
+            dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
+            cluster=is_cluster_url(self.redis.url),
+        )
+        source = self._audit_source(batch_id)
+        attempts = 1 + self.cfg.audit.retries
+        audit: AuditResult | None = None
+        for attempt in range(1, attempts + 1):
+            updates = fold_updates(exploded, self._folds)
+            write = functools.partial(self.writer, ctx)
+            rows = [r.asDict() for r in updates.mapInArrow(write, RESULT_DDL).collect()]
+            audit = self._audit(batch_id, attempt, source, rows)
+            if audit is None or audit.ok:
+                break
+            log.warning(
+                "audit did not balance; writing the batch again",
+                extra={"batch": batch_id, "residual": f"{audit.residual:#018x}",
+                       "attempt": attempt, "attempts": attempts},
+            )  # fmt: skip
+        else:
+            assert audit is not None
+            raise AuditError(batch_id, audit.residual, attempts)
+        rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
+        counters: list[Any] = [
+            "batches", 1,
+            "events_in", rec["events"],
+            "events_aggregated", rec["events"] - rec["dead"],
+            "dead_letters", rec["dead"],
+            "updates_applied", rec["updates_applied"],
+            "updates_duplicate", rec["updates_duplicate"],
+            "updates_expired", rec["updates_expired"],
+        ]  # fmt: skip
+        if audit is not None:
+            rec["audit"] = {
+                "ok": True,
+                "attempts": attempt,
+                "events_admitted": audit.events,
+                "audit_ms": round(audit.audit_ms, 1),
+            }
+            counters += ["events_admitted", audit.events, "audit_replays", attempt - 1,
+                         "audit_ok", 1]  # fmt: skip
+        self.record(rec, counters)
+        if rec["events"]:
+            log.debug(
+                "batch written",
+                extra={
+                    "batch": batch_id, "events": rec["events"], "dead": rec["dead"],
+                    "updates": rec["updates_applied"], "duration_ms": rec["done_ms"] - started,
+                    "attempts": attempt,
+                },
+            )  # fmt: skip
+        self._observe_store(rec["write_ms"])
+        if self.on_batch is not None:
+            self.on_batch(rec)
+        return rec
+
+    # -- the audit ----------------------------------------------------------------------------
+
+    def _audit_source(self, batch_id: int) -> tuple[Admitted, float] | None:
+        """The audit's source side and how long it took (ms), or None when it is off."""
+        if not self.cfg.audit.enabled:
+            return None
+        t0 = time.perf_counter()
+        try:
+            start, end = batch_offsets(self.ckpt, batch_id)
+        except FileNotFoundError:
+            # Only a batch handed in directly (not by the streaming query) has no offset log.
+            log.warning("batch not audited: no offset log entry", extra={"batch": batch_id})
+            return None
+        admitted = self.log.admitted(self.log.spans(start, end))
+        return admitted, (time.perf_counter() - t0) * 1000
+
+    def _audit(
+        self,
+        batch_id: int,
+        attempt: int,
+        source: tuple[Admitted, float] | None,
+        rows: list[dict[str, Any]],
+    ) -> AuditResult | None:
+        if source is None:
+            return None
+        fan, applied = writer_xors(rows)
+        a, ms = source
+        result = AuditResult(batch_id, attempt, a.xor, fan, applied, a.events, a.entries, ms)
+        self.ledger.record(result)
+        return result
+
+    # -- the store's flow stage ---------------------------------------------------------------
+
+    def _observe_store(self, write_ms: float | None) -> None:
+        try:
+            self.store.observe(write_ms)
+        except Exception as e:  # noqa: BLE001 - flow control must never fail a batch
+            log.warning("store monitor failed", extra={"error": str(e)})
+
+    def _flow_loop(self) -> None:
+        """Between batches the store is still watched, so quiet periods count (seed 000)."""
+        tick_s = self.cfg.backpressure.tick / 1000
+        while not self._flow_stop.wait(tick_s):
+            last = self.store.last_observed_s
+            if last is not None and time.monotonic() - last < tick_s:
+                continue
+            try:
+                self.store.tick()
+            except Exception as e:  # noqa: BLE001 - retried next tick
+                log.debug("store monitor failed", extra={"error": str(e)})
+
+    def start(self) -> Any:
+        query = super().start()
+        if self._flow_thread is None or not self._flow_thread.is_alive():
+            self._flow_stop.clear()
+            self._flow_thread = threading.Thread(
+                target=self._flow_loop, name="sluice-store-monitor", daemon=True
+            )
+            self._flow_thread.start()
+        return query
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self._flow_stop.set()
+        super().stop(grace_s)
+
+    # -- for tests and benchmarks -------------------------------------------------------------
+
+    def wait_idle(self, timeout_s: float = 120.0) -> bool:
+        """Block until the input backlog is 0 and no batch runs."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            q = self.query
+            if q is not None and q.exception() is not None:
+                raise PipelineError(f"streaming query failed: {q.exception()}")
+            if (
+                self.log.level().entries == 0
+                and q is not None
+                and not q.status.get("isTriggerActive", False)
+            ):
+                # A second look: the last batch's commit (and release) may still be in flight.
+                time.sleep(0.2)
+                if self.log.level().entries == 0:
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def run_forever(self, max_backoff_s: float = 15.0) -> None:
+        """Run until request_stop(), restarting a failed query (see `pipeline.supervisor`)."""
+        from sluice.pipeline.supervisor import Supervisor
+
+        Supervisor([self], self.redis.client, self.clock, self._stop).run_forever(max_backoff_s)

@@ -1,0 +1,231 @@
+"""One streaming query of a pipeline, and the lifecycle every kind shares.
+
+A pipeline runs one streaming query per fold (metrics into the slice store, `pipeline.fold`)
+and per stream-to-stream stage (`pipeline.stage`). Each has:
+
+- its **checkpoint** (`state_dir/checkpoint` for the source's fold, as a pipeline without stages
+  always had; `state_dir/checkpoints/<stage>` for the others);
+- its **writer epoch**, taken from Redis once per fresh checkpoint and kept beside it, so that
+  a batch re-run after a crash writes with the same token (`writer_token`) and stays idempotent;
+- its **batch records**: counters, the newest batch and the freshness histogram, written once
+  per token by `lua/record_batch.lua` (`sluice:{stats[:<stage>]}`);
+- its **role** in the graph: its flow stage, its reader name and the readers of its input.
+
+Construction has no side effects; `prepare()` (called by `start()`) talks to Spark and Redis.
+`start()` returns once the query runs; batches run on Spark's threads. `stop()` stops after the
+batch in flight: the checkpoint makes a batch cut short re-run on the next start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from sluice.clock import SYSTEM_CLOCK, Clock
+from sluice.config import Config
+from sluice.graph import SPARK, FlowStage, Graph, graph_topology, reader_name
+from sluice.redis.connection import RedisHandle
+from sluice.redis.keys import EPOCH_KEY, StatsKeys, stats_keys
+from sluice.redis.scripts import RECORD_BATCH, script_source
+from sluice.source.options import FlowOptions, SourceOptions
+from sluice.source.reader import FORMAT
+from sluice.status import freshness
+
+log = logging.getLogger(__name__)
+
+TOKEN_EPOCH = 10**12
+
+
+def writer_token(epoch: int, batch_id: int) -> int:
+    """A batch's writer token: grows across the life of a deployment (see pipeline.writer)."""
+    return epoch * TOKEN_EPOCH + batch_id
+
+
+def checkpoint_dir(cfg: Config, stage: str = SPARK) -> Path:
+    """The source's fold keeps the checkpoint of a pipeline without stages; every other stage
+    has its own under `checkpoints/` (`fold:x` as `fold-x`: Hadoop paths refuse a colon)."""
+    if stage == SPARK:
+        return Path(cfg.state_dir) / "checkpoint"
+    return Path(cfg.state_dir) / "checkpoints" / stage.replace(":", "-")
+
+
+def query_name(stage: str) -> str:
+    return "sluice" if stage == SPARK else f"sluice-{stage.replace(':', '-')}"
+
+
+def writer_epoch(ckpt: Path, client: Any) -> int:
+    """The epoch of this checkpoint: taken from Redis once, when the checkpoint is new.
+
+    Kept in a file beside Spark's own checkpoint files, so a restart from the same checkpoint
+    re-runs its batches with the same writer tokens (and so stays idempotent).
+    """
+    ckpt.mkdir(parents=True, exist_ok=True)
+    path = ckpt / "sluice-epoch"
+    if path.exists():
+        return int(path.read_text().strip())
+    epoch = int(client.incr(EPOCH_KEY))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(epoch))
+    tmp.replace(path)
+    return epoch
+
+
+def stop_query(q: StreamingQuery | None, grace_s: float) -> None:
+    """Stop `q` after the batch in flight, waiting at most `grace_s`; the checkpoint makes any
+    batch cut short re-run on the next start, so a hard stop loses nothing either."""
+    if q is None:
+        return
+    deadline = time.monotonic() + grace_s
+    while q.isActive and time.monotonic() < deadline:
+        if not q.status.get("isTriggerActive", False):
+            break
+        time.sleep(0.05)
+    if q.isActive:
+        q.stop()
+
+
+@dataclass(frozen=True)
+class Role:
+    """Where one streaming query sits in the graph: its flow stage, its reader name and the
+    readers of each input shard, and the flow stage of the store it feeds (a fold's)."""
+
+    stage: FlowStage
+    reader: str = ""
+    readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    store: FlowStage | None = None
+
+    @classmethod
+    def of(cls, graph: Graph, stage: str, inputs: list[str], store: str | None = None) -> Role:
+        return cls(
+            graph.flow[stage],
+            reader_name(stage),
+            graph.shard_readers(inputs),
+            graph.flow[store] if store is not None else None,
+        )
+
+    @classmethod
+    def single(cls, cfg: Config) -> Role:
+        """The source's fold, in a pipeline without stages."""
+        return cls.of(graph_topology(cfg), SPARK, [cfg.source.stream], "store")
+
+    @property
+    def stats(self) -> StatsKeys:
+        return stats_keys(self.stage.name)
+
+    def source_options(self, base: SourceOptions, cfg: Config, ckpt: Path) -> SourceOptions:
+        """`base` read by this role: its reader, the readers it shares the input with, its
+        flow valve and its checkpoint."""
+        flow = FlowOptions(
+            cfg.backpressure,
+            cfg.spark.trigger,
+            self.stage.name,
+            self.stage.upstreams,
+            self.stage.inputs,
+            # A stream read by others too: its own backlog, not the slowest reader's.
+            own_level=any(len(r) > 1 for r in self.readers.values()),
+        )
+        return dataclasses.replace(
+            base, reader=self.reader, readers=self.readers, flow=flow, checkpoint=str(ckpt)
+        )
+
+
+class StreamQuery(ABC):
+    """The shared lifecycle (see the module docstring). Subclasses build the streaming
+    DataFrame (`frame`) and process each micro-batch (`process_batch`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        redis: RedisHandle,
+        spark: SparkSession,
+        role: Role,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.cfg = cfg
+        self.redis = redis
+        self.spark = spark
+        self.role = role
+        self.clock = clock
+        self.name = role.stage.name
+        self.ckpt = checkpoint_dir(cfg, self.name)
+        self.query: StreamingQuery | None = None
+        self.epoch: int | None = None
+        self._record: Any = None
+        self._stop = threading.Event()
+
+    def prepare(self) -> None:
+        """Check what needs Spark, and take the writer epoch. Idempotent; raises ConfigError
+        for a config that Spark refuses."""
+        if self.epoch is None:
+            self.epoch = writer_epoch(self.ckpt, self.redis.client)
+            self._record = self.redis.client.register_script(script_source(RECORD_BATCH))
+
+    def token(self, batch_id: int) -> int:
+        assert self.epoch is not None, "prepare() first"
+        return writer_token(self.epoch, batch_id)
+
+    @abstractmethod
+    def base_options(self) -> SourceOptions:
+        """The source this query reads, before its role is applied."""
+
+    def source_options(self) -> SourceOptions:
+        return self.role.source_options(self.base_options(), self.cfg, self.ckpt)
+
+    def read_stream(self, session: SparkSession | None = None) -> DataFrame:
+        opts = self.source_options().to_spark()
+        return (session or self.spark).readStream.format(FORMAT).options(**opts).load()
+
+    @abstractmethod
+    def frame(self) -> DataFrame:
+        """The streaming DataFrame each micro-batch of which `process_batch` gets."""
+
+    @abstractmethod
+    def process_batch(self, df: DataFrame, batch_id: int) -> dict[str, Any]:
+        """foreachBatch body; returns the batch record. Safe to re-run with the same id."""
+
+    def _on_batch(self, df: DataFrame, batch_id: int) -> None:
+        self.process_batch(df, batch_id)
+
+    def start(self) -> StreamingQuery:
+        """Start the streaming query (non-blocking)."""
+        self.prepare()
+        self._stop.clear()
+        self.query = (
+            self.frame()
+            .writeStream.queryName(query_name(self.name))
+            .foreachBatch(self._on_batch)
+            .option("checkpointLocation", str(self.ckpt))
+            .trigger(processingTime=f"{self.cfg.spark.trigger} milliseconds")
+            .start()
+        )
+        return self.query
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stop after the batch in flight, waiting at most `grace_s`."""
+        self._stop.set()
+        stop_query(self.query, grace_s)
+        self.query = None
+
+    def record(self, rec: dict[str, Any], counters: list[Any]) -> None:
+        """Record a finished batch, once per writer token: its counters (plus one `dead_<r>`
+        per dead-letter reason) and its freshness observation."""
+        counters = list(counters)
+        for reason, n in rec.get("dead_by_reason", {}).items():
+            counters += [f"dead_{reason}", n]
+        wait_ms = freshness.observation(rec)
+        if wait_ms is not None:
+            counters += ["|", *freshness.increments(wait_ms)]
+        self._record(keys=list(self.role.stats), args=[rec["token"], orjson.dumps(rec), *counters])

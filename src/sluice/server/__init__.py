@@ -1,0 +1,1 @@
+"""The HTTP service: the API, its lookup fast paths and its middleware."""

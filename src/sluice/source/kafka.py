@@ -1,0 +1,424 @@
+"""The Kafka log: the partitions of one topic are the shards, positions are offsets.
+
+A position is the offset of the next record, so a span [lo, hi) holds the records with
+lo <= offset < hi (offsets may have gaps: compaction, transaction markers). End offsets are the
+last stable offsets (read_committed), so an open transaction's records wait until it commits.
+
+- Partitions are read from the topic's metadata (refreshed every `METADATA_TTL_S`); one that
+  appears while the pipeline runs is read from its earliest offset. When a partition's end
+  falls behind the position Sluice holds (the topic was deleted and created again), it is read
+  again from its earliest offset, and a warning says so. Both are logged in the batch's offsets
+  (`"from"`), so a re-run reads the same records.
+- Budgets count events: a `json` record is one; `jsonl` records are read on the driver to count
+  their lines (`values.record_event_count`), like the Redis log's script does server-side.
+- The audit's source side reads the batch's spans again, on the driver, with its own consumer.
+- After a batch commits, this reader's positions are kept in Redis (`sluice:rd:{kafka:...}`,
+  per partition), and the smallest over the topic's readers is committed to `group_id`: Kafka's
+  own lag tools (kafka-consumer-groups, Burrow, exporters) then show Sluice as a consumer.
+- Kafka does not report a lag in bytes, so the backlog's bytes are the lag in records times the
+  mean record size Sluice has read (`bytes_estimated`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+
+from sluice.redis.keys import shard_side_key
+from sluice.redis.scripts import RELEASE_OFFSET, evalsha_on, execute_loading
+from sluice.source.decode import Decoder
+from sluice.source.ids import event_ids, xor_all
+from sluice.source.kafka_records import Records, forget_consumers, new_consumer, read_span
+from sluice.source.log import (
+    Admitted,
+    Backlog,
+    Log,
+    LogUnavailable,
+    Plan,
+    Position,
+    Span,
+    spread_budget,
+)
+from sluice.source.options import KafkaSpec, SourceOptions
+from sluice.source.values import record_event_count
+
+log = logging.getLogger(__name__)
+
+METADATA_TTL_S = 5.0
+REQUEST_TIMEOUT_S = 5.0
+SAMPLE_RECORDS = 32
+RECORD_BYTES_TTL_S = 30.0
+
+
+def shard_name(topic: str, partition: str | int) -> str:
+    """A partition's name in event ids and reader keys: `<topic>:<partition>`."""
+    return f"{topic}:{partition}"
+
+
+def reader_hash(topic: str, partition: str | int) -> str:
+    """The Redis hash of one partition's reader positions (reader name -> offset)."""
+    return shard_side_key("rd", f"kafka:{shard_name(topic, partition)}")
+
+
+class KafkaLog(Log):
+    OFFSETS_FIELD = "offsets"
+    kind = "kafka"
+    origin: ClassVar[Any] = 0
+
+    def __init__(self, opts: SourceOptions, client: Any = None) -> None:
+        if not isinstance(opts.log, KafkaSpec):
+            raise TypeError("KafkaLog needs a KafkaSpec")
+        self.opts = opts
+        self.spec: KafkaSpec = opts.log
+        self._admin: Any = None
+        self._committer: Any = None
+        self._redis: Any = client
+        self._parts: tuple[float, list[int]] | None = None
+        self._committed: dict[int, int] = {}
+        self._record_bytes: tuple[float, float] | None = None  # (mean bytes, when measured)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Plain options only: clients are made anew where the log is unpickled."""
+        return {**self.__dict__, "_admin": None, "_committer": None, "_redis": None}
+
+    @staticmethod
+    def before(a: Position, b: Position) -> bool:
+        return int(a) < int(b)
+
+    # -- clients ------------------------------------------------------------------------------
+
+    def _admin_client(self) -> Any:
+        if self._admin is None:
+            from confluent_kafka.admin import AdminClient
+
+            self._admin = AdminClient(self.spec.client_config())
+        return self._admin
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            from sluice.redis.connection import client_for
+
+            self._redis = client_for(self.opts.url, timeout_s=30, connect_timeout_s=10)
+        return self._redis
+
+    def partitions(self) -> list[int]:
+        """The topic's partition ids (cached for METADATA_TTL_S). Raises LogUnavailable."""
+        now = time.monotonic()
+        if self._parts is not None and now - self._parts[0] < METADATA_TTL_S:
+            return self._parts[1]
+        try:
+            # All topics, not the one: a metadata request naming a topic may create it.
+            md = self._admin_client().list_topics(timeout=REQUEST_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
+            raise LogUnavailable(
+                "unreachable", f"Kafka at {self.spec.bootstrap} does not answer: {e}"
+            ) from None
+        topic = md.topics.get(self.spec.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            # Kept consumers know the topic: let them go before it may be created again.
+            forget_consumers(self.spec)
+            why = f" ({topic.error})" if topic is not None and topic.error is not None else ""
+            raise LogUnavailable(
+                "no_topic",
+                f"Kafka topic {self.spec.topic!r} does not exist at {self.spec.bootstrap}{why};"
+                " create it, or fix `source.kafka.topic`",
+            )
+        parts = sorted(topic.partitions)
+        self._parts = (now, parts)
+        return parts
+
+    def offsets(self, parts: list[int], which: str) -> dict[int, int]:
+        """The earliest or latest (last stable) offset of each partition. Raises
+        LogUnavailable."""
+        if not parts:
+            return {}
+        from confluent_kafka import IsolationLevel, TopicPartition
+        from confluent_kafka.admin import OffsetSpec
+
+        want = OffsetSpec.latest() if which == "latest" else OffsetSpec.earliest()
+        req = {TopicPartition(self.spec.topic, p): want for p in parts}
+        try:
+            futures = self._admin_client().list_offsets(
+                req,
+                isolation_level=IsolationLevel.READ_COMMITTED,
+                request_timeout=REQUEST_TIMEOUT_S,
+            )
+            return {tp.partition: int(f.result().offset) for tp, f in futures.items()}
+        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
+            self._parts = None  # the partitions may have changed: look again next time
+            raise LogUnavailable(
+                "unreachable", f"Kafka offsets of {self.spec.topic!r} not available: {e}"
+            ) from None
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def start_positions(self) -> dict[str, Position]:
+        parts = self.partitions()
+        return {str(p): o for p, o in self.offsets(parts, self.spec.start).items()}
+
+    def plan(self, start: Mapping[str, Position], budget: int | None, ref_ms: int) -> Plan:
+        parts = self.partitions()
+        ends = self.offsets(parts, "latest")
+        fresh = [p for p in parts if str(p) not in start or ends[p] < int(start[str(p)])]
+        lows = self.offsets(fresh, "earliest")
+        lo: dict[str, int] = {s: int(v) for s, v in start.items()}
+        first: dict[str, int] = {}
+        if any(str(p) in start for p in fresh):
+            forget_consumers(self.spec)  # the topic was created again (see `partitions`)
+        for p in fresh:
+            s = str(p)
+            if s in start:
+                log.warning(
+                    "kafka offsets went back; reading the partition again from its start",
+                    extra={"topic": self.spec.topic, "partition": p, "held": start[s],
+                           "end": ends[p], "from": lows[p]},
+                )  # fmt: skip
+            lo[s] = first[s] = lows[p]
+        hi = {str(p): max(ends[p], lo[str(p)]) for p in parts}
+        end = {**lo, **hi}  # a partition missing from the metadata keeps its position
+        if budget is None:
+            return Plan(end, first, None, 0, False, ref_ms)
+        cur = dict(lo)
+
+        def take(shard: str, share: int, first_round: bool) -> tuple[int, bool]:
+            n, pos, more = self._take(shard, cur[shard], hi[shard], share, first_round)
+            cur[shard] = pos
+            return n, more
+
+        events, wanting = spread_budget(budget, list(hi), take)
+        entries = {s: cur[s] - lo[s] for s in hi}
+        return Plan({**lo, **cur}, first, entries, events, bool(wanting), ref_ms)
+
+    def _take(
+        self, shard: str, pos: int, hi: int, share: int, force_first: bool
+    ) -> tuple[int, int, bool]:
+        """Advance one partition from `pos` by at most `share` events: (events, new position,
+        whether records are left)."""
+        if pos >= hi:
+            return 0, pos, False
+        if self.opts.format == "json":  # one event per record; gaps only lower the count
+            n = min(share, hi - pos)
+            return n, pos + n, pos + n < hi
+        events = 0
+        for recs in read_span(self.spec, int(shard), pos, hi, "planner"):
+            if recs.lost is not None:
+                events, pos = events + 1, recs.lost[1]
+                continue
+            self._observe_sizes(recs)
+            for value, off in zip(recs.values, recs.offsets, strict=True):
+                n = record_event_count(value, "jsonl", self.opts.max_entry_bytes)
+                if events + n > share and (events > 0 or not force_first):
+                    return events, off, True
+                events += n
+                pos = off + 1
+            if events >= share:
+                break
+        return events, pos, pos < hi
+
+    def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
+        lo, hi = int(span.lo), int(span.hi)
+        k = max(1, min(parts, hi - lo))
+        cuts = [lo + (hi - lo) * i // k for i in range(k + 1)]
+        return [Span(span.shard, a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+    def count_entries(self, span: Span) -> int:
+        return max(0, int(span.hi) - int(span.lo))
+
+    # -- the audit's source side --------------------------------------------------------------
+
+    def admitted(self, spans: list[Span]) -> Admitted:
+        acc = events = entries = 0
+        fmt = self.opts.format
+        for span in spans:
+            salt = shard_name(self.spec.topic, span.shard)
+            for recs in read_span(self.spec, int(span.shard), int(span.lo), int(span.hi), "audit"):
+                if recs.lost is not None:
+                    acc ^= xor_all(event_ids([recs.lost[0]], [0], [0], salt))
+                    events += 1
+                    continue
+                self._observe_sizes(recs)
+                counts = np.fromiter(
+                    (record_event_count(v, fmt, self.opts.max_entry_bytes) for v in recs.values),
+                    dtype=np.int64,
+                    count=len(recs.values),
+                )
+                n = int(counts.sum())
+                starts = np.cumsum(counts) - counts
+                idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
+                offs = np.repeat(np.asarray(recs.offsets, dtype=np.int64), counts)
+                acc ^= xor_all(event_ids(offs, np.zeros(n, dtype=np.uint64), idx, salt))
+                events += n
+                entries += len(recs.offsets)
+        return Admitted(acc, events, entries)
+
+    # -- backlog ------------------------------------------------------------------------------
+
+    def positions(self, parts: list[int]) -> list[dict[str, int]]:
+        """Every reader's committed offset, per partition (from Redis)."""
+        pipe = self._client().pipeline(transaction=False)
+        for p in parts:
+            pipe.hgetall(reader_hash(self.spec.topic, p))
+        return [{k.decode(): int(v) for k, v in rd.items()} for rd in pipe.execute()]
+
+    def level(self, reader: str | None = None) -> Backlog:
+        """The lag per partition: the end offset less the reader's committed offset (the
+        slowest reader's without `reader`; before any commit, the group's committed offset, or
+        the partition's start). Bytes are estimated (see the module docstring)."""
+        parts = self.partitions()
+        ends = self.offsets(parts, "latest")
+        held = self.positions(parts)
+        missing = [p for p, rd in zip(parts, held, strict=True) if not rd or (
+            reader is not None and reader not in rd)]  # fmt: skip
+        fallback = self._group_offsets(missing) if missing else {}
+        lag: dict[str, int] = {}
+        for p, rd in zip(parts, held, strict=True):
+            if reader is not None and reader in rd:
+                pos = rd[reader]
+            elif reader is None and rd:
+                pos = min(rd.values())
+            else:
+                pos = fallback.get(p, 0)
+            lag[str(p)] = max(0, ends[p] - pos)
+        total = sum(lag.values())
+        size = round(total * self.record_bytes(parts, ends, lag)) if total else 0
+        detail: dict[str, Any] = {"bytes_estimated": True, "topic": self.spec.topic}
+        if reader is not None:
+            detail["reader"] = reader
+        return Backlog(total, size, lag, detail)
+
+    def _group_offsets(self, parts: list[int]) -> dict[int, int]:
+        """The group's committed offsets, else each partition's earliest offset."""
+        from confluent_kafka import TopicPartition
+
+        out: dict[int, int] = {}
+        try:
+            got = self._committer_client().committed(
+                [TopicPartition(self.spec.topic, p) for p in parts], timeout=REQUEST_TIMEOUT_S
+            )
+            out = {tp.partition: int(tp.offset) for tp in got if tp.offset >= 0}
+        except Exception:
+            log.debug("group offsets not available", exc_info=True)
+        rest = [p for p in parts if p not in out]
+        if rest:
+            out.update(self.offsets(rest, "earliest"))
+        return out
+
+    def record_bytes(self, parts: list[int], ends: dict[int, int], lag: dict[str, int]) -> float:
+        """The mean record size: measured from what this process read, or sampled from the end
+        of the partition with the largest lag (kept for RECORD_BYTES_TTL_S)."""
+        known = self._record_bytes
+        if known is not None and time.monotonic() - known[1] < RECORD_BYTES_TTL_S:
+            return known[0]
+        p = max(parts, key=lambda q: lag[str(q)])
+        lo = max(0, ends[p] - SAMPLE_RECORDS)
+        sizes: list[int] = []
+        # A consumer of its own, closed at once: one kept idle would keep the topic's metadata
+        # cached, and librdkafka can crash refreshing it after the topic is created again.
+        consumer = new_consumer(self.spec, "sampler")
+        try:
+            sample = read_span(self.spec, p, lo, ends[p], "sampler", sleep=_no_wait,
+                               stall_s=2.0, consumer=consumer)  # fmt: skip
+            for recs in sample:
+                sizes += [len(v or b"") for v in recs.values]
+                break
+        except Exception:
+            log.debug("record size sample failed", exc_info=True)
+        finally:
+            consumer.close()
+        if sizes:
+            self._record_bytes = (sum(sizes) / len(sizes), time.monotonic())
+        return self._record_bytes[0] if self._record_bytes else 0.0
+
+    def _observe_sizes(self, recs: Records) -> None:
+        if recs.values:
+            mean = sum(len(v or b"") for v in recs.values) / len(recs.values)
+            self._record_bytes = (mean, time.monotonic())
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def _committer_client(self) -> Any:
+        if self._committer is None:
+            from confluent_kafka import Consumer
+
+            self._committer = Consumer(
+                self.spec.client_config(
+                    **{"group.id": self.spec.group_id, "enable.auto.commit": False}
+                )
+            )
+        return self._committer
+
+    def release(self, end: Mapping[str, Position]) -> None:
+        """Keep this reader's offsets in Redis and commit, per partition, the smallest over the
+        topic's readers to `group_id` (when it moved). A failed commit is logged and made again
+        after the next batch: the offsets only say how far Sluice got, they never decide what
+        it reads."""
+        if not end:
+            return
+        client = self._client()
+        shards = sorted(end, key=int)
+
+        def run() -> Any:
+            pipe = client.pipeline(transaction=False)
+            for s in shards:
+                names = self.opts.readers_of(s)
+                evalsha_on(
+                    pipe, RELEASE_OFFSET, [reader_hash(self.spec.topic, s)],
+                    [self.opts.reader, int(end[s]), *names],
+                )  # fmt: skip
+            return pipe.execute()
+
+        mins = execute_loading(client, run, (RELEASE_OFFSET,))
+        commit = {}
+        for s, low in zip(shards, mins, strict=True):
+            if low is not None and int(low) > self._committed.get(int(s), -1):
+                commit[int(s)] = int(low)
+        if commit:
+            self._commit(commit)
+
+    def _commit(self, offsets: dict[int, int]) -> None:
+        from confluent_kafka import TopicPartition
+
+        tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(offsets.items())]
+        try:
+            self._committer_client().commit(offsets=tps, asynchronous=False)
+        except Exception as e:  # noqa: BLE001 - retried after the next batch
+            log.warning(
+                "kafka offsets not committed; trying again after the next batch",
+                extra={"group_id": self.spec.group_id, "error": str(e)},
+            )
+            return
+        self._committed.update(offsets)
+
+    # -- executor side ------------------------------------------------------------------------
+
+    def read(
+        self, span: Span, ref_ms: int, on_wait: Callable[[str, str], None] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        p = int(span.shard)
+        decoder = Decoder(self.opts, ref_ms, shard_name(self.spec.topic, p))
+        for recs in read_span(self.spec, p, int(span.lo), int(span.hi), "reader", on_wait):
+            if recs.lost is not None:
+                yield decoder.lost(recs.lost, self.spec.topic, p)
+            else:
+                yield from decoder.decode_records(
+                    recs.values, recs.offsets, recs.timestamps, self.spec.topic, p
+                )
+
+    def close(self) -> None:
+        forget_consumers(self.spec)
+        if self._committer is not None:
+            try:
+                self._committer.close()
+            except Exception:
+                log.debug("committer close failed", exc_info=True)
+        self._committer = self._admin = None
+
+
+def _no_wait(_: float) -> None:
+    raise LogUnavailable("unreachable", "the sample read would have to wait")

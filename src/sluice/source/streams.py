@@ -1,0 +1,318 @@
+"""The Redis Streams log: shards are stream keys, positions are entry ids.
+
+A position is the id of the entry before it (`"0-0"` is the beginning), so a span (lo, hi]
+reads the entries with lo < id <= hi. After a batch commits, each shard is trimmed with MINID up
+to its slowest reader's committed id (`lua/release.lua`); the committed entry itself stays, as
+the resume point, which is why the backlog is the stream's length less one when its first entry
+is a committed id.
+
+Budgets are counted server-side (`lua/advance.lua`), so only end ids travel to the client, and
+the audit's source side is read by `lua/audit_source.lua` over the same ids, independently of
+the batch's own XRANGE reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+
+from sluice.redis.keys import OFFSETS_KEY, shard_side_key
+from sluice.redis.scripts import (
+    ADVANCE,
+    AUDIT_SOURCE,
+    RELEASE,
+    evalsha_on,
+    execute_loading,
+    script_source,
+)
+from sluice.source.decode import Decoder
+from sluice.source.ids import ZERO_ID, event_ids, id_ms, parse_id, split_range, xor_all
+from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
+from sluice.source.options import SourceOptions
+
+XRANGE_COUNT = 2000
+# Entries per audit script call: a jsonl entry holds hundreds of events and tens of KB, so fewer
+# of them keep each call short (Redis serves no one else meanwhile) and its memory small.
+AUDIT_CHUNK = {"fields": 5000, "jsonl": 20}
+
+_clients: dict[str, Any] = {}
+
+
+def _unparsed(reply: Any, **kw: Any) -> Any:
+    return reply
+
+
+def raw_client(url: str) -> Any:
+    """A per-process client whose XRANGE replies are left unparsed (nested lists of bytes).
+
+    Python workers are reused across tasks, so the client (and its pool) is kept per URL. On a
+    cluster the replies are parsed by the client of the node that served them, so the callback
+    is set on each node's client; `read_range` copes with a node added later (a failover).
+    """
+    client = _clients.get(url)
+    if client is None:
+        from sluice.redis.cluster import node_clients
+        from sluice.redis.connection import client_for
+
+        client = client_for(url, timeout_s=30, connect_timeout_s=10)
+        for c in {id(n): n for n in [client, *node_clients(client)]}.values():
+            c.set_response_callback("XRANGE", _unparsed)
+            c.set_response_callback("XREVRANGE", _unparsed)
+        _clients[url] = client
+    return client
+
+
+def forget_client(url: str) -> None:
+    _clients.pop(url, None)
+
+
+def _raw_entries(chunk: Any) -> Any:
+    """Entries as XRANGE sends them, [[id, [k, v, ...]], ...], also from a client that parsed
+    them into (id, {k: v}) pairs (a cluster node whose client was made after `raw_client`)."""
+    if chunk and isinstance(chunk[0], tuple):
+        return [[eid, [x for kv in fields.items() for x in kv]] for eid, fields in chunk]
+    return chunk
+
+
+def read_range(client: Any, shard: str, lo: str, hi: str) -> Iterator[list[Any]]:
+    """Yield raw XRANGE chunks covering (lo, hi]."""
+    cursor = lo
+    while True:
+        chunk = _raw_entries(
+            client.execute_command("XRANGE", shard, f"({cursor}", hi, "COUNT", XRANGE_COUNT)
+        )
+        if not chunk:
+            return
+        yield chunk
+        if len(chunk) < XRANGE_COUNT:
+            return
+        last = chunk[-1][0]
+        cursor = last.decode() if isinstance(last, bytes) else str(last)
+
+
+def _text(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+def _entry_id(reply: Any) -> Any:
+    """The id of the one entry of an XRANGE/XREVRANGE ... COUNT 1 reply, parsed or raw."""
+    return reply[0][0] if reply else None
+
+
+def backlog_share(
+    offset_id: str | bytes | None, first_id: str | bytes | None, last_id: str | bytes | None
+) -> float:
+    """The fraction of a stream after `offset_id`, by entry time: the share of the span from
+    the first to the last entry's ms that lies after the offset. 1 with no offset (nothing
+    committed) or when all entries share one ms; 0 when the stream is empty or the offset is at
+    or past its last entry."""
+    if first_id is None or last_id is None:
+        return 0.0
+    if offset_id is None:
+        return 1.0
+    offset, first, last = parse_id(offset_id), parse_id(first_id), parse_id(last_id)
+    if offset >= last:
+        return 0.0
+    if last[0] == first[0]:
+        return 1.0
+    share = (last[0] - max(offset[0], first[0])) / (last[0] - first[0])
+    return min(1.0, max(0.0, share))
+
+
+class RedisStreamsLog(Log):
+    OFFSETS_FIELD = "ids"
+    kind = "redis"
+    origin: ClassVar[Any] = ZERO_ID
+
+    def __init__(self, opts: SourceOptions, client: Any = None) -> None:
+        self.opts = opts
+        self.shards: tuple[str, ...] = opts.shards
+        self._own = client  # used as given (not pickled); else this process's raw client
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_own": None}
+
+    def _client(self) -> Any:
+        return self._own if self._own is not None else raw_client(self.opts.url)
+
+    @staticmethod
+    def before(a: Position, b: Position) -> bool:
+        return parse_id(a) < parse_id(b)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def start_positions(self) -> dict[str, Position]:
+        return dict.fromkeys(self.shards, ZERO_ID)
+
+    def plan(self, start: Mapping[str, Position], budget: int | None, ref_ms: int) -> Plan:
+        ids = {s: start.get(s, ZERO_ID) for s in self.shards}
+        if budget is None:
+            end, entries, events, more = self._newest(ids), None, 0, False
+        else:
+            end, entries, events, more = self._advance(ids, budget)
+        ref = max(id_ms(v) for v in end.values()) if end else 0
+        return Plan(end, {}, entries, events, more, ref)
+
+    def _newest(self, ids: dict[str, str]) -> dict[str, str]:
+        pipe = self._client().pipeline(transaction=False)
+        for s in self.shards:
+            pipe.execute_command("XREVRANGE", s, "+", "-", "COUNT", 1)
+        out = dict(ids)
+        for s, last in zip(self.shards, pipe.execute(), strict=True):
+            if last and parse_id(last[0][0]) > parse_id(ids[s]):
+                out[s] = _text(last[0][0])
+        return out
+
+    def _advance(
+        self, ids: dict[str, str], budget: int
+    ) -> tuple[dict[str, str], dict[str, int], int, bool]:
+        """Spread `budget` events over the shards (`log.spread_budget`), counted in Redis by
+        advance.lua: only the end ids travel back."""
+        script = self._client().register_script(script_source(ADVANCE))
+        new_ids = dict(ids)
+        entries = dict.fromkeys(self.shards, 0)
+
+        def take(shard: str, share: int, first_round: bool) -> tuple[int, bool]:
+            end, n_entries, n_events, more = script(
+                keys=[shard], args=[new_ids[shard], share, self.opts.format, int(first_round)]
+            )
+            end = _text(end)
+            if parse_id(end) > parse_id(new_ids[shard]):
+                new_ids[shard] = end
+            entries[shard] += int(n_entries)
+            return int(n_events), bool(int(more))
+
+        events, wanting = spread_budget(budget, self.shards, take)
+        return new_ids, entries, events, bool(wanting)
+
+    def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
+        return [Span(span.shard, a, b) for a, b in split_range(span.lo, span.hi, parts)]
+
+    def count_entries(self, span: Span) -> int:
+        """The stream's length: an upper bound, since it is trimmed after every commit."""
+        try:
+            return int(self._client().xlen(span.shard))
+        except Exception:  # noqa: BLE001 - an estimate only; one partition is always correct
+            return 0
+
+    # -- the audit's source side --------------------------------------------------------------
+
+    def admitted(self, spans: list[Span]) -> Admitted:
+        client = self._client()
+        script = client.register_script(script_source(AUDIT_SOURCE))
+        fmt = self.opts.format
+        acc = events = entries = 0
+        for span in spans:
+            cursor = span.lo
+            while True:
+                reply = script(
+                    keys=[span.shard],
+                    args=[cursor, span.hi, fmt, self.opts.max_entry_bytes, AUDIT_CHUNK[fmt]],
+                )
+                pairs = reply[1:]
+                if pairs:
+                    ids = [parse_id(x) for x in (pairs[0::2] if fmt == "jsonl" else pairs)]
+                    counts = (
+                        np.asarray(pairs[1::2], dtype=np.int64)
+                        if fmt == "jsonl"
+                        else np.ones(len(ids), dtype=np.int64)
+                    )
+                    parts = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
+                    n = int(counts.sum())
+                    starts = np.cumsum(counts) - counts
+                    idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
+                    acc ^= xor_all(
+                        event_ids(
+                            np.repeat(parts[:, 0], counts).astype(np.int64),
+                            np.repeat(parts[:, 1], counts),
+                            idx,
+                            span.shard,
+                        )
+                    )
+                    events += n
+                    entries += len(ids)
+                if not reply[0]:
+                    break
+                cursor = _text(reply[0])
+        return Admitted(acc, events, entries)
+
+    # -- backlog ------------------------------------------------------------------------------
+
+    def level(self, reader: str | None = None) -> Backlog:
+        """Entries and bytes not yet committed, in one pipelined round trip.
+
+        Without `reader`: the slowest reader's backlog, exact (the stream is trimmed at it).
+        With `reader`: that reader's own. For the slowest one the stream is exact; for a faster
+        one the part after its committed id is an estimate by entry-id time (`backlog_share`),
+        exact only if entries arrived uniformly over time. A reader that has not committed yet
+        counts the whole stream.
+        """
+        pipe = self._client().pipeline(transaction=False)
+        for s in self.shards:
+            pipe.xlen(s)
+            # SAMPLES 0: every node of the stream. The default (5 sampled nodes) was measured
+            # off by 0.4x to 2.7x on backlogs of large jsonl entries; all nodes cost µs each.
+            pipe.execute_command("MEMORY", "USAGE", s, "SAMPLES", 0)
+            pipe.execute_command("XRANGE", s, "-", "+", "COUNT", 1)
+            pipe.execute_command("XREVRANGE", s, "+", "-", "COUNT", 1)
+            pipe.hgetall(shard_side_key("rd", s))
+        pipe.hgetall(OFFSETS_KEY)  # the default reader's, as written before readers had names
+        res = pipe.execute()
+        legacy = {_text(k): _text(v) for k, v in res[-1].items()}
+        per: dict[str, int] = {}
+        total_bytes = 0
+        for i, s in enumerate(self.shards):
+            length, size, first, last, rd = res[5 * i : 5 * i + 5]
+            committed = {_text(k): _text(v) for k, v in rd.items()}
+            first_id, last_id = _entry_id(first), _entry_id(last)
+            first_text = None if first_id is None else _text(first_id)
+            if reader is None:
+                ids = set(committed.values()) | ({legacy[s]} if s in legacy else set())
+                share = 1.0
+                n = int(length) - (first_text in ids)
+            else:
+                own = committed.get(reader)
+                share = backlog_share(own, first_id, last_id)
+                n = round((int(length) - (first_text is not None and own == first_text)) * share)
+            per[s] = max(0, n)
+            total_bytes += round(int(size or 0) * share)
+        detail = {} if reader is None else {"reader": reader}
+        return Backlog(sum(per.values()), total_bytes, per, detail)
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def release(self, end: Mapping[str, Position]) -> None:
+        """Record this reader's committed ids and trim each shard up to the slowest reader of
+        it (see release.lua; idempotent). The default reader also publishes its ids for the
+        status views."""
+        client = self._client()
+        released = {s: last for s, last in end.items() if last != ZERO_ID}
+        if not released:
+            return
+
+        def run() -> Any:
+            pipe = client.pipeline(transaction=False)
+            for shard, last in released.items():
+                keys = [shard, shard_side_key("rd", shard)]
+                names = self.opts.readers_of(shard)
+                evalsha_on(pipe, RELEASE, keys, [self.opts.reader, last, *names])
+                if self.opts.reader == "":
+                    pipe.hset(OFFSETS_KEY, shard, last)
+            return pipe.execute()
+
+        execute_loading(client, run, (RELEASE,))
+
+    # -- executor side ------------------------------------------------------------------------
+
+    def read(
+        self, span: Span, ref_ms: int, on_wait: Callable[[str, str], None] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        decoder = Decoder(self.opts, ref_ms, span.shard)
+        for chunk in read_range(raw_client(self.opts.url), span.shard, span.lo, span.hi):
+            yield from decoder.decode(chunk)
+
+    def close(self) -> None:
+        forget_client(self.opts.url)

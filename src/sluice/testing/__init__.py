@@ -1,0 +1,1 @@
+"""Support shared by the test suite and the benchmarks: real servers on loopback ports."""

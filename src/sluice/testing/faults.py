@@ -1,0 +1,82 @@
+"""Store faults for tests and benchmarks, injected from outside the product.
+
+A fold writes each partition with `FoldQuery.writer` (default `pipeline.writer.write_partition`,
+run on the executors). These are wrappers of it: install one with `fold.writer = LoseOne(...)`,
+and put `write_partition` back to heal the store. Each is a plain, picklable callable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from sluice.pipeline.writer import WriterContext, write_partition
+
+
+def _drop_rows(batches: Iterator[pa.RecordBatch], keep: object) -> Iterator[pa.RecordBatch]:
+    """`batches` without the folded rows for which `keep(i)` is False (i counts every row)."""
+    seen = 0
+    for b in batches:
+        mask = [bool(keep(seen + i)) for i in range(b.num_rows)]  # type: ignore[operator]
+        seen += b.num_rows
+        yield b.filter(pa.array(mask, type=pa.bool_()))
+
+
+@dataclass(frozen=True)
+class LoseOne:
+    """The store loses one slice update: the first partition to claim `claim_key` (once in
+    Redis at `url`, for the whole run) drops its first folded row before writing."""
+
+    url: str
+    claim_key: str
+
+    def __call__(
+        self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        from sluice.redis.connection import client_for
+
+        rows = [b for b in batches if b.num_rows]
+        if rows:
+            client = client_for(self.url)
+            try:
+                won = bool(client.set(self.claim_key, 1, nx=True, ex=3600))
+            finally:
+                client.close()
+            if won:
+                rows = list(_drop_rows(iter(rows), lambda i: i != 0))
+        yield from write_partition(ctx, iter(rows))
+
+
+@dataclass(frozen=True)
+class DropEvery:
+    """A store that loses every `n`-th folded row of every partition."""
+
+    n: int
+
+    def __call__(
+        self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        yield from write_partition(ctx, _drop_rows(batches, lambda i: (i + 1) % self.n != 0))
+
+
+@dataclass(frozen=True)
+class SlowStore:
+    """A slow store: `ms_per_1000` ms more per 1,000 slice updates applied, which shows in the
+    partition's write time as it would from a slow Redis."""
+
+    ms_per_1000: float
+
+    def __call__(
+        self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        for out in write_partition(ctx, batches):
+            rows = out.to_pylist()
+            for row in rows:
+                if row["kind"] == "stats" and row["updates_applied"]:
+                    extra_ms = self.ms_per_1000 * row["updates_applied"] / 1000
+                    time.sleep(extra_ms / 1000)
+                    row["write_ms"] = (row["write_ms"] or 0.0) + extra_ms
+            yield pa.RecordBatch.from_pylist(rows, schema=out.schema)
