@@ -1,5 +1,6 @@
 -- Shared by the slice scripts (prepended by sluice.redis.scripts): number formatting, and the
--- one definition of how two slice states merge. A state is an array of numbers; per agg:
+-- one definition of how two slice states merge. A state is an array of numbers; per state name
+-- (which agg uses which state is in sluice/slices/aggs.py, `Agg.state`):
 --   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2   last: ts, value
 
 local function fmt(x)
@@ -48,6 +49,8 @@ local function merge_state(agg, a, b)
   elseif agg == 'last' then
     -- The greater event time wins; a tie goes to the greater value.
     if b[1] > a[1] or (b[1] == a[1] and b[2] > a[2]) then a = b end
+  else
+    error('no merge for slice state ' .. tostring(agg))
   end
   return a
 end
