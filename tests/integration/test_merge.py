@@ -32,7 +32,7 @@ def _state(agg: str, rng: random.Random) -> str:
         vals = [rng.choice([rng.uniform(-1e6, 1e6), rng.randint(-99, 99), rng.random() / 7])]
     elif agg == "avg":
         vals = [rng.randint(1, 30), rng.uniform(-1e3, 1e3)]
-    elif agg == "last":  # few distinct times, so ties are common
+    elif agg in ("last", "first"):  # few distinct times, so ties are common
         vals = [T0 + rng.randint(0, 5), rng.choice([1.5, -2.0, rng.uniform(0, 9)])]
     elif agg == "var":  # count, mean, M2
         vals = [rng.randint(1, 40), rng.uniform(1e5, 1e5 + 10), rng.uniform(0, 500)]
@@ -78,7 +78,7 @@ def test_answers_agree_on_both_sides_of_the_raw_limit(
     now = time.time_ns() // 1_000_000
     newest = now // 10_000 * 10_000
     cfg = make_config(redis_url, tmp_path)
-    for name in ("txn_count", "card_min", "card_last", "avg_amount"):
+    for name in ("txn_count", "card_min", "card_last", "card_first", "avg_amount"):
         m = cfg.metric(name)
         assert m is not None
         agg = AGGS[m.agg].state
@@ -91,7 +91,7 @@ def test_answers_agree_on_both_sides_of_the_raw_limit(
     q = QueryEngine(cfg, r)
     lookups = [
         q.lookup(name, [card] * len(cfg.metric(name).key), w, str(now))  # type: ignore[union-attr]
-        for name in ("txn_count", "card_min", "card_last", "avg_amount")
+        for name in ("txn_count", "card_min", "card_last", "card_first", "avg_amount")
         for card in ("c1", "c2", "nobody")
         for w in ("10s", "1m", "3m", "8m")
     ]

@@ -33,7 +33,7 @@ def test_every_script_state_is_whole(name: str) -> None:
     has a merge under its state's name in _merge.lua."""
     agg = AGGS[name]
     assert agg.encode is not None and agg.merge_columns is not None
-    folded = [{"t": 1, "v": 2.5} if f.column == "last" else 2.5 for f in agg.folds]
+    folded = [{"t": 1, "v": 2.5} if f.column in ("last", "first") else 2.5 for f in agg.folds]
     assert len(agg.encode(3, *folded)) == agg.width
     assert f"agg == '{agg.state}'" in LUA_SOURCE
 
@@ -59,8 +59,9 @@ def test_config_and_query_server_import_no_engine() -> None:
         ("distinct", True, "string"),
         ("sum", True, "long"),
         ("sum", False, "double"),
+        ("first", True, "long"),
+        ("first", False, "double"),
         ("last", True, "long"),
-        ("last", False, "double"),
         ("avg", True, "double"),
         ("quantile", True, "double"),
     ],
@@ -91,14 +92,21 @@ def _stored(pairs: list[tuple[int, float]]) -> list[bytes | None]:
 
 
 @given(timed)
+def test_first_is_the_least_time_then_the_least_value(pairs: list[tuple[int, float]]) -> None:
+    merged = AGGS["first"].merge(_stored(pairs))
+    assert merged == [len(pairs), *min(pairs)]
+    assert AGGS["first"].merge(_stored(pairs[::-1])) == merged
+
+
+@given(timed)
 def test_last_is_the_greatest_time_then_the_greatest_value(pairs: list[tuple[int, float]]) -> None:
     merged = AGGS["last"].merge(_stored(pairs))
     assert merged == [len(pairs), *max(pairs)]
     assert AGGS["last"].merge(_stored(pairs[::-1])) == merged
 
 
-@pytest.mark.parametrize("name", ["last"])
-def test_last_answers_the_value(name: str) -> None:
+@pytest.mark.parametrize("name", ["first", "last"])
+def test_first_and_last_answer_the_value(name: str) -> None:
     agg = AGGS[name]
     assert agg.finalize([2, 1_700_000_000_000, 42.0], _metric(name), True) == 42
     assert type(agg.finalize([2, 1_700_000_000_000, 42.0], _metric(name), True)) is int
@@ -118,6 +126,7 @@ def test_answers_with_no_data() -> None:
         "last": None,
         "stddev": None,
         "variance": None,
+        "first": None,
     }
     assert AGGS["distinct"].finalize(0, _metric("distinct"), False) == 0
     quantile = _metric("quantile", q=[0.5, 0.99])

@@ -32,6 +32,7 @@ from sluice.slices.state import (
     arg_number,
     merge_add,
     merge_avg,
+    merge_first,
     merge_last,
     merge_max,
     merge_min,
@@ -131,8 +132,9 @@ MAX = Fold("max", lambda F, v, t: F.max(v))
 MEAN = Fold("avg", lambda F, v, t: F.avg(v))
 # The sum of squared deviations from the mean, merged with Chan's formula.
 M2 = Fold("m2", lambda F, v, t: F.var_pop(v) * F.count(v))
-# Struct order is (time, value): the greatest time, a tie to the greater value.
+# Struct order is (time, value): the greatest time, a tie to the greater value; min the reverse.
 LAST = Fold("last", lambda F, v, t: F.max(_timed(F, v, t)))
+FIRST = Fold("first", lambda F, v, t: F.min(_timed(F, v, t)))
 SET = Fold("set", lambda F, v, t: F.collect_set(v))
 KLL = Fold("kll", lambda F, v, t: F.kll_sketch_agg_double(v))
 
@@ -211,7 +213,7 @@ def _finalize_stddev(merged: Any, m: MetricConfig, integral: bool) -> float | No
 
 
 def _finalize_timed(merged: Any, m: MetricConfig, integral: bool) -> float | int | None:
-    """last: the value of the (time, value) state, null with no data."""
+    """last, first: the value of the (time, value) state, null with no data."""
     vals = _numbers(merged)
     return _as_value(vals[1], integral) if vals else None
 
@@ -339,6 +341,16 @@ AGGS: dict[str, Agg] = {
             width=3,
             encode=_encode_var,
             merge_columns=merge_var,
+        ),
+        Agg(
+            "first",
+            state="first",
+            finalize=_finalize_timed,
+            folds=(FIRST,),
+            width=2,
+            encode=_encode_timed,
+            merge_columns=merge_first,
+            value_kind="number",
         ),
     )
 }

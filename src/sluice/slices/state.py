@@ -12,7 +12,7 @@ only looks fields up (about 0.04 µs each) instead of running a script that pars
 every slice (about 0.7 µs each), and the merging is spread over the server's workers. They work
 on whole columns with C-level iteration (join, split, map, reduce), never a Python loop per
 slice, and give exactly what the script gives: the same doubles added in the same order, the
-same minimum, maximum and last value. Only `var` is merged differently: the two-pass
+same minimum, maximum, first and last value. Only `var` is merged differently: the two-pass
 combination of (count, mean, M2) over all slices at once, which may differ from the script's
 pairwise updates in the last bits.
 """
@@ -94,3 +94,8 @@ def merge_var(cols: Columns) -> list[float]:
 def merge_last(cols: Columns) -> list[float]:
     """(event time, value): the greater time wins; a tie goes to the greater value."""
     return list(max(zip(_floats(cols[0]), _floats(cols[1]), strict=True)))
+
+
+def merge_first(cols: Columns) -> list[float]:
+    """(event time, value): the smaller time wins; a tie goes to the smaller value."""
+    return list(min(zip(_floats(cols[0]), _floats(cols[1]), strict=True)))
