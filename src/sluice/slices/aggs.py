@@ -14,7 +14,8 @@ The stored state is one of three kinds, named by `Agg.state`:
 
 Adding an aggregation: a record in AGGS; a merge in `_merge.lua` if its state is a new one; its
 row in docs/metrics.md; tests (`tests/integration/test_merge.py` holds the Python merge of every
-state to the Lua one). Nothing else names aggs.
+state to the Lua one). Outside this module, only the config's `q` (quantile's parameter)
+names an agg.
 
 Importing this module imports neither pyspark, numpy nor datasketches: the config takes its agg
 names from here, and the query server must not start a JVM.
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 
 BLOB = "blob"
 HLL = "hll"
+# (merged state, metric, integral value) -> the answer; see `Agg`.
+Finalize = Callable[[Any, "MetricConfig", bool], Any]
+MergeColumns = Callable[[Columns], list[float]]
 
 
 class Fold(NamedTuple):
@@ -69,12 +73,12 @@ class Agg:
 
     name: str
     state: str  # a `_merge.lua` state name, BLOB or HLL
-    finalize: Callable[[Any, MetricConfig, bool], Any]
+    finalize: Finalize
     folds: tuple[Fold, ...] = ()
     width: int = 1  # numbers in a stored state after its token
     # The Lua args of one folded row: (n, *folded values in `folds` order) -> `width` numbers.
     encode: Callable[..., tuple[str, ...]] | None = None
-    merge_columns: Callable[[Columns], list[float]] | None = None  # Lua-merged states
+    merge_columns: MergeColumns | None = None  # Lua-merged states
     union: Callable[[Sequence[bytes]], bytes | None] | None = None  # BLOB: serialized union
     # The value column's Spark type: long, double, string, or `number` (long for an integral
     # value, else double).
@@ -255,6 +259,48 @@ def _finalize_quantiles(merged: bytes | None, m: MetricConfig, integral: bool) -
 
 # -- the aggregations ------------------------------------------------------------------------------
 
+
+def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize) -> Agg:
+    """sum, min, max: one number per slice, of the value's own type; the state is named as the
+    agg."""
+    return Agg(
+        name,
+        state=name,
+        finalize=finalize,
+        folds=(fold,),
+        encode=_encode_value,
+        merge_columns=merge,
+        value_kind="number",
+    )
+
+
+def _timed_value(name: str, fold: Fold, merge: MergeColumns) -> Agg:
+    """first, last: (event time, value) per slice, answered with the value."""
+    return Agg(
+        name,
+        state=name,
+        finalize=_finalize_timed,
+        folds=(fold,),
+        width=2,
+        encode=_encode_timed,
+        merge_columns=merge,
+        value_kind="number",
+    )
+
+
+def _moments(name: str, finalize: Finalize) -> Agg:
+    """variance, stddev: (count, mean, M2) per slice, the state `var`."""
+    return Agg(
+        name,
+        state="var",
+        finalize=finalize,
+        folds=(MEAN, M2),
+        width=3,
+        encode=_encode_var,
+        merge_columns=merge_var,
+    )
+
+
 AGGS: dict[str, Agg] = {
     a.name: a
     for a in (
@@ -268,33 +314,9 @@ AGGS: dict[str, Agg] = {
             any_type=True,
             needs_value=False,
         ),
-        Agg(
-            "sum",
-            state="sum",
-            finalize=_finalize_sum,
-            folds=(SUM,),
-            encode=_encode_value,
-            merge_columns=merge_add,
-            value_kind="number",
-        ),
-        Agg(
-            "min",
-            state="min",
-            finalize=_finalize_value,
-            folds=(MIN,),
-            encode=_encode_value,
-            merge_columns=merge_min,
-            value_kind="number",
-        ),
-        Agg(
-            "max",
-            state="max",
-            finalize=_finalize_value,
-            folds=(MAX,),
-            encode=_encode_value,
-            merge_columns=merge_max,
-            value_kind="number",
-        ),
+        _one_number("sum", SUM, merge_add, _finalize_sum),
+        _one_number("min", MIN, merge_min, _finalize_value),
+        _one_number("max", MAX, merge_max, _finalize_value),
         Agg(
             "avg",
             state="avg",
@@ -314,44 +336,10 @@ AGGS: dict[str, Agg] = {
             any_type=True,
         ),
         Agg("quantile", state=BLOB, finalize=_finalize_quantiles, folds=(KLL,), union=_kll_union),
-        Agg(
-            "last",
-            state="last",
-            finalize=_finalize_timed,
-            folds=(LAST,),
-            width=2,
-            encode=_encode_timed,
-            merge_columns=merge_last,
-            value_kind="number",
-        ),
-        Agg(
-            "stddev",
-            state="var",
-            finalize=_finalize_stddev,
-            folds=(MEAN, M2),
-            width=3,
-            encode=_encode_var,
-            merge_columns=merge_var,
-        ),
-        Agg(
-            "variance",
-            state="var",
-            finalize=_finalize_variance,
-            folds=(MEAN, M2),
-            width=3,
-            encode=_encode_var,
-            merge_columns=merge_var,
-        ),
-        Agg(
-            "first",
-            state="first",
-            finalize=_finalize_timed,
-            folds=(FIRST,),
-            width=2,
-            encode=_encode_timed,
-            merge_columns=merge_first,
-            value_kind="number",
-        ),
+        _timed_value("last", LAST, merge_last),
+        _moments("stddev", _finalize_stddev),
+        _moments("variance", _finalize_variance),
+        _timed_value("first", FIRST, merge_first),
     )
 }
 AGG_NAMES = tuple(AGGS)
