@@ -3,8 +3,9 @@ wrk load generator, CPU accounting, statistics and the docs section.
 
 Slice data is written straight into Redis in the exact layout `write_slices.lua` produces
 (`sluice.redis.keys`): hash `sluice:s:{metric|key}`, field `<slice start ms>` ->
-`"<writer token>:<a>"`, field `_m` -> `"<newest slice start>:<oldest>"`, and a PEXPIREAT of
-newest + slice + retention. `check_writer_format` proves the layout against the real script.
+`"<writer token>:<a>"` (the product's encoder, `sluice.slices.state.encode_state`), field `_m`
+-> `"<newest slice start>:<oldest>"`, and a PEXPIREAT of newest + slice + retention.
+`check_writer_format` proves the layout against the real script.
 Commands are pre-encoded RESP sent over a raw socket (replies parsed by hiredis), so loading
 millions of fields costs little Python.
 """
@@ -37,6 +38,7 @@ from _util import RespWriter, log
 from _util import percentile as nearest_rank
 from sluice.redis.keys import encode_key, slice_hash_key
 from sluice.redis.scripts import WRITE_SLICES, script_source
+from sluice.slices.state import encode_state, format_number
 from sluice.slices.window import slice_start
 
 SLICE_MS = 60_000
@@ -115,13 +117,6 @@ def config_dict(redis_url: str, state_dir: Path, resolutions_ms: Sequence[int]) 
     }
 
 
-def lua_number(x: float) -> str:
-    """A number as the Lua scripts' `fmt` writes it: integral -> '%d', else '%.17g'."""
-    if x == math.floor(x) and abs(x) < 1e15:
-        return f"{int(x):d}"
-    return f"{x:.17g}"
-
-
 def _bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 
@@ -150,7 +145,7 @@ def slice_commands(
     """
     hkey = slice_hash_key(metric, encode_key([key]), resolution_ms).encode()
     fields_enc = [_bulk(str(s).encode()) for s in starts] + [_bulk(b"_m")]
-    meta = _bulk(f"{lua_number(starts[-1])}:{lua_number(starts[0])}".encode())
+    meta = _bulk(f"{format_number(starts[-1])}:{format_number(starts[0])}".encode())
     hset = _hset_command(hkey, fields_enc, itertools.chain(packed_values, (meta,)))
     expire_at = starts[-1] + starts.step + RETENTION_MS
     return [hset, resp(b"PEXPIREAT", hkey, str(expire_at).encode())]
@@ -165,12 +160,12 @@ class _PackedCache:
     def count(self, a: int) -> bytes:
         got = self.ints.get(a)
         if got is None:
-            got = self.ints[a] = _bulk(b"%d:%d" % (WRITER_TOKEN, a))
+            got = self.ints[a] = _PackedCache.number(a)
         return got
 
     @staticmethod
     def number(a: float) -> bytes:
-        return _bulk(f"{WRITER_TOKEN}:{lua_number(a)}".encode())
+        return _bulk(encode_state(WRITER_TOKEN, (a,)).encode())
 
 
 def key_values(metric: str, rank: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -243,7 +238,7 @@ def _writer_args(agg: str, starts: range, vals: Sequence[float], width: int | No
     if width is not None:
         head.append(width)
     for s, a in zip(starts, vals, strict=True):
-        head += [s, lua_number(a)] if width is not None else [s, lua_number(a), 0]
+        head += [s, format_number(a)] if width is not None else [s, format_number(a), 0]
     return head
 
 

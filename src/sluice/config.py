@@ -27,12 +27,12 @@ from pydantic import (
 )
 
 from sluice.errors import ConfigError
+from sluice.slices.aggs import AGG_NAMES, AGGS
 from sluice.units import parse_duration_ms, parse_size_bytes
 
 DurationMs = Annotated[int, BeforeValidator(parse_duration_ms)]
 SizeBytes = Annotated[int, BeforeValidator(parse_size_bytes)]
 
-AGGS = ("count", "sum", "min", "max", "avg", "distinct", "quantile", "last", "stddev", "variance")
 FIELD_TYPES = ("string", "long", "int", "double", "float", "boolean")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 KAFKA_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -279,12 +279,12 @@ class MetricConfig(_Model):
     @classmethod
     def _agg(cls, v: str) -> str:
         if v not in AGGS:
-            raise ValueError(f"unknown agg {v!r}; expected one of {', '.join(AGGS)}")
+            raise ValueError(f"unknown agg {v!r}; expected one of {', '.join(AGG_NAMES)}")
         return v
 
     @model_validator(mode="after")
     def _shape(self) -> MetricConfig:
-        if self.agg != "count" and not self.value:
+        if AGGS[self.agg].needs_value and not self.value:
             raise _FieldError(
                 "value", f"agg {self.agg!r} needs `value` (a field or a Spark SQL expression)"
             )

@@ -71,6 +71,7 @@ REFERENCE_SQL = {
     "pair_count": "SELECT count(*) FROM ev WHERE card = ? AND merchant = ? {w}",
     "card_merchants": "SELECT count(DISTINCT merchant) FROM ev WHERE card = ? {w}",
     "card_last": "SELECT amount FROM ev WHERE card = ? {w} ORDER BY ts DESC, amount DESC LIMIT 1",
+    "card_first": "SELECT amount FROM ev WHERE card = ? {w} ORDER BY ts ASC, amount ASC LIMIT 1",
     "amount_std": "SELECT stddev_samp(amount) FROM ev WHERE merchant = ? {w}",
     "qty_var": "SELECT var_samp(qty) FROM ev WHERE merchant = ? {w}",
     "amount_q": "SELECT list(amount) FROM ev WHERE merchant = ? {w}",
@@ -78,7 +79,15 @@ REFERENCE_SQL = {
     "amount_res": "SELECT max(amount) FROM ev WHERE merchant = ? {w}",
 }
 RESOLVED = ("txn_res", "amount_res")  # resolutions [10s, 1m, 10m]
-CARD_KEYED = ("txn_count", "card_min", "card_max", "card_merchants", "card_last", "txn_res")
+CARD_KEYED = (
+    "txn_count",
+    "card_min",
+    "card_max",
+    "card_merchants",
+    "card_last",
+    "card_first",
+    "txn_res",
+)
 # Stated error bounds (docs/metrics.md): Redis HyperLogLog has a standard error of 0.81%, and
 # KLL with k=200 a normalised rank error of 1.33% (99% confidence). Checked with margin.
 DISTINCT_REL_ERR = 3 * 0.0081

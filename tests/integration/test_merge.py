@@ -1,10 +1,9 @@
-"""Slice states merged in the server (`merge_states`, from HMGET) against the same slices merged
-in Redis by read_slices.lua: identical for every agg but `var`, whose two-pass merge agrees to
+"""Slice states merged in the server (`Agg.merge`, from HMGET) against the same slices merged
+in Redis by read_slices.lua: identical for every state but `var`, whose two-pass merge agrees to
 rounding. And the engine's switch between the two at RAW_MAX_SLICES keeps the answers."""
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -14,18 +13,16 @@ import redis
 
 from sluice.query import engine as engine_module
 from sluice.query.engine import QueryEngine
-from sluice.query.merge import WIDTH, merge_states
 from sluice.redis.keys import encode_key, slice_hash_key
 from sluice.redis.scripts import READ_SLICES, script_source
+from sluice.slices.aggs import AGGS, Agg
+from sluice.slices.state import encode_state
 from tests.conftest import make_config
 
 SLICE = 60_000
 T0 = 1_700_000_000_000 // SLICE * SLICE
-
-
-def _num(x: float) -> str:
-    """A number as the writer formats it (fmt in _merge.lua)."""
-    return f"{x:.0f}" if x == math.floor(x) and abs(x) < 1e15 else f"{x:.17g}"
+# One agg per state merged by the slice scripts (stddev and variance share `var`).
+BY_STATE: dict[str, Agg] = {a.state: a for a in AGGS.values() if a.lua}
 
 
 def _state(agg: str, rng: random.Random) -> str:
@@ -35,14 +32,16 @@ def _state(agg: str, rng: random.Random) -> str:
         vals = [rng.choice([rng.uniform(-1e6, 1e6), rng.randint(-99, 99), rng.random() / 7])]
     elif agg == "avg":
         vals = [rng.randint(1, 30), rng.uniform(-1e3, 1e3)]
-    elif agg == "last":  # few distinct times, so ties are common
+    elif agg in ("last", "first"):  # few distinct times, so ties are common
         vals = [T0 + rng.randint(0, 5), rng.choice([1.5, -2.0, rng.uniform(0, 9)])]
-    else:  # var: count, mean, M2
+    elif agg == "var":  # count, mean, M2
         vals = [rng.randint(1, 40), rng.uniform(1e5, 1e5 + 10), rng.uniform(0, 500)]
-    return f"{rng.randint(1, 10**12)}:" + ":".join(_num(v) for v in vals)
+    else:
+        raise AssertionError(f"no random states for {agg!r}: add them here")
+    return encode_state(rng.randint(1, 10**12), vals)
 
 
-@pytest.mark.parametrize("agg", sorted(WIDTH))
+@pytest.mark.parametrize("agg", sorted(BY_STATE))
 def test_server_merge_equals_the_scripts(r: redis.Redis, agg: str) -> None:
     rng = random.Random(agg)
     sha = r.script_load(script_source(READ_SLICES))
@@ -55,7 +54,7 @@ def test_server_merge_equals_the_scripts(r: redis.Redis, agg: str) -> None:
         last = T0 + (n - 1) * SLICE
         script = r.evalsha(sha, 1, key, agg, T0, last, SLICE)
         raw = r.hmget(key, [str(T0 + i * SLICE) for i in range(n)])
-        mine = merge_states(agg, raw)
+        mine = BY_STATE[agg].merge(raw)
         assert int(mine[0]) == int(script[0]) == len(fields)
         want = [float(v) for v in script[1:]]
         if agg == "var" and fields:
@@ -67,8 +66,8 @@ def test_server_merge_equals_the_scripts(r: redis.Redis, agg: str) -> None:
 
 
 def test_malformed_state_is_refused() -> None:
-    with pytest.raises(ValueError, match="2 numbers"):
-        merge_states("avg", [b"1:2:3", b"1:2"])
+    with pytest.raises(ValueError, match="2 numbers for 'avg'"):
+        AGGS["avg"].merge([b"1:2:3", b"1:2"])
 
 
 def test_answers_agree_on_both_sides_of_the_raw_limit(
@@ -79,10 +78,10 @@ def test_answers_agree_on_both_sides_of_the_raw_limit(
     now = time.time_ns() // 1_000_000
     newest = now // 10_000 * 10_000
     cfg = make_config(redis_url, tmp_path)
-    for name in ("txn_count", "card_min", "card_last", "avg_amount"):
+    for name in ("txn_count", "card_min", "card_last", "card_first", "avg_amount"):
         m = cfg.metric(name)
         assert m is not None
-        agg = "var" if m.agg in ("stddev", "variance") else m.agg
+        agg = AGGS[m.agg].state
         for card in ("c1", "c2"):
             key = slice_hash_key(name, encode_key([card] * len(m.key)))
             states = {
@@ -92,7 +91,7 @@ def test_answers_agree_on_both_sides_of_the_raw_limit(
     q = QueryEngine(cfg, r)
     lookups = [
         q.lookup(name, [card] * len(cfg.metric(name).key), w, str(now))  # type: ignore[union-attr]
-        for name in ("txn_count", "card_min", "card_last", "avg_amount")
+        for name in ("txn_count", "card_min", "card_last", "card_first", "avg_amount")
         for card in ("c1", "c2", "nobody")
         for w in ("10s", "1m", "3m", "8m")
     ]

@@ -75,6 +75,7 @@ def test_every_aggregation_merges_right(
     assert q.query("pair_count", ["c1", "m1"], "1h", end)["value"] == 2
     assert q.query("card_merchants", "c1", "1m", end)["value"] == 2
     assert q.query("card_last", "c1", "1m", end)["value"] == 4.25
+    assert q.query("card_first", "c1", "1m", end)["value"] == 10.5
     amounts = [10.5, -2.0, 1.0]
     mean = sum(amounts) / 3
     var = sum((a - mean) ** 2 for a in amounts) / 2
@@ -91,8 +92,46 @@ def test_every_aggregation_merges_right(
     assert q.query("avg_amount", "nobody", "1m", end)["value"] is None
     assert q.query("card_merchants", "nobody", "1m", end)["value"] == 0
     assert q.query("card_last", "nobody", "1m", end)["value"] is None
+    assert q.query("card_first", "nobody", "1m", end)["value"] is None
     assert q.query("amount_std", "nobody", "1m", end)["value"] is None
     assert q.query("amount_q", "nobody", "1m", end)["value"] == {"0.5": None, "0.99": None}
+
+
+def test_first_and_last_break_time_ties_by_value(
+    spark: Any, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """Events at the same time: `first` takes the smaller value and `last` the greater, whether
+    the tie meets in Spark's fold (one batch) or in the store's merge (two batches). An earlier
+    time wins `first` whatever its value. Integer values are answered as ints."""
+    metrics = [
+        {"name": f"{agg}_{field}", "key": ["card"], "agg": agg, "value": field,
+         "slice": "10s", "retention": "1d"}
+        for agg in ("first", "last")
+        for field in ("amount", "qty")
+    ]  # fmt: skip
+    p = _pipeline(spark, redis_url, tmp_path, metrics=metrics, derived=[])
+    t = T0 + 5_000
+    tie = [_ev(t, "c1", amount=2.5, qty=4), _ev(t, "c1", amount=-1.0, qty=9)]
+    tie += [_ev(t, "c2", amount=2.5, qty=4), _ev(t, "c2", amount=-1.0, qty=9)]
+    tie += [_ev(T0 + 1_000, "c3", amount=100.0, qty=50)]
+    _apply(p, spark, tie, 0)
+    later = [_ev(t, "c1", amount=3.0, qty=1), _ev(t, "c2", amount=-5.0, qty=12)]
+    later += [_ev(T0 + 9_000, "c3", amount=-100.0, qty=0)]
+    _apply(p, spark, later, 1)
+    q = QueryEngine(p.cfg, r)
+    want = {
+        # card: (first amount, last amount, first qty, last qty)
+        "c1": (-1.0, 3.0, 1, 9),
+        "c2": (-5.0, 2.5, 4, 12),
+        "c3": (100.0, -100.0, 50, 0),
+    }
+    for card, values in want.items():
+        got = tuple(
+            q.query(name, card, "1m", T0 + 59_999)["value"]
+            for name in ("first_amount", "last_amount", "first_qty", "last_qty")
+        )
+        assert got == values, card
+        assert [type(v) for v in got] == [float, float, int, int], card
 
 
 def test_same_batch_twice_leaves_slices_unchanged(

@@ -148,10 +148,11 @@ def test_unknown_agg() -> None:
     assert err.path == "metrics[0].agg"
     assert "config error at `metrics[0].agg`" in str(err)
     assert "unknown agg 'median'" in str(err)
-    assert "count, sum, min, max, avg" in str(err)
+    listed = "expected one of count, sum, min, max, avg, distinct, quantile, last, stddev, variance"
+    assert f"{listed}, first" in str(err)
 
 
-@pytest.mark.parametrize("agg", ["distinct", "quantile", "last", "stddev", "variance"])
+@pytest.mark.parametrize("agg", ["distinct", "quantile", "last", "first", "stddev", "variance"])
 def test_aggs_beyond_count_need_a_value(agg: str) -> None:
     err = bad(lambda d: d["metrics"][2].update(agg=agg, q=0.5 if agg == "quantile" else None))
     assert err.path == "metrics[2].value"

@@ -28,25 +28,11 @@ from pyspark.sql.types import DataType, IntegralType, NumericType
 from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.redis.keys import ESCAPES, KEY_SEP
+from sluice.slices.aggs import AGGS
 from sluice.source.decode import spark_schema_ddl
 from sluice.source.options import SourceOptions
 
 DEAD_G = -1
-# The aggregate columns each agg needs, beyond the per-metric count `n{i}`.
-AGG_COLUMNS: dict[str, tuple[str, ...]] = {
-    "count": (),
-    "sum": ("sum",),
-    "min": ("min",),
-    "max": ("max",),
-    "avg": ("sum",),
-    "stddev": ("avg", "m2"),
-    "variance": ("avg", "m2"),
-    "last": ("last",),
-    "distinct": ("set",),
-    "quantile": ("kll",),
-}
-# Aggs whose `value` may be of any type (it is counted or compared as text, not summed).
-ANY_TYPE_AGGS = ("count", "distinct")
 
 
 @dataclass(frozen=True)
@@ -104,7 +90,7 @@ def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | 
                     f"metrics[{i}].filter",
                 )
             if attr == "value":
-                if m.agg not in ANY_TYPE_AGGS and not isinstance(field.dataType, NumericType):
+                if not AGGS[m.agg].any_type and not isinstance(field.dataType, NumericType):
                     raise ConfigError(
                         f"value {text!r} is of type {field.dataType.simpleString()};"
                         f" agg {m.agg!r} needs a number",
@@ -139,11 +125,7 @@ def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[M
 
 def value_type(spec: MetricSpec) -> str:
     """The Spark type of a metric's value column in the exploded rows."""
-    if spec.agg == "distinct":
-        return "string"
-    if spec.agg == "count" or (spec.integral and spec.agg in ("sum", "min", "max", "last")):
-        return "long"
-    return "double"
+    return AGGS[spec.agg].value_type(spec.integral)
 
 
 def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
@@ -275,37 +257,17 @@ def fold_columns(specs: list[MetricSpec], audit: bool = True) -> list[Column]:
     for sp in specs:
         v = F.col(f"v{sp.index}")
         aggs.append(F.count(v).alias(f"n{sp.index}"))
-        for kind in AGG_COLUMNS[sp.agg]:
-            aggs.append(_fold(kind, v).alias(f"{kind}{sp.index}"))
+        for column, folded in AGGS[sp.agg].fold_columns(v, F.col("t")):
+            aggs.append(folded.alias(f"{column}{sp.index}"))
     return aggs
-
-
-def _fold(kind: str, v: Column) -> Column:
-    if kind == "sum":
-        return F.sum(v)
-    if kind == "min":
-        return F.min(v)
-    if kind == "max":
-        return F.max(v)
-    if kind == "avg":
-        return F.avg(v)
-    if kind == "m2":  # sum of squared deviations from the mean, merged with Chan's formula
-        return F.var_pop(v) * F.count(v)
-    if kind == "last":  # greatest event time; a tie goes to the greater value
-        return F.max(F.when(v.isNotNull(), F.struct(F.col("t").alias("t"), v.alias("v"))))
-    if kind == "set":
-        return F.collect_set(v)
-    if kind == "kll":
-        return F.kll_sketch_agg_double(v)
-    raise ValueError(f"unknown fold {kind!r}")
 
 
 def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:
     """One micro-batch of exploded updates -> one row per (g, k, s) with every metric's state.
 
     Output columns: g, k, s, cnt, min_ems, max_ems, and per metric i: n{i} (values folded),
-    plus sum{i} / min{i} / max{i} as its agg needs (see AGG_COLUMNS). For DEAD_G rows, k is
-    the dead-letter record as JSON, one row per bad event.
+    plus `{fold column}{i}` for each fold of its agg (`sluice.slices.aggs`). For DEAD_G rows,
+    k is the dead-letter record as JSON, one row per bad event.
     """
     return exploded.groupBy("g", "k", "s").agg(*aggs)
 

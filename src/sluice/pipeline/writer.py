@@ -31,6 +31,7 @@ from sluice.redis.keys import (
     slice_hll_key,
 )
 from sluice.redis.scripts import evalsha_on
+from sluice.slices.aggs import AGGS, HLL
 
 PIPELINE_CHUNK = 50
 KEYS_PER_CALL = 100
@@ -70,51 +71,13 @@ class WriterContext:
     cluster: bool = False  # Redis Cluster: a script call carries keys of one slot only
 
 
-def _num(x: Any) -> str:
-    """Shortest exact text for a number; Lua's tonumber reads it back to the same double."""
-    return repr(x) if isinstance(x, float) else str(x)
-
-
-# The Lua-merged aggs, the name of their state in write_slices.lua, and how to read the state
-# out of one aggregated row (see plan.AGG_COLUMNS for the column names).
-LUA_AGG = {
-    "count": "count",
-    "sum": "sum",
-    "min": "min",
-    "max": "max",
-    "avg": "avg",
-    "stddev": "var",
-    "variance": "var",
-    "last": "last",
-}
-
-
-def lua_state(spec: MetricSpec, cols: dict[str, list[Any]], row: int) -> tuple[str, ...]:
-    """The state of one metric in one aggregated row, as write_slices.lua takes it."""
-    i = spec.index
-    n = cols[f"n{i}"][row]
-    agg = spec.agg
-    if agg == "count":
-        return (str(n),)
-    if agg in ("sum", "min", "max"):
-        return (_num(cols[f"{agg}{i}"][row]),)
-    if agg == "avg":
-        return (str(n), _num(cols[f"sum{i}"][row]))
-    if agg in ("stddev", "variance"):
-        return (str(n), _num(cols[f"avg{i}"][row]), _num(cols[f"m2{i}"][row]))
-    if agg == "last":
-        last = cols[f"last{i}"][row]
-        return (str(last["t"]), _num(last["v"]))
-    raise ValueError(f"agg {agg!r} has no Lua state")
-
-
 @dataclass
 class PartitionUpdates:
     """Everything one writer partition has to apply, gathered from its Arrow batches."""
 
     lua: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # -> [s, v.., s, v..]
     hll: dict[tuple[int, str, int], list[str]] = field(default_factory=dict)  # -> values
-    kll: dict[tuple[int, str], list[tuple[int, bytes]]] = field(default_factory=dict)
+    blob: dict[tuple[int, str], list[tuple[int, bytes]]] = field(default_factory=dict)
     good: int = 0
     min_ems: int | None = None
     max_ems: int | None = None
@@ -145,21 +108,23 @@ class PartitionUpdates:
             rows = [r for r, grp in enumerate(gs) if grp == g and ks[r] is not None]
             for sp in members:
                 n = cols[f"n{sp.index}"]
+                agg = AGGS[sp.agg]
+                encode = agg.encode if agg.lua else None
+                # The folded columns, in the order `agg.encode` takes them (see plan.fold_columns).
+                folded = [cols[f"{f.column}{sp.index}"] for f in agg.folds]
                 for row in rows:
                     if not n[row]:
                         continue
                     k, s = ks[row], ss[row]
-                    if sp.agg == "distinct":
-                        self.hll[(sp.index, k, s)] = cols[f"set{sp.index}"][row]
-                        deps[row].append(("h", sp.index, k, s))
-                    elif sp.agg == "quantile":
-                        sketch = cols[f"kll{sp.index}"][row]
-                        self.kll.setdefault((sp.index, k), []).append((s, sketch))
+                    if encode is not None:
+                        state = encode(n[row], *(col[row] for col in folded))
+                        self.lua.setdefault((sp.index, k), []).extend((str(s), *state))
                         deps[row].append(("l", sp.index, k))
-                    else:
-                        self.lua.setdefault((sp.index, k), []).extend(
-                            (str(s), *lua_state(sp, cols, row))
-                        )
+                    elif agg.state == HLL:
+                        self.hll[(sp.index, k, s)] = folded[0][row]
+                        deps[row].append(("h", sp.index, k, s))
+                    else:  # BLOB
+                        self.blob.setdefault((sp.index, k), []).append((s, folded[0][row]))
                         deps[row].append(("l", sp.index, k))
         if self.audited:
             for row, (ux, fx) in enumerate(zip(cols["ux"], cols["fx"], strict=True)):
@@ -193,8 +158,8 @@ def write_partition(
     try:
         totals = _apply_lua(client, ctx, updates, failed)
         totals[0] += _apply_hll(client, ctx, updates.hll)
-        kll = _apply_kll(client, ctx, updates.kll, failed)
-        totals = [a + b for a, b in zip(totals, kll, strict=True)]
+        blob = _apply_blob(client, ctx, updates.blob, failed)
+        totals = [a + b for a, b in zip(totals, blob, strict=True)]
         reasons = write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
     finally:
         client.close()
@@ -274,23 +239,20 @@ def _run_write_script(
     return totals
 
 
+def _slice_call(sp: MetricSpec, k: str, flat: list[Any]) -> tuple[str, list[Any], tuple[Any, ...]]:
+    """write_slices.lua's (key, args, dep) for one (metric, key): `flat` is (start, state...)
+    per slice, the state being the agg's `width` values."""
+    agg = AGGS[sp.agg]
+    n = len(flat) // (agg.width + 1)
+    head = [agg.state, str(sp.slice_ms), str(sp.retention_ms), str(n), str(agg.width)]
+    return slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], ("l", sp.index, k)
+
+
 def _apply_lua(
     client: Any, ctx: WriterContext, updates: PartitionUpdates, failed: set[tuple[Any, ...]]
 ) -> list[int]:
     specs = {sp.index: sp for sp in ctx.specs}
-    calls = []
-    for (i, k), flat in updates.lua.items():
-        sp = specs[i]
-        agg = LUA_AGG[sp.agg]
-        width = {"avg": 2, "var": 3, "last": 2}.get(agg, 1)
-        head = [
-            agg,
-            str(sp.slice_ms),
-            str(sp.retention_ms),
-            str(len(flat) // (width + 1)),
-            str(width),
-        ]
-        calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], ("l", i, k)))
+    calls = [_slice_call(specs[i], k, flat) for (i, k), flat in updates.lua.items()]
     return _run_write_script(client, ctx, calls, failed)
 
 
@@ -311,20 +273,19 @@ def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], 
     return len(hll)
 
 
-def _apply_kll(
+def _apply_blob(
     client: Any,
     ctx: WriterContext,
-    kll: dict[tuple[int, str], list[tuple[int, bytes]]],
+    blob: dict[tuple[int, str], list[tuple[int, bytes]]],
     failed: set[tuple[Any, ...]],
 ) -> list[int]:
-    """quantile: merge each slice's KLL sketch into the stored one, then write it back guarded by
-    the writer token (a slice already holding this batch's token is left alone)."""
-    if not kll:
+    """Blob states (quantile's sketches): merge each slice's blob into the stored one with the
+    agg's `union`, then write it back guarded by the writer token (a slice already holding this
+    batch's token is left alone)."""
+    if not blob:
         return [0, 0, 0]
-    from datasketches import kll_doubles_sketch
-
     specs = {sp.index: sp for sp in ctx.specs}
-    items = list(kll.items())
+    items = list(blob.items())
     pipe = client.pipeline(transaction=False)
     for (i, k), cells in items:
         pipe.hmget(
@@ -334,23 +295,21 @@ def _apply_kll(
     calls = []
     dups = 0
     for ((i, k), cells), olds in zip(items, stored, strict=True):
+        union = AGGS[specs[i].agg].union
+        if union is None:
+            raise ValueError(f"agg {specs[i].agg!r} has no blob union")
         flat: list[Any] = []
-        for (s, sketch), old in zip(cells, olds, strict=True):
+        for (s, value), old in zip(cells, olds, strict=True):
+            value = bytes(value)
             if old is not None:
-                token, _, blob = old.partition(b":")
+                token, _, old_value = old.partition(b":")
                 if int(token) >= ctx.token:
                     dups += 1
                     continue
-                merged = kll_doubles_sketch.deserialize(blob)
-                merged.merge(kll_doubles_sketch.deserialize(bytes(sketch)))
-                sketch = merged.serialize()
-            flat += [str(s), bytes(sketch)]
+                value = union([old_value, value]) or value  # never None: two blobs in
+            flat += [str(s), value]
         if flat:
-            sp = specs[i]
-            head = ["blob", str(sp.slice_ms), str(sp.retention_ms), str(len(flat) // 2), "1"]
-            calls.append(
-                (slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], ("l", i, k))
-            )
+            calls.append(_slice_call(specs[i], k, flat))
     totals = _run_write_script(client, ctx, calls, failed)
     totals[1] += dups
     return totals

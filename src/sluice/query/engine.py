@@ -1,17 +1,16 @@
 """Answer "metric M for key K over the last H" by merging slices.
 
 A lookup reads the slices its window's cover touches. Up to RAW_MAX_SLICES of them are read
-with HMGET and merged here (`sluice.query.merge`), which keeps the single-threaded Redis to
-cheap field lookups. Longer ranges are one EVALSHA of `read_slices.lua`, which merges in Redis
-and scans a sparse hash instead of asking for every slice, so neither the wire nor Python ever
-carries more than RAW_MAX_SLICES values per lookup. A batch of lookups is one pipelined round
-trip.
+with HMGET and merged here (`Agg.merge` in `sluice.slices.aggs`), which keeps the
+single-threaded Redis to cheap field lookups. Longer ranges are one EVALSHA of
+`read_slices.lua`, which merges in Redis and scans a sparse hash instead of asking for every
+slice, so neither the wire nor Python ever carries more than RAW_MAX_SLICES values per lookup.
+A batch of lookups is one pipelined round trip.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,10 +21,10 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query import formula
-from sluice.query.merge import merge_states
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
 from sluice.redis.mux import MuxClient
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
+from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import Cover, Piece, cover, slice_start
 from sluice.units import format_duration_ms, parse_duration_ms
 
@@ -75,38 +74,9 @@ def parse_end(value: Any, now_ms: int) -> int:
     return end
 
 
-class _LuaAgg(dict[str, str]):
-    def __missing__(self, agg: str) -> str:
-        return agg
-
-
-# The state name read_slices.lua merges for each agg: stddev and variance share one.
-LUA_AGG = _LuaAgg(stddev="var", variance="var")
-
-
-def _quantiles(m: MetricConfig, blobs: Sequence[bytes | None]) -> Any:
-    """Merge the slices' KLL sketches; one value for a single `q`, else {q: value}."""
-    from datasketches import kll_doubles_sketch
-
-    merged = None
-    for blob in blobs:
-        if blob is None:
-            continue
-        sketch = kll_doubles_sketch.deserialize(blob.partition(b":")[2])
-        if merged is None:
-            merged = sketch
-        else:
-            merged.merge(sketch)
-    qs = m.quantiles()
-    values = [None] * len(qs) if merged is None else [merged.get_quantile(q) for q in qs]
-    if isinstance(m.q, int | float):
-        return values[0]
-    return {str(q): v for q, v in zip(qs, values, strict=True)}
-
-
 def _integral_value(cfg: Config, m: MetricConfig) -> bool:
-    if m.agg in ("count", "distinct"):
-        return True
+    """The metric's value is an integer field of the schema: its sums, minima and the like are
+    answered as ints."""
     if m.value is None:
         return False
     spec = cfg.source.schema_.get(m.value.strip())
@@ -286,9 +256,9 @@ class QueryEngine:
         for n, lk in enumerate(lookups):
             for m in self._base_metrics(lk.metric):
                 cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
-                raw = m.agg == "quantile" or (
-                    m.agg != "distinct" and cov.n_slices <= RAW_MAX_SLICES
-                )
+                stored = AGGS[m.agg].state
+                # Blobs are merged here only, HyperLogLogs in Redis only (PFCOUNT).
+                raw = stored == BLOB or (stored != HLL and cov.n_slices <= RAW_MAX_SLICES)
                 plan.append((n, m, cov, self._queue(pipe, m, encode_key(lk.key), cov, raw), raw))
         return plan
 
@@ -299,10 +269,10 @@ class QueryEngine:
         at = 0
         for n, m, cov, count, raw in plan:
             reply = replies[at] if count == 1 and not raw else replies[at : at + count]
+            agg = AGGS[m.agg]
             if raw:
-                blobs = [blob for piece in reply for blob in piece]
-                reply = blobs if m.agg == "quantile" else merge_states(LUA_AGG[m.agg], blobs)
-            parts[n][m.name] = (self._finalize(m, reply), cov)
+                reply = agg.merge(blob for piece in reply for blob in piece)
+            parts[n][m.name] = (agg.finalize(reply, m, self._integral[m.name]), cov)
             at += count
         return [self._answer(lk, part) for lk, part in zip(lookups, parts, strict=True)]
 
@@ -313,7 +283,7 @@ class QueryEngine:
         def res(piece: Piece) -> int | None:
             return None if piece.slice_ms == m.slice else piece.slice_ms
 
-        if m.agg == "distinct":
+        if AGGS[m.agg].state == HLL:
             # PFCOUNT of several HyperLogLogs merges them server-side (one hash tag: one slot).
             # Queued as a plain command: redis-py's cluster pipeline refuses its `pfcount`.
             keys = [
@@ -331,43 +301,12 @@ class QueryEngine:
                 else:
                     pipe.execute_command("HMGET", key, *slice_fields(p.first, p.last, p.slice_ms))
             return len(cov.pieces)
-        args: list[Any] = [LUA_AGG[m.agg]]
+        args: list[Any] = [AGGS[m.agg].state]
         for p in cov.pieces:
             args += [p.first, p.last, p.slice_ms]
         keys = [slice_hash_key(m.name, encoded, res(p)) for p in cov.pieces]
         evalsha_on(pipe, READ_SLICES, keys, args)
         return 1
-
-    def _finalize(self, m: MetricConfig, reply: Any) -> Any:
-        if m.agg == "distinct":
-            return int(reply)
-        if m.agg == "quantile":
-            return _quantiles(m, reply)
-        n = int(reply[0])
-        vals = [float(v) for v in reply[1:]] if n else []
-        integral = self._integral[m.name]
-        if m.agg == "count":
-            return int(vals[0]) if n else 0
-        if m.agg == "sum":
-            if not n:
-                return 0
-            return int(vals[0]) if integral else vals[0]
-        if m.agg in ("min", "max"):
-            if not n:
-                return None
-            return int(vals[0]) if integral else vals[0]
-        if m.agg == "avg":
-            return vals[1] / vals[0] if n and vals[0] else None
-        if m.agg in ("variance", "stddev"):
-            if not n or vals[0] < 2:
-                return None
-            variance = max(0.0, vals[2] / (vals[0] - 1))  # sample variance, as Spark's
-            return variance if m.agg == "variance" else math.sqrt(variance)
-        if m.agg == "last":
-            if not n:
-                return None
-            return int(vals[1]) if integral else vals[1]
-        raise ValueError(f"unknown agg {m.agg!r}")  # pragma: no cover - config rejects it
 
     def _answer(self, lk: Lookup, parts: dict[str, tuple[Any, Cover]]) -> dict[str, Any]:
         """The response for one lookup, from the values (and covers) of the metrics it read."""

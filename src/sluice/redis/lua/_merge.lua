@@ -1,6 +1,8 @@
 -- Shared by the slice scripts (prepended by sluice.redis.scripts): number formatting, and the
--- one definition of how two slice states merge. A state is an array of numbers; per agg:
---   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2   last: ts, value
+-- one definition of how two slice states merge. A state is an array of numbers; per state name
+-- (which agg uses which state is in sluice/slices/aggs.py, `Agg.state`):
+--   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2
+--   last: ts, value   first: ts, value
 
 local function fmt(x)
   if x == math.floor(x) and math.abs(x) < 1e15 then
@@ -48,6 +50,11 @@ local function merge_state(agg, a, b)
   elseif agg == 'last' then
     -- The greater event time wins; a tie goes to the greater value.
     if b[1] > a[1] or (b[1] == a[1] and b[2] > a[2]) then a = b end
+  elseif agg == 'first' then
+    -- The smaller event time wins; a tie goes to the smaller value.
+    if b[1] < a[1] or (b[1] == a[1] and b[2] < a[2]) then a = b end
+  else
+    error('no merge for slice state ' .. tostring(agg))
   end
   return a
 end

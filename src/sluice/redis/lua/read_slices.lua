@@ -1,7 +1,7 @@
 -- Merge ranges of slices of one (metric, key), server-side, possibly over several resolutions.
 --
 -- KEYS[1..K]  slice hashes (one per range: the metric's hash for each resolution; one hash tag)
--- ARGV[1]     agg (count | sum | min | max | avg | var | last)
+-- ARGV[1]     state name (count | sum | min | max | avg | var | last | first: `Agg.state`)
 -- then, per key in order: first slice start, last slice start, slice_ms
 -- Returns {slices_with_data, v1, v2, ...} as strings: the merged state (see write_slices.lua),
 -- or just {'0'} when no slice in the ranges holds data. Merging comes from _merge.lua.

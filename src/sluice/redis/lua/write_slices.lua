@@ -4,9 +4,9 @@
 -- ARGV[1]     writer token (epoch * 1e12 + batch id). A slice whose stored token is >= this one
 --             already holds this batch's update, which is then skipped: replays are idempotent.
 -- then, for each key in order:
---   agg, slice_ms, retention_ms, n, width, and n times (slice_start, v1 .. v_width)
--- A slice is stored as "token:v1:...:v_width". The state per agg:
---   count: n   sum: s   min: m   max: m   avg: n, s   var: n, mean, m2   last: ts, value
+--   state, slice_ms, retention_ms, n, width, and n times (slice_start, v1 .. v_width)
+-- A slice is stored as "token:v1:...:v_width". The states (`Agg.state` in sluice/slices/aggs.py)
+-- are the numeric ones listed in _merge.lua, and
 --   blob: an opaque value (a sketch merged by the caller), replaced, never parsed
 -- (Merging and number formatting come from _merge.lua, prepended.)
 -- Field `_m` holds "hi:lo": the newest slice start and a lower bound of the oldest, for retention.

@@ -1,0 +1,345 @@
+"""Aggregations: one record per `agg`, the only place an aggregation is defined.
+
+Every step of a metric's life asks its `Agg`:
+
+    fold (Spark, per batch) ─▶ encode (writer) ─▶ merge into the stored slice (write_slices.lua)
+    query: merge the window's slices (read_slices.lua, or `Agg.merge` here) ─▶ finalize
+
+The stored state is one of three kinds, named by `Agg.state`:
+- a Lua-merged state: `width` numbers, merged by `merge_state` in `redis/lua/_merge.lua` under
+  the same name, and in Python by `merge_columns` (`slices/state.py`);
+- `blob`: an opaque value (a sketch) the writer merges itself with `union`, under the writer
+  token; the script only replaces it;
+- `hll`: a Redis HyperLogLog per slice, merged by PFADD and PFCOUNT, never parsed.
+
+Adding an aggregation: a record in AGGS; a merge in `_merge.lua` if its state is a new one; its
+row in docs/metrics.md; tests (`tests/integration/test_merge.py` holds the Python merge of every
+state to the Lua one). Outside this module, only the config's `q` (quantile's parameter)
+names an agg.
+
+Importing this module imports neither pyspark, numpy nor datasketches: the config takes its agg
+names from here, and the query server must not start a JVM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sluice.slices.state import (
+    Columns,
+    arg_number,
+    merge_add,
+    merge_avg,
+    merge_first,
+    merge_last,
+    merge_max,
+    merge_min,
+    merge_var,
+    state_columns,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column
+
+    from sluice.config import MetricConfig
+
+BLOB = "blob"
+HLL = "hll"
+# (merged state, metric, integral value) -> the answer; see `Agg`.
+Finalize = Callable[[Any, "MetricConfig", bool], Any]
+MergeColumns = Callable[[Columns], list[float]]
+
+
+class Fold(NamedTuple):
+    """One aggregate column a metric needs besides its count `n{i}`; the plan names it
+    `{column}{i}`, and the writer hands the folded values to `Agg.encode` in `folds` order."""
+
+    column: str
+    build: Callable[[Any, Column, Column], Column]  # (pyspark.sql.functions, value, event time)
+
+
+@dataclass(frozen=True)
+class Agg:
+    """How one `agg` folds, is stored, merges and answers.
+
+    `finalize(merged, metric, integral)` turns the merged state into the answer: `merged` is
+    what `merge` returns, or what read_slices.lua returns (the same numbers, as text), or
+    PFCOUNT's reply for `hll`; `integral` says the value is an integer field, so sums, minima
+    and the like are answered as ints.
+    """
+
+    name: str
+    state: str  # a `_merge.lua` state name, BLOB or HLL
+    finalize: Finalize
+    folds: tuple[Fold, ...] = ()
+    width: int = 1  # numbers in a stored state after its token
+    # The Lua args of one folded row: (n, *folded values in `folds` order) -> `width` numbers.
+    encode: Callable[..., tuple[str, ...]] | None = None
+    merge_columns: MergeColumns | None = None  # Lua-merged states
+    union: Callable[[Sequence[bytes]], bytes | None] | None = None  # BLOB: serialized union
+    # The value column's Spark type: long, double, string, or `number` (long for an integral
+    # value, else double).
+    value_kind: str = "double"
+    any_type: bool = False  # `value` may be of any type: counted or compared as text
+    needs_value: bool = True
+
+    @property
+    def lua(self) -> bool:
+        """The state is numbers merged by the slice scripts (not a blob, not a HyperLogLog)."""
+        return self.state not in (BLOB, HLL)
+
+    def value_type(self, integral: bool) -> str:
+        """The Spark type of a metric's value column in the exploded rows."""
+        if self.value_kind == "number":
+            return "long" if integral else "double"
+        return self.value_kind
+
+    def fold_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
+        """(column name prefix, Spark aggregate) for each fold, over `value` and event `time`."""
+        from pyspark.sql import functions as F
+
+        return [(f.column, f.build(F, value, time)) for f in self.folds]
+
+    def merge(self, replies: Iterable[bytes | None]) -> Any:
+        """Merge the stored states HMGET returned (None = no slice). A Lua-merged state merges
+        to what read_slices.lua returns, [slices with data, merged numbers...], or just [0]
+        when no slice holds data; a blob to its union, or None. Raises ValueError on a state
+        that does not have the agg's width."""
+        states = list(filter(None, replies))
+        if self.union is not None:
+            return self.union([s.partition(b":")[2] for s in states])
+        if self.merge_columns is None:
+            raise ValueError(f"agg {self.name!r} is merged in Redis only")
+        if not states:
+            return [0]
+        try:
+            cols = state_columns(states, self.width)
+        except ValueError as e:
+            raise ValueError(f"{e} for {self.name!r}") from None
+        return [float(len(states)), *self.merge_columns(cols)]
+
+
+# -- folds (Spark aggregate expressions; `F` is pyspark.sql.functions) ------------------------
+
+
+def _timed(F: Any, v: Column, t: Column) -> Column:
+    """(event time, value) of an event with a value; null otherwise, which min and max skip."""
+    return F.when(v.isNotNull(), F.struct(t.alias("t"), v.alias("v")))
+
+
+SUM = Fold("sum", lambda F, v, t: F.sum(v))
+MIN = Fold("min", lambda F, v, t: F.min(v))
+MAX = Fold("max", lambda F, v, t: F.max(v))
+MEAN = Fold("avg", lambda F, v, t: F.avg(v))
+# The sum of squared deviations from the mean, merged with Chan's formula.
+M2 = Fold("m2", lambda F, v, t: F.var_pop(v) * F.count(v))
+# Struct order is (time, value): the greatest time, a tie to the greater value; min the reverse.
+LAST = Fold("last", lambda F, v, t: F.max(_timed(F, v, t)))
+FIRST = Fold("first", lambda F, v, t: F.min(_timed(F, v, t)))
+SET = Fold("set", lambda F, v, t: F.collect_set(v))
+KLL = Fold("kll", lambda F, v, t: F.kll_sketch_agg_double(v))
+
+
+# -- encoders: one folded row -> the Lua args of its state --------------------------------------
+
+
+def _encode_count(n: int) -> tuple[str, ...]:
+    return (str(n),)
+
+
+def _encode_value(n: int, x: Any) -> tuple[str, ...]:
+    return (arg_number(x),)
+
+
+def _encode_avg(n: int, total: Any) -> tuple[str, ...]:
+    return (str(n), arg_number(total))
+
+
+def _encode_var(n: int, mean: Any, m2: Any) -> tuple[str, ...]:
+    return (str(n), arg_number(mean), arg_number(m2))
+
+
+def _encode_timed(n: int, timed: dict[str, Any]) -> tuple[str, ...]:
+    return (str(timed["t"]), arg_number(timed["v"]))
+
+
+# -- finalizers: merged state -> answer ----------------------------------------------------------
+
+
+def _numbers(merged: Sequence[Any]) -> list[float]:
+    """The merged numbers of a Lua-merged state, from either merge; [] when no slice had data."""
+    return [float(v) for v in merged[1:]] if int(merged[0]) else []
+
+
+def _as_value(x: float, integral: bool) -> float | int:
+    return int(x) if integral else x
+
+
+def _finalize_count(merged: Any, m: MetricConfig, integral: bool) -> int:
+    vals = _numbers(merged)
+    return int(vals[0]) if vals else 0
+
+
+def _finalize_sum(merged: Any, m: MetricConfig, integral: bool) -> float | int:
+    vals = _numbers(merged)
+    return _as_value(vals[0], integral) if vals else 0
+
+
+def _finalize_value(merged: Any, m: MetricConfig, integral: bool) -> float | int | None:
+    """min, max: the value, null with no data."""
+    vals = _numbers(merged)
+    return _as_value(vals[0], integral) if vals else None
+
+
+def _finalize_avg(merged: Any, m: MetricConfig, integral: bool) -> float | None:
+    vals = _numbers(merged)
+    return vals[1] / vals[0] if vals and vals[0] else None
+
+
+def _sample_variance(merged: Any) -> float | None:
+    """M2 / (n - 1), as Spark's `variance`; null below two values."""
+    vals = _numbers(merged)
+    if not vals or vals[0] < 2:
+        return None
+    return max(0.0, vals[2] / (vals[0] - 1))
+
+
+def _finalize_variance(merged: Any, m: MetricConfig, integral: bool) -> float | None:
+    return _sample_variance(merged)
+
+
+def _finalize_stddev(merged: Any, m: MetricConfig, integral: bool) -> float | None:
+    variance = _sample_variance(merged)
+    return None if variance is None else math.sqrt(variance)
+
+
+def _finalize_timed(merged: Any, m: MetricConfig, integral: bool) -> float | int | None:
+    """last, first: the value of the (time, value) state, null with no data."""
+    vals = _numbers(merged)
+    return _as_value(vals[1], integral) if vals else None
+
+
+def _finalize_distinct(merged: Any, m: MetricConfig, integral: bool) -> int:
+    return int(merged)
+
+
+# -- quantile: KLL sketches in Spark's binary format, read by the `datasketches` package --------
+
+
+def _kll_union(blobs: Sequence[bytes]) -> bytes | None:
+    """The union of serialized KLL sketches, serialized (merged in order); None for none."""
+    from datasketches import kll_doubles_sketch
+
+    merged = None
+    for blob in blobs:
+        sketch = kll_doubles_sketch.deserialize(bytes(blob))
+        if merged is None:
+            merged = sketch
+        else:
+            merged.merge(sketch)
+    return None if merged is None else bytes(merged.serialize())
+
+
+def _finalize_quantiles(merged: bytes | None, m: MetricConfig, integral: bool) -> Any:
+    """One value for a single `q`, else {q: value}; null values with no data."""
+    qs = m.quantiles()
+    values: list[float | None] = [None] * len(qs)
+    if merged is not None:
+        from datasketches import kll_doubles_sketch
+
+        sketch = kll_doubles_sketch.deserialize(merged)
+        values = [sketch.get_quantile(q) for q in qs]
+    if isinstance(m.q, int | float):
+        return values[0]
+    return {str(q): v for q, v in zip(qs, values, strict=True)}
+
+
+# -- the aggregations ------------------------------------------------------------------------------
+
+
+def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize) -> Agg:
+    """sum, min, max: one number per slice, of the value's own type; the state is named as the
+    agg."""
+    return Agg(
+        name,
+        state=name,
+        finalize=finalize,
+        folds=(fold,),
+        encode=_encode_value,
+        merge_columns=merge,
+        value_kind="number",
+    )
+
+
+def _timed_value(name: str, fold: Fold, merge: MergeColumns) -> Agg:
+    """first, last: (event time, value) per slice, answered with the value."""
+    return Agg(
+        name,
+        state=name,
+        finalize=_finalize_timed,
+        folds=(fold,),
+        width=2,
+        encode=_encode_timed,
+        merge_columns=merge,
+        value_kind="number",
+    )
+
+
+def _moments(name: str, finalize: Finalize) -> Agg:
+    """variance, stddev: (count, mean, M2) per slice, the state `var`."""
+    return Agg(
+        name,
+        state="var",
+        finalize=finalize,
+        folds=(MEAN, M2),
+        width=3,
+        encode=_encode_var,
+        merge_columns=merge_var,
+    )
+
+
+AGGS: dict[str, Agg] = {
+    a.name: a
+    for a in (
+        Agg(
+            "count",
+            state="count",
+            finalize=_finalize_count,
+            encode=_encode_count,
+            merge_columns=merge_add,
+            value_kind="long",
+            any_type=True,
+            needs_value=False,
+        ),
+        _one_number("sum", SUM, merge_add, _finalize_sum),
+        _one_number("min", MIN, merge_min, _finalize_value),
+        _one_number("max", MAX, merge_max, _finalize_value),
+        Agg(
+            "avg",
+            state="avg",
+            finalize=_finalize_avg,
+            folds=(SUM,),
+            width=2,
+            encode=_encode_avg,
+            merge_columns=merge_avg,
+        ),
+        Agg(
+            "distinct",
+            state=HLL,
+            finalize=_finalize_distinct,
+            folds=(SET,),
+            width=0,
+            value_kind="string",
+            any_type=True,
+        ),
+        Agg("quantile", state=BLOB, finalize=_finalize_quantiles, folds=(KLL,), union=_kll_union),
+        _timed_value("last", LAST, merge_last),
+        _moments("stddev", _finalize_stddev),
+        _moments("variance", _finalize_variance),
+        _timed_value("first", FIRST, merge_first),
+    )
+}
+AGG_NAMES = tuple(AGGS)

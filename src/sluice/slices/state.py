@@ -1,0 +1,101 @@
+"""The stored slice state, in Python: its text, and the merges of the numeric states.
+
+A slice of a Lua-merged agg is stored in its (metric, key) hash as `token:v1:...:v_width`, the
+writer token then the state's numbers as `_merge.lua`'s `fmt` writes them (`format_number`).
+The writer sends the numbers to `write_slices.lua` as `arg_number` text, which Lua's `tonumber`
+reads back to the same double; the script merges and stores them. Which numbers a state holds
+is per agg (`sluice.slices.aggs`), and so is its merge.
+
+The merges here are the query server's side of `read_slices.lua` (see `QueryEngine`): a lookup
+over a bounded number of slices reads them with HMGET and merges them in the server, so Redis
+only looks fields up (about 0.04 µs each) instead of running a script that parses and merges
+every slice (about 0.7 µs each), and the merging is spread over the server's workers. They work
+on whole columns with C-level iteration (join, split, map, reduce), never a Python loop per
+slice, and give exactly what the script gives: the same doubles added in the same order, the
+same minimum, maximum, first and last value. Only `var` is merged differently: the two-pass
+combination of (count, mean, M2) over all slices at once, which may differ from the script's
+pairwise updates in the last bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import reduce
+from operator import add
+from typing import Any
+
+# Columns of a state's numbers, the writer tokens left out: cols[j] holds v_(j+1) of every slice.
+Columns = list[list[bytes]]
+
+
+def format_number(x: float) -> str:
+    """`x` as `fmt` in `_merge.lua` writes it into a stored state: integral values below 1e15
+    as integers, anything else with 17 significant digits."""
+    if abs(x) < 1e15 and x == int(x):  # abs first: int() of an infinity or a NaN raises
+        return f"{int(x):d}"
+    return f"{x:.17g}"
+
+
+def arg_number(x: Any) -> str:
+    """Shortest exact text for a number, as the writer passes it to `write_slices.lua`; Lua's
+    `tonumber` reads it back to the same double."""
+    return repr(x) if isinstance(x, float) else str(x)
+
+
+def encode_state(token: int, values: Sequence[float]) -> str:
+    """A slice state as `write_slices.lua` stores it when the slice had none before: the writer
+    token, then each number of the state as `format_number` writes it."""
+    return ":".join([str(token), *map(format_number, values)])
+
+
+def state_columns(states: Sequence[bytes], width: int) -> Columns:
+    """The numbers of the packed `states` as `width` columns. Raises ValueError on a state that
+    is not a token and `width` numbers."""
+    stride = width + 1
+    parts = b":".join(states).split(b":")
+    if len(parts) != stride * len(states):
+        raise ValueError(f"a slice state is not `token` and {width} numbers")
+    return [parts[j::stride] for j in range(1, stride)]
+
+
+def _floats(col: list[bytes]) -> map[float]:
+    return map(float, col)
+
+
+def merge_add(cols: Columns) -> list[float]:
+    """count, sum: the total, added in slice order as the script adds it."""
+    return [reduce(add, _floats(cols[0]))]
+
+
+def merge_min(cols: Columns) -> list[float]:
+    return [min(_floats(cols[0]))]
+
+
+def merge_max(cols: Columns) -> list[float]:
+    return [max(_floats(cols[0]))]
+
+
+def merge_avg(cols: Columns) -> list[float]:
+    """(count, sum): both added."""
+    return [reduce(add, _floats(cols[0])), reduce(add, _floats(cols[1]))]
+
+
+def merge_var(cols: Columns) -> list[float]:
+    """(count, mean, M2) of all slices at once (the two-pass form of Chan et al.'s update)."""
+    import numpy as np  # here, not at the top: the config and its agg names must stay light
+
+    counts, means, m2s = (np.fromiter(_floats(c), np.float64, len(c)) for c in cols)
+    total = counts.sum()
+    mean = float((counts * means).sum() / total)
+    m2 = float(m2s.sum() + (counts * (means - mean) ** 2).sum())
+    return [float(total), mean, m2]
+
+
+def merge_last(cols: Columns) -> list[float]:
+    """(event time, value): the greater time wins; a tie goes to the greater value."""
+    return list(max(zip(_floats(cols[0]), _floats(cols[1]), strict=True)))
+
+
+def merge_first(cols: Columns) -> list[float]:
+    """(event time, value): the smaller time wins; a tie goes to the smaller value."""
+    return list(min(zip(_floats(cols[0]), _floats(cols[1]), strict=True)))

@@ -1,0 +1,150 @@
+"""The aggregation table (`sluice.slices.aggs`) and the stored slice state (`sluice.slices.state`):
+pure logic. The Lua side of every merge is held to these in tests/integration/test_merge.py."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sluice.config import MetricConfig
+from sluice.slices.aggs import AGG_NAMES, AGGS, BLOB, HLL
+from sluice.slices.state import encode_state, format_number
+
+LUA_SOURCE = (Path(__file__).parents[2] / "src/sluice/redis/lua/_merge.lua").read_text()
+finite = st.floats(allow_nan=False, allow_infinity=False)
+times = st.integers(0, 5)  # few distinct event times, so ties are common
+timed = st.lists(st.tuples(times, st.sampled_from([-2.0, 0.0, 1.5, 7.25])), min_size=1)
+
+
+def _metric(agg: str, **extra: Any) -> MetricConfig:
+    return MetricConfig(name="m", key=["k"], agg=agg, value="x", **extra)
+
+
+@pytest.mark.parametrize("name", [n for n in AGG_NAMES if AGGS[n].lua])
+def test_every_script_state_is_whole(name: str) -> None:
+    """A Lua-merged agg encodes a folded row into `width` numbers, merges them in Python, and
+    has a merge under its state's name in _merge.lua."""
+    agg = AGGS[name]
+    assert agg.encode is not None and agg.merge_columns is not None
+    folded = [{"t": 1, "v": 2.5} if f.column in ("last", "first") else 2.5 for f in agg.folds]
+    assert len(agg.encode(3, *folded)) == agg.width
+    assert f"agg == '{agg.state}'" in LUA_SOURCE
+
+
+def test_the_other_states_are_a_blob_and_a_hyperloglog() -> None:
+    others = {n: a.state for n, a in AGGS.items() if not a.lua}
+    assert others == {"distinct": HLL, "quantile": BLOB}
+    assert AGGS["quantile"].union is not None
+
+
+def test_config_and_query_server_import_no_engine() -> None:
+    code = (
+        "import sys, sluice.config, sluice.query.engine;"
+        " heavy = {'pyspark', 'datasketches'} & set(sys.modules); assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "integral", "spark_type"),
+    [
+        ("count", False, "long"),
+        ("distinct", True, "string"),
+        ("sum", True, "long"),
+        ("sum", False, "double"),
+        ("first", True, "long"),
+        ("first", False, "double"),
+        ("last", True, "long"),
+        ("avg", True, "double"),
+        ("quantile", True, "double"),
+    ],
+)
+def test_value_column_types(name: str, integral: bool, spark_type: str) -> None:
+    assert AGGS[name].value_type(integral) == spark_type
+
+
+@given(finite)
+def test_stored_numbers_read_back_exactly(x: float) -> None:
+    assert float(format_number(x)) == x
+
+
+def test_stored_numbers_are_written_as_the_script_writes_them() -> None:
+    assert [format_number(x) for x in (3.0, -0.0, 17, 0.1, 1e15, 2.5e-7)] == [
+        "3",
+        "0",
+        "17",
+        "0.10000000000000001",
+        "1000000000000000",
+        "2.4999999999999999e-07",
+    ]
+    assert encode_state(1_000_000_000_017, [2, 20.5]) == "1000000000017:2:20.5"
+
+
+def _stored(pairs: list[tuple[int, float]]) -> list[bytes | None]:
+    return [encode_state(9, p).encode() for p in pairs] + [None]
+
+
+@given(timed)
+def test_first_is_the_least_time_then_the_least_value(pairs: list[tuple[int, float]]) -> None:
+    merged = AGGS["first"].merge(_stored(pairs))
+    assert merged == [len(pairs), *min(pairs)]
+    assert AGGS["first"].merge(_stored(pairs[::-1])) == merged
+
+
+@given(timed)
+def test_last_is_the_greatest_time_then_the_greatest_value(pairs: list[tuple[int, float]]) -> None:
+    merged = AGGS["last"].merge(_stored(pairs))
+    assert merged == [len(pairs), *max(pairs)]
+    assert AGGS["last"].merge(_stored(pairs[::-1])) == merged
+
+
+@pytest.mark.parametrize("name", ["first", "last"])
+def test_first_and_last_answer_the_value(name: str) -> None:
+    agg = AGGS[name]
+    assert agg.finalize([2, 1_700_000_000_000, 42.0], _metric(name), True) == 42
+    assert type(agg.finalize([2, 1_700_000_000_000, 42.0], _metric(name), True)) is int
+    assert agg.finalize([b"2", b"1700000000000", b"2.5"], _metric(name), False) == 2.5
+    assert agg.finalize([0], _metric(name), True) is None
+    assert agg.finalize([b"0"], _metric(name), False) is None
+
+
+def test_answers_with_no_data() -> None:
+    answers = {n: AGGS[n].finalize([0], _metric(n), False) for n in AGG_NAMES if AGGS[n].lua}
+    assert answers == {
+        "count": 0,
+        "sum": 0,
+        "min": None,
+        "max": None,
+        "avg": None,
+        "last": None,
+        "stddev": None,
+        "variance": None,
+        "first": None,
+    }
+    assert AGGS["distinct"].finalize(0, _metric("distinct"), False) == 0
+    quantile = _metric("quantile", q=[0.5, 0.99])
+    assert AGGS["quantile"].finalize(AGGS["quantile"].merge([None]), quantile, False) == {
+        "0.5": None,
+        "0.99": None,
+    }
+
+
+def test_variance_and_stddev_share_a_state_and_answer_apart() -> None:
+    slices = [b"1:2:1:2", b"2:2:3:2"]  # (n, mean, M2) of the values 0, 2 and of 2, 4
+    merged = AGGS["variance"].merge(slices)
+    assert merged == AGGS["stddev"].merge(slices) == [2.0, 4.0, 2.0, 8.0]
+    assert AGGS["variance"].finalize(merged, _metric("variance"), False) == pytest.approx(8 / 3)
+    stddev = AGGS["stddev"].finalize(merged, _metric("stddev"), False)
+    assert stddev == pytest.approx(math.sqrt(8 / 3))
+
+
+def test_a_hyperloglog_is_not_merged_here() -> None:
+    with pytest.raises(ValueError, match="merged in Redis only"):
+        AGGS["distinct"].merge([b"x"])
