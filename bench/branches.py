@@ -1,7 +1,7 @@
 """Hop-by-hop backpressure against Heron-style source throttling, on two branches.
 
 Two branches read one source stream; the left branch's store is slowed for a while (see
-tests/e2e/branches.py for the graph and how latency is measured). Each propagation mode runs
+sluice/testing/branches.py for the graph and how latency is measured). Each propagation mode runs
 the same schedule in turn, in one process, on one Spark session and one embedded Redis.
 Writes a table to docs/benchmarks.md and a plot to docs/branches.png.
 
@@ -23,12 +23,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.branches import BRANCHES, Result, branch_config, run_experiment  # noqa: E402
-
 from _util import log, machine_note, replace_section  # noqa: E402
 from sluice.logs import setup_logging  # noqa: E402
 from sluice.pipeline.spark import build_spark  # noqa: E402
 from sluice.redis.embedded import EmbeddedRedis  # noqa: E402
+from sluice.testing.branches import BRANCHES, Result, branch_config, run_experiment  # noqa: E402
 
 HEADING = "## Multi-stage branches: hop-by-hop against source throttling (bench/branches.py)"
 MODES = ("hop", "source")

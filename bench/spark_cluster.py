@@ -33,8 +33,6 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.standalone import StandaloneCluster  # noqa: E402
-
 from _util import (  # noqa: E402
     BatchRate,
     batch_rate,
@@ -48,6 +46,7 @@ from _util import (  # noqa: E402
 )
 from sluice.redis.connection import open_redis  # noqa: E402
 from sluice.redis.keys import BATCHES_KEY, STATS_KEY  # noqa: E402
+from sluice.testing.standalone import StandaloneCluster  # noqa: E402
 
 HEADING = "## Spark standalone cluster: 1 worker against 2 (bench/spark_cluster.py)"
 MAX_BATCH = 50_000

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -18,6 +17,7 @@ from sluice.config import Config, config_from_dict
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.local_cluster import LocalCluster
+from sluice.testing.ports import free_port
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -136,12 +136,6 @@ def config_data(redis_url: str, state_dir: Path, **overrides: Any) -> dict[str, 
         else:
             data[k] = v
     return data
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:

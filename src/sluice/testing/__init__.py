@@ -1,0 +1,5 @@
+"""What the tests and the benchmarks share: real servers on loopback and experiment harnesses.
+
+Nothing here runs in production. Modules: `ports` (a free loopback port), `standalone` (a Spark
+standalone cluster), `branches` (the two-branch backpressure experiment).
+"""
