@@ -60,7 +60,8 @@ class Producer(threading.Thread):
                  keep_ids: bool) -> None:  # fmt: skip
         super().__init__(daemon=True)
         self.url, self.load, self.halt, self.i, self.keep_ids = url, load, stop, start, keep_ids
-        self.events, self.latencies_s = 0, list[float]()
+        self.events = 0
+        self.latencies_s: list[float] = []
         self.acked: list[tuple[float, list[tuple[bytes, bytes, int]]]] = []
         self.error: BaseException | None = None
 

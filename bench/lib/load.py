@@ -45,7 +45,7 @@ def now_ms() -> int:
 
 
 def bench_config_data(fmt: str, state_dir: Path, max_events_per_batch: int,
-                      stream: str = "events" ) -> dict[str, Any]:  # fmt: skip
+                      stream: str = "events") -> dict[str, Any]:  # fmt: skip
     """The benchmarks' sluice.yaml: 3 metrics, 2 shards, 10 s slices, 1 h retention, default
     Spark (local[2], 500 ms trigger)."""
     return {
@@ -59,7 +59,7 @@ def bench_config_data(fmt: str, state_dir: Path, max_events_per_batch: int,
 
 
 def bench_config(fmt: str, state_dir: Path, max_events_per_batch: int, stream: str = "events",
-                 **update: Any ) -> Config:  # fmt: skip
+                 **update: Any) -> Config:  # fmt: skip
     """`bench_config_data` validated; `update` replaces whole top-level sections."""
     data = bench_config_data(fmt, state_dir, max_events_per_batch, stream)
     return config_from_dict({**data, **update})

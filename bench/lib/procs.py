@@ -74,7 +74,7 @@ def stat_counter(client: Any, name: str) -> int:
 
 
 def wait_idle(pipeline: Pipeline, client: Any, cfg: Config, timeout_s: float,
-              what: str ) -> tuple[bool, int]:  # fmt: skip
+              what: str) -> tuple[bool, int]:  # fmt: skip
     """`Pipeline.wait_idle` in 5 s slices with a progress line each, riding out BUSY replies
     (Redis refuses other clients while a script runs over 5 s). Returns (idle, BUSY polls)."""
     deadline, busy = time.monotonic() + timeout_s, 0
@@ -126,8 +126,8 @@ def count_metric_total(client: Any, metric: str) -> int:
     total = 0
     for key in client.scan_iter(match=f"{SLICE_PREFIX}{{{metric}|*", count=1000):
         if b":r" not in key.rsplit(b"}", 1)[1]:  # not a coarser resolution of the same metric
-            total += sum(int(v.split(b":")[1]) for f,
-                         v in client.hgetall(key).items() if f != b"_m")  # fmt: skip
+            fields = client.hgetall(key).items()
+            total += sum(int(v.split(b":")[1]) for f, v in fields if f != b"_m")
     return total
 
 

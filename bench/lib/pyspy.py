@@ -33,7 +33,7 @@ def find(arg: str) -> str | None:
 
 
 def profile_during(py_spy: str, pid: int, seconds: float, keep: Path | None,
-                   work: Callable[[], object] ) -> str | None:  # fmt: skip
+                   work: Callable[[], object]) -> str | None:  # fmt: skip
     """Sample `pid` for `seconds` while `work()` runs (started 1 s later, so py-spy has
     attached); py-spy's collapsed stacks, or None if it failed. `keep`: copy them there."""
     with tempfile.TemporaryDirectory() as tmp:

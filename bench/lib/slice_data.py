@@ -83,7 +83,7 @@ def coarse_values(spec: DataSpec, values: np.ndarray, res_ms: int) -> np.ndarray
 
 
 def _metric_commands(spec: DataSpec, metric: str, ranks: range,
-                     rng: np.random.Generator ) -> list[bytes]:  # fmt: skip
+                     rng: np.random.Generator) -> list[bytes]:  # fmt: skip
     starts = spec.slice_starts()
     cache = _PackedCache()
     out: list[bytes] = []

@@ -98,7 +98,7 @@ def rises(flags: Sequence[bool]) -> int:
 
 
 def settle_time_s(samples: Sequence[tuple[float, float]], from_s: float, until_s: float,
-                  threshold: float ) -> float | None:  # fmt: skip
+                  threshold: float) -> float | None:  # fmt: skip
     """Seconds from `from_s` until the value is at or under `threshold` and stays there up to
     `until_s`; None if it is still over at the last sample before `until_s`. `samples` are
     (t_s, value), in time order."""
@@ -112,7 +112,7 @@ def settle_time_s(samples: Sequence[tuple[float, float]], from_s: float, until_s
 
 
 def batch_freshness(batches: Sequence[Mapping[str, Any]], t0_ms: int, lo_s: float,
-                    hi_s: float ) -> dict[str, Any]:  # fmt: skip
+                    hi_s: float) -> dict[str, Any]:  # fmt: skip
     """Like `sluice status`, over the batches done in [lo_s, hi_s): per batch, done − newest and
     done − oldest event time; p50 over both, p99 over the oldest. Per batch, not per event, so
     with tens of batches p99 is about the worst batch."""
