@@ -31,3 +31,4 @@ bench: $(STAMP)
 	$(PY) bench/audit.py
 	$(PY) bench/durability.py
 	$(PY) bench/cluster.py
+	$(PY) bench/render.py

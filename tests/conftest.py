@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.local_cluster import LocalCluster
 from sluice.source.kafka_records import forget_consumers
 from sluice.testing.kafka import TEST_PRODUCER_OPTIONS, KafkaBroker
+from sluice.testing.ports import free_port
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
@@ -178,12 +178,6 @@ def kafka_config(
              "producer_options": dict(TEST_PRODUCER_OPTIONS)}  # fmt: skip
     data["source"] = {**source, "format": fmt, "kafka": {**kafka, **source.get("kafka", {})}}
     return config_from_dict(data)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ServerThread:

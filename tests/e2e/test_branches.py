@@ -1,7 +1,7 @@
 """Seed 000's hop-by-hop backpressure on a branched graph, against Heron-style source
 throttling: when one branch is slowed, hop by hop only its own chain throttles and the other
 branch keeps getting the full input; throttling the source holds the input back for both (see
-tests/e2e/branches.py). The assertions are about who throttles and whether the producer kept
+sluice/testing/branches.py). The assertions are about who throttles and whether the producer kept
 its schedule, not about rates or latencies, which a shared 2-core machine makes too noisy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.branches import run_experiment
+from sluice.testing.branches import run_experiment
 
 RATE = 300.0  # low enough that a loaded 2-core machine still keeps up with it
 # Small branch streams (60 KB high watermark) fill within seconds, so a short slowdown shows

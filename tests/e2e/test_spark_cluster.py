@@ -16,8 +16,8 @@ import yaml
 
 from sluice.config import config_from_dict
 from sluice.redis.keys import STATS_KEY
+from sluice.testing.standalone import StandaloneCluster
 from tests.conftest import config_data
-from tests.e2e.standalone import StandaloneCluster
 from tests.e2e.test_oracle import check_answers, make_events, produce
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -80,7 +80,7 @@ def test_under_spark_submit_the_submitted_master_wins(
 ) -> None:
     """`spark-submit … "$(sluice submit-path)" run`: the config names a master nobody listens
     on, so the pipeline can only run on the one spark-submit was given."""
-    from tests.e2e.standalone import SPARK_HOME, _env
+    from sluice.testing.standalone import SPARK_HOME, spark_env
 
     now = time.time_ns() // 1_000_000
     events = make_events(now, 5_000)
@@ -99,7 +99,7 @@ def test_under_spark_submit_the_submitted_master_wins(
         .strip()
     )
     assert main_file.endswith("spark_main.py")
-    env = {**_env(), "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    env = {**spark_env(), "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     log = (tmp_path / "submit.log").open("wb")
     submit = subprocess.Popen(
         [str(SPARK_HOME / "bin" / "spark-submit"), "--master", "local[2]",

@@ -19,7 +19,7 @@ import pytest
 from sluice.config import Config
 from sluice.pipeline.audit import Ledger
 from sluice.pipeline.fold import FoldQuery
-from sluice.pipeline.writer import WriterContext, _run_write_script
+from sluice.pipeline.writer import WriterContext, run_write_script
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.cluster import node_clients
 from sluice.redis.connection import RedisHandle, client_for
@@ -238,13 +238,13 @@ def test_a_script_call_keeps_its_keys_in_one_slot(rc: Any, tmp_path: Path) -> No
         dead_letter_maxlen=100, cluster=True,
     )  # fmt: skip
     failed: set[Any] = set()
-    assert _run_write_script(rc, ctx, calls, failed) == [40, 0, 0] and not failed
-    assert _run_write_script(rc, ctx, calls, failed) == [0, 40, 0]  # same token: duplicates
+    assert run_write_script(rc, ctx, calls, failed) == [40, 0, 0] and not failed
+    assert run_write_script(rc, ctx, calls, failed) == [0, 40, 0]  # same token: duplicates
     from redis.exceptions import RedisClusterException
 
     plain = WriterContext(**{**ctx.__dict__, "cluster": False, "token": 2})
     with pytest.raises(RedisClusterException, match=r"same (key )?slot"):
-        _run_write_script(rc, plain, calls, failed)
+        run_write_script(rc, plain, calls, failed)
 
 
 def test_the_stats_scripts_and_the_board_run_on_the_cluster(rc: Any) -> None:

@@ -187,7 +187,7 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _run_write_script(
+def run_write_script(
     client: Any,
     ctx: WriterContext,
     calls: list[tuple[str, list[Any], tuple[Any, ...]]],
@@ -253,7 +253,7 @@ def _apply_lua(
 ) -> list[int]:
     specs = {sp.index: sp for sp in ctx.specs}
     calls = [_slice_call(specs[i], k, flat) for (i, k), flat in updates.lua.items()]
-    return _run_write_script(client, ctx, calls, failed)
+    return run_write_script(client, ctx, calls, failed)
 
 
 def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], list[str]]) -> int:
@@ -310,7 +310,7 @@ def _apply_blob(
             flat += [str(s), value]
         if flat:
             calls.append(_slice_call(specs[i], k, flat))
-    totals = _run_write_script(client, ctx, calls, failed)
+    totals = run_write_script(client, ctx, calls, failed)
     totals[1] += dups
     return totals
 

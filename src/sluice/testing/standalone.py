@@ -1,5 +1,6 @@
 """A real Spark standalone cluster on loopback: one master and N workers, started from the
-pip-installed Spark's `spark-class`, each a separate JVM. Used by the cluster test and bench."""
+pip-installed Spark's `spark-class`, each a separate JVM. Used by the cluster test and the
+cluster benchmark."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from typing import Any
 
 import pyspark
 
-from tests.conftest import free_port
+from sluice.testing.ports import free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
 
 
-def _env() -> dict[str, str]:
+def spark_env() -> dict[str, str]:
+    """The environment a Spark daemon or `spark-submit` needs: this Spark, loopback only."""
     return {
         **os.environ,
         "SPARK_HOME": str(SPARK_HOME),
@@ -49,7 +51,7 @@ class StandaloneCluster:
         log = (self.root / f"{name}.log").open("wb")
         cmd = [str(SPARK_HOME / "bin" / "spark-class"), *args]
         self.procs.append(
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=spark_env(),
                              start_new_session=True)
         )  # fmt: skip
 

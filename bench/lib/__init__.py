@@ -1,0 +1,1 @@
+"""The benchmarks' shared library: processes, load, statistics, result files and plots."""
