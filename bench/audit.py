@@ -27,7 +27,6 @@ from lib.procs import Workspace, drain, pipeline_run, stat_counter
 from lib.results import Run, log, parser
 from lib.stats import median
 from sluice.config import AuditConfig, Config, config_from_dict
-from sluice.pipeline.audit import LEDGER_KEEP, AuditResult, Ledger
 from sluice.pipeline.spark import build_spark
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
@@ -37,6 +36,7 @@ from sluice.source.log import Admitted, Span
 from sluice.source.options import SourceOptions
 from sluice.source.streams import AUDIT_CHUNK as SOURCE_CHUNK
 from sluice.source.streams import RedisStreamsLog
+from sluice.status.ledger import LEDGER_KEEP, AuditResult, Ledger
 
 STREAM = "events"
 LEDGER_SHARDS = AuditConfig().ledger_shards

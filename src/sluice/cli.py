@@ -1,36 +1,115 @@
-"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status, dead-letters."""
+"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status, dead-letters.
+
+Every command that reads a config goes through `_opened`: load the file, open its Redis (the
+embedded one, started or joined, when `redis:` is not set), and turn any `SluiceError` into one
+line on stderr and exit code 1. Commands that run Spark import it lazily: the others start in
+a fraction of a second.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Iterator
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import click
+import redis
 
+from sluice.clock import SYSTEM_CLOCK
 from sluice.config import Config, load_config
 from sluice.errors import SluiceError
 from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
+from sluice.redis.connection import RedisHandle, open_redis, redact
+from sluice.status.dead_letters import REASON_RE, read_dead_letters
+from sluice.status.snapshot import read_status
 from sluice.status.views import format_dead_letters, format_dead_summary, format_status
 
 log = logging.getLogger("sluice")
 
 
-def _load(path: str) -> Config:
+@contextlib.contextmanager
+def _opened(config_path: str) -> Iterator[tuple[Config, RedisHandle]]:
+    """The config and its Redis, open until the block ends. A `SluiceError` raised opening
+    them or inside the block becomes one line on stderr and exit code 1."""
     try:
-        return load_config(path)
+        cfg = load_config(config_path)
+        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
+            yield cfg, handle
     except SluiceError as e:
         raise click.ClickException(str(e)) from None
 
 
-def _fail(e: Exception) -> click.ClickException:
-    return click.ClickException(str(e))
+class _StopSignals:
+    """SIGINT and SIGTERM, installed at once, ask `then` to stop (once); a second one does not
+    interrupt the stop. `systemd`, Kubernetes, `timeout` and Ctrl-C signal the whole process
+    group, Spark's JVM included, so what fails while stopping is expected: `quiet` silences the
+    loggers that would report it."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._then: Callable[[], None] | None = None
+        self.install()
+
+    def install(self) -> None:
+        """(Again:) PySpark's context puts a SIGINT handler of its own in place, which raises
+        KeyboardInterrupt in whatever the main thread is doing."""
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def then(self, action: Callable[[], None]) -> None:
+        self.install()
+        self._then = action
+        if self.requested.is_set():
+            action()
+
+    def _on_signal(self, signum: int, _: Any) -> None:
+        if not self.requested.is_set():
+            log.info(
+                "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
+            )
+        self.requested.set()
+        self.quiet()
+        if self._then is not None:
+            self._then()
+
+    @staticmethod
+    def quiet() -> None:
+        ours, root = logging.getLogger("sluice"), logging.getLogger()
+        if ours.level == logging.NOTSET:
+            ours.setLevel(root.getEffectiveLevel())
+        # py4j reports the JVM's going at INFO on the root logger itself.
+        root.setLevel(max(root.level, logging.WARNING))
+        for name in ("py4j", "pyspark"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        # PySpark's accumulator server prints a traceback when its JVM connection ends.
+        from pyspark import accumulators
+
+        for server in (accumulators.AccumulatorTCPServer, accumulators.AccumulatorUnixServer):
+            server.handle_error = _ignore_request_error  # type: ignore[method-assign]
+
+
+def _ignore_request_error(self: Any, request: Any, client_address: Any) -> None:
+    """`socketserver`'s error report, for a server whose peer is known to be gone."""
+
+
+def _stop_spark(spark: Any) -> None:
+    """Stop the session; its JVM may be gone already (a signal to the process group)."""
+    try:
+        spark.stop()
+    except Exception as e:  # noqa: BLE001 - py4j raises all kinds once the JVM is gone
+        log.debug("spark stop", extra={"error": str(e)})
 
 
 config_option = click.option(
@@ -77,45 +156,29 @@ def main(
 )
 def run(config_path: str, stages: tuple[str, ...]) -> None:
     """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
+    signals = _StopSignals()
     from sluice.pipeline.run import Pipeline
     from sluice.pipeline.spark import build_spark
-    from sluice.redis.connection import open_redis
 
-    cfg = _load(config_path)
-    try:
-        handle = open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability)
-    except SluiceError as e:
-        raise _fail(e) from None
-    with handle:
+    with _opened(config_path) as (cfg, handle):
         spark = build_spark(cfg)
-        pipeline = Pipeline(cfg, handle, spark, only=stages)
         try:
+            pipeline = Pipeline(cfg, handle, spark, only=stages)
             pipeline.prepare()
-        except SluiceError as e:
-            raise _fail(e) from None
-
-        def on_signal(signum: int, _: Any) -> None:
+            signals.then(pipeline.request_stop)
             log.info(
-                "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
-            )
-            pipeline.request_stop()
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        log.info(
-            "pipeline starting",
-            extra={"redis": _redact(handle.url), "state_dir": str(cfg.state_dir),
-                   "queries": len(pipeline.queries)},
-        )  # fmt: skip
-        pipeline.run_forever()
-        spark.stop()
+                "pipeline starting",
+                extra={"redis": redact(handle.url), "state_dir": str(cfg.state_dir),
+                       "queries": len(pipeline.queries)},
+            )  # fmt: skip
+            pipeline.run_forever()
+        except Exception:
+            if not signals.requested.is_set():
+                raise
+            log.debug("stopped while stopping", exc_info=True)
+        finally:
+            _stop_spark(spark)
     log.info("stopped")
-
-
-def _redact(url: str) -> str:
-    from sluice.redis.connection import redact
-
-    return redact(url)
 
 
 @main.command()
@@ -129,31 +192,23 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
     """Serve the HTTP API and the dashboard."""
     import uvicorn
 
-    from sluice.redis.connection import open_redis
     from sluice.server.app import create_app
 
-    cfg = _load(config_path)
-    try:
-        handle = open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability)
-    except SluiceError as e:
-        raise _fail(e) from None
-    n_workers = workers if workers is not None else cfg.server.workers
-    if n_workers < 1:
-        raise click.ClickException(f"`--workers` must be at least 1, got {n_workers}")
-    bind = {
-        "host": host or cfg.server.host,
-        "port": port if port is not None else cfg.server.port,
-        # uvicorn logs through our handler (key=value lines); per-request lines stay off; the
-        # latency of every request is in the Prometheus histogram instead.
-        "log_config": None,
-        "log_level": "warning",
-        "access_log": False,
-    }
-    log.info(
-        "serving",
-        extra={"url": f"http://{bind['host']}:{bind['port']}/", "workers": n_workers},
-    )
-    with handle:
+    with _opened(config_path) as (cfg, handle):
+        n_workers = workers if workers is not None else cfg.server.workers
+        if n_workers < 1:
+            raise click.ClickException(f"`--workers` must be at least 1, got {n_workers}")
+        bind = {
+            "host": host or cfg.server.host,
+            "port": port if port is not None else cfg.server.port,
+            # uvicorn logs through our handler (key=value lines); per-request lines stay off;
+            # the latency of every request is in the Prometheus histogram instead.
+            "log_config": None,
+            "log_level": "warning",
+            "access_log": False,
+        }
+        url = f"http://{bind['host']}:{bind['port']}/"
+        log.info("serving", extra={"url": url, "workers": n_workers})
         if n_workers == 1:
             uvicorn.run(create_app(cfg, handle.client), **bind)  # type: ignore[arg-type]
             return
@@ -175,9 +230,6 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
 def _multiprocess_metrics_dir() -> Iterator[None]:
     """A fresh PROMETHEUS_MULTIPROC_DIR for this server's workers (the official client's
     multiprocess mode), removed on exit. One set by the caller is used as it is."""
-    import shutil
-    import tempfile
-
     from sluice.status.prometheus import MULTIPROC_ENV
 
     if os.environ.get(MULTIPROC_ENV):
@@ -199,24 +251,18 @@ def _multiprocess_metrics_dir() -> Iterator[None]:
 @click.option("--profile", type=click.Choice(["steady", "burst"]), default="steady")
 @click.option("--seed", type=int, default=0, help="RNG seed for keys and values")
 def produce(config_path: str, rate: float, duration: float, profile: str, seed: int) -> None:
-    """Produce synthetic events (Zipf keys) into the input streams."""
-    from sluice.redis.connection import open_redis
+    """Produce synthetic events (Zipf keys) into the source log."""
     from sluice.source.loadgen import Profile, run_load
 
     if rate <= 0 or duration <= 0:
         raise click.ClickException("`--rate` and `--duration` must be positive")
-    cfg = _load(config_path)
-    try:
-        handle = open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability)
-    except SluiceError as e:
-        raise _fail(e) from None
 
     def progress(p: dict[str, Any]) -> None:
         click.echo(
             f"produced {p['events']:,} events in {p['seconds']:.0f}s ({p['rate']:,.0f}/s)", err=True
         )
 
-    with handle:
+    with _opened(config_path) as (cfg, handle):
         out = run_load(
             cfg, handle.client, rate, duration, Profile(profile), seed, progress=progress
         )
@@ -236,14 +282,9 @@ def query(
 ) -> None:
     """Query METRIC for a key over the last WINDOW."""
     from sluice.query.engine import QueryEngine
-    from sluice.redis.connection import open_redis
 
-    cfg = _load(config_path)
-    try:
-        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
-            out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
-    except SluiceError as e:
-        raise _fail(e) from None
+    with _opened(config_path) as (cfg, handle):
+        out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
     click.echo(json.dumps(out))
 
 
@@ -266,51 +307,35 @@ def status(
     With --watch, a terminal shows one view redrawn in place; a pipe or file gets one block per
     interval (one JSON line each with --json).
     """
-    import time
-
-    import redis
-
-    from sluice.clock import SYSTEM_CLOCK
-    from sluice.redis.connection import open_redis
-    from sluice.status.snapshot import read_status
-
-    cfg = _load(config_path)
     views = count if watch else 1
     redraw = watch and not as_json and sys.stdout.isatty()
-    try:
-        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
-            shown = 0
-            while views is None or shown < views:
-                if shown:
-                    time.sleep(interval)
-                shown += 1
-                try:
-                    st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms())
-                except redis.RedisError as e:
-                    if not watch:
-                        raise _fail(e) from None
-                    click.echo(f"--- {_stamp()}: redis is unavailable: {e}", err=True)
-                    continue
-                if as_json:
-                    click.echo(json.dumps(st))
-                    continue
-                text = format_status(st)
-                if redraw:
-                    # Home the cursor and clear the screen, so the view stays in one place.
-                    click.echo("\x1b[H\x1b[2J" + _stamp() + "\n" + text, nl=True)
-                elif watch:
-                    click.echo(f"--- {_stamp()}\n{text}\n")
-                else:
-                    click.echo(text)
-    except KeyboardInterrupt:
-        return
-    except SluiceError as e:
-        raise _fail(e) from None
+    with contextlib.suppress(KeyboardInterrupt), _opened(config_path) as (cfg, handle):
+        shown = 0
+        while views is None or shown < views:
+            if shown:
+                time.sleep(interval)
+            shown += 1
+            try:
+                st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms())
+            except redis.RedisError as e:
+                if not watch:
+                    raise click.ClickException(str(e)) from None
+                click.echo(f"--- {_stamp()}: redis is unavailable: {e}", err=True)
+                continue
+            if as_json:
+                click.echo(json.dumps(st))
+                continue
+            text = format_status(st)
+            if redraw:
+                # Home the cursor and clear the screen, so the view stays in one place.
+                click.echo("\x1b[H\x1b[2J" + _stamp() + "\n" + text, nl=True)
+            elif watch:
+                click.echo(f"--- {_stamp()}\n{text}\n")
+            else:
+                click.echo(text)
 
 
 def _stamp() -> str:
-    import datetime as dt
-
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
@@ -321,20 +346,19 @@ def _stamp() -> str:
 @click.option("--state-dir", type=click.Path(file_okay=False), default=".sluice/demo")
 def demo(duration: float | None, rate: float, port: int, state_dir: str) -> None:
     """Everything embedded: Redis, the Spark pipeline, the API and bursty synthetic load."""
+    signals = _StopSignals()
     from sluice.demo import run_demo
 
     try:
-        run_demo(Path(state_dir), duration, rate, port)
+        run_demo(Path(state_dir), duration, rate, port, signals.requested, signals.install)
     except SluiceError as e:
-        raise _fail(e) from None
+        raise click.ClickException(str(e)) from None
 
 
 @main.command("submit-path")
 def submit_path() -> None:
     """Print the Python file to give spark-submit: spark-submit … "$(sluice submit-path)" run."""
-    import sluice.submit.spark_main
-
-    click.echo(sluice.submit.spark_main.__file__)
+    click.echo(str(resources.files("sluice.submit") / "spark_main.py"))
 
 
 @main.command("dead-letters")
@@ -346,16 +370,12 @@ def submit_path() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON lines on stdout, totals on stderr")
 def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool) -> None:
     """Show the newest dead letters (newest first), their total and the count per reason."""
-    from sluice.redis.connection import open_redis
-    from sluice.status.dead_letters import parse_reason, read_dead_letters
-
-    cfg = _load(config_path)
-    try:
-        reason = parse_reason(reason)
-        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
-            out = read_dead_letters(handle.client, cfg, limit, reason)
-    except SluiceError as e:
-        raise _fail(e) from None
+    if reason is not None and not REASON_RE.fullmatch(reason):
+        raise click.BadParameter(
+            f"must be a reason name such as bad_json, got {reason!r}", param_hint="--reason"
+        )
+    with _opened(config_path) as (cfg, handle):
+        out = read_dead_letters(handle.client, cfg, limit, reason)
     summary = format_dead_summary(out, cfg.source.dead_letter_stream, reason)
     if as_json:
         for item in out["items"]:
@@ -364,8 +384,6 @@ def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool
         return
     click.echo(summary)
     if out["items"]:
-        import shutil
-
         click.echo(format_dead_letters(out["items"], shutil.get_terminal_size((120, 24)).columns))
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,17 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) -> None:
+def run_demo(
+    state_dir: Path,
+    duration_s: float | None,
+    rate: float,
+    port: int,
+    stop: threading.Event | None = None,
+    on_spark: Callable[[], None] | None = None,
+) -> None:
+    """Run until `duration_s` passes or `stop` is set (the CLI sets it on SIGINT or SIGTERM),
+    then stop everything. Prints the URL and a status line. `on_spark` is called once the
+    Spark session exists (the CLI puts its signal handlers back then)."""
     from sluice.pipeline.fold import FoldQuery
     from sluice.pipeline.spark import build_spark
     from sluice.server.app import create_app
@@ -70,13 +80,7 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
     state_dir.mkdir(parents=True, exist_ok=True)
     cfg = demo_config(state_dir)
     produced = {"events": 0}
-    stop = threading.Event()
-
-    def on_signal(signum: int, _: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stop = stop or threading.Event()
     if port and not _port_free(port):
         print(f"port {port} is busy; using a free port instead", file=sys.stderr)
         port = 0
@@ -93,6 +97,8 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
         print(f"Sluice demo: open the dashboard at http://127.0.0.1:{bound}/", flush=True)
         print("starting Spark (takes a few seconds)...", flush=True)
         spark = build_spark(cfg, app_name="sluice-demo")
+        if on_spark is not None:
+            on_spark()
         pipeline = FoldQuery(cfg, handle, spark)
         pipeline.start()
         load = threading.Thread(
@@ -117,11 +123,13 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
                 if duration_s is not None and time.monotonic() - started >= duration_s:
                     break
                 stop.wait(1.0 if tty else 2.0)
+                if stop.is_set():
+                    break
                 bad.maybe_send()
                 st = read_status(handle.client, cfg, SYSTEM_CLOCK.now_ms(), window_s=5)
                 events_in = st["counters"].get("events_in", 0)
                 now = time.monotonic()
-                backlog_ev = st["backlog"]["entries"]
+                backlog_ev = st["backlog"]["entries"] or 0
                 # Input rate: what the load generator reports having written (about once a second).
                 in_rate = 0.0
                 if prev_in is not None and now > prev_in[0]:
@@ -139,12 +147,19 @@ def run_demo(state_dir: Path, duration_s: float | None, rate: float, port: int) 
                 if q is not None and q.exception() is not None:
                     print(f"\npipeline failed: {q.exception()}", file=sys.stderr)
                     break
+        except Exception:
+            if not stop.is_set():
+                raise
+            log.debug("stopped while stopping", exc_info=True)  # the JVM went with the signal
         finally:
             stop.set()
             print("\nstopping...", flush=True)
             load.join(timeout=10)
-            pipeline.stop()
-            spark.stop()
+            try:  # a signal to the whole process group stops Spark's JVM too
+                pipeline.stop()
+                spark.stop()
+            except Exception as e:  # noqa: BLE001 - py4j raises all kinds once the JVM is gone
+                log.debug("spark stop", extra={"error": str(e)})
             server.should_exit = True
             api.join(timeout=10)
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.config import BackpressureConfig, Config, MetricConfig, SourceConfig, StageConfig
 from sluice.redis.keys import shard_keys
-from sluice.source.options import KafkaSpec, StreamsSpec, log_spec
 
 INGEST = "ingest"
 SPARK = "spark"
@@ -44,6 +44,60 @@ class FlowStage:
     upstreams: tuple[str, ...]
     queue: str  # "streams" | "store" | "none"
     inputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamsSpec:
+    """Redis Streams: the shard keys, in the Redis of `SourceOptions.url`."""
+
+    shards: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KafkaSpec:
+    """A Kafka topic: its partitions are the shards. `options` go to librdkafka as they are."""
+
+    bootstrap: str
+    topic: str
+    group_id: str
+    start: str = "earliest"  # where a fresh checkpoint begins: earliest | latest
+    options: tuple[tuple[str, str], ...] = ()
+    producer_options: tuple[tuple[str, str], ...] = ()
+
+    def client_config(self, **extra: Any) -> dict[str, Any]:
+        """A librdkafka config: the bootstrap servers, the user's options, then `extra`.
+        librdkafka's own log lines go to the `sluice.kafka` logger (key=value lines, like
+        every other log line), not straight to stderr."""
+        import logging
+
+        return {
+            "bootstrap.servers": self.bootstrap,
+            "logger": logging.getLogger("sluice.kafka"),
+            **dict(self.options),
+            **extra,
+        }
+
+
+def log_spec(cfg: Config) -> StreamsSpec | KafkaSpec:
+    """The log of `cfg.source`: its Kafka topic when `source.kafka` is set, else its streams."""
+    k = cfg.source.kafka
+    if k is None:
+        return StreamsSpec(tuple(cfg.source.shard_keys()))
+    return KafkaSpec(
+        bootstrap=k.bootstrap,
+        topic=k.topic,
+        group_id=k.group_id,
+        start=k.start,
+        options=_librdkafka(k.options),
+        producer_options=_librdkafka(k.producer_options),
+    )
+
+
+def _librdkafka(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Settings as librdkafka takes them: strings, booleans as `true` / `false`."""
+    return tuple(
+        (str(k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in options.items()
+    )
 
 
 def fold_stage(cfg: Config, stream: str) -> str:

@@ -20,12 +20,12 @@ import orjson
 import pytest
 import redis
 
-from sluice.pipeline.audit import Ledger
 from sluice.pipeline.fold import FoldQuery
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import RedisHandle, client_for
 from sluice.redis.keys import HEALTH_KEY, STATS_KEY, key_slot, slice_hash_key
 from sluice.redis.local_cluster import LocalCluster
+from sluice.status.ledger import Ledger
 from tests.conftest import make_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]

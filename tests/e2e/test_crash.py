@@ -18,8 +18,8 @@ import pytest
 import redis
 import yaml
 
-from sluice.pipeline.audit import Ledger
 from sluice.redis.keys import STATS_KEY
+from sluice.status.ledger import Ledger
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]

@@ -26,7 +26,6 @@ import redis
 import yaml
 from confluent_kafka import Consumer, TopicPartition
 
-from sluice.pipeline.audit import Ledger
 from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.run import Pipeline
 from sluice.query.engine import QueryEngine
@@ -34,6 +33,7 @@ from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
+from sluice.status.ledger import Ledger
 from sluice.testing.kafka import TEST_PRODUCER_OPTIONS, KafkaBroker
 from tests.conftest import config_data, kafka_config
 from tests.e2e.test_crash import _in_flight, _sum_slices, json_last_batch

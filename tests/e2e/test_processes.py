@@ -101,3 +101,66 @@ def test_demo_serves_the_api_and_shows_live_status(tmp_path: Path) -> None:
     assert "processed" in text and "freshness" in text
     assert answer is not None, text
     assert answer["value"] > 0
+
+
+def _traceback_free(text: str) -> None:
+    assert "Traceback" not in text and "Error" not in text.replace("level=ERROR", ""), text
+    assert "Aborted!" not in text, text
+
+
+def test_run_stops_with_one_line_when_the_whole_process_group_gets_sigterm(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """What systemd, Kubernetes and `timeout` do: SIGTERM to every process of the group, the
+    JVM included. No traceback; the last line says it stopped."""
+    cfg = tmp_path / "sluice.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "redis": redis_url,
+                "state_dir": str(tmp_path / "state"),
+                "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
+                "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
+                "spark": {"trigger": "200ms"},
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [*SLUICE, "run", "-c", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        now = time.time_ns() // 1_000_000
+        r.xadd("events", {"d": b'{"ts": %d, "card": "c1"}' % now})
+        _wait_for(lambda: r.hget("sluice:{stats}", "events_in") == b"1", 120, "the first batch")
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    _traceback_free(out + err)
+    assert err.strip().splitlines()[-1].endswith("msg=stopped"), err
+
+
+def test_demo_stops_with_one_line_on_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal: SIGINT to the foreground process group."""
+    proc = subprocess.Popen(
+        [*SLUICE, "demo", "--port", "0", "--rate", "200", "--state-dir", str(tmp_path / "d")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        deadline = time.monotonic() + 150
+        for line in proc.stdout:
+            if "total" in line or time.monotonic() > deadline:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    _traceback_free(out + err)
+    assert out.strip().splitlines()[-1] == "stopping...", out

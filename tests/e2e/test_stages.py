@@ -150,8 +150,9 @@ def test_a_rerun_batch_writes_its_output_once(
 ) -> None:
     """Spark re-runs a batch after a crash with the same id and input: nothing is written
     twice, and a half-written batch is completed."""
+    from sluice.graph import StreamsSpec
     from sluice.source.decode import spark_schema_ddl
-    from sluice.source.options import SourceOptions, StreamsSpec
+    from sluice.source.options import SourceOptions
 
     cfg = config_from_dict(stage_config(redis_url, tmp_path))
     _, parts = build_queries(cfg, RedisHandle(redis_url), spark)

@@ -10,10 +10,11 @@ import redis
 
 from sluice.config import BackpressureConfig, Config
 from sluice.flow.levels import QueueLevel
+from sluice.graph import StreamsSpec
 from sluice.source.admission import log_measure
 from sluice.source.decode import output_schema
 from sluice.source.ids import event_ids
-from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.options import SourceOptions
 from sluice.source.streams import RedisStreamsLog
 
 

@@ -13,11 +13,11 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.pipeline.audit import Ledger
 from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY, slice_hash_key
 from sluice.source.ids import event_ids, parse_id, xor_all
+from sluice.status.ledger import Ledger
 from sluice.testing.faults import LoseOne
 from tests.conftest import make_config
 

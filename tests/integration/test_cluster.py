@@ -17,7 +17,6 @@ import pandas as pd
 import pytest
 
 from sluice.config import Config
-from sluice.pipeline.audit import Ledger
 from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.writer import WriterContext, run_write_script
 from sluice.query.engine import Lookup, QueryEngine
@@ -28,6 +27,7 @@ from sluice.redis.local_cluster import LocalCluster
 from sluice.server.app import create_app
 from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
+from sluice.status.ledger import Ledger
 from tests.conftest import ServerThread, make_config
 
 pytestmark = [pytest.mark.spark]

@@ -446,4 +446,4 @@ def test_cli_bad_options(r: redis.Redis, redis_url: str, tmp_path: Path) -> None
     out = CliRunner().invoke(main, ["dead-letters", "-c", path, "--limit", "0"])
     assert out.exit_code == 2 and "--limit" in out.output
     out = CliRunner().invoke(main, ["dead-letters", "-c", path, "--reason", "No Such"])
-    assert out.exit_code == 1 and "`reason`" in out.output
+    assert out.exit_code == 2 and "--reason" in out.output and "bad_json" in out.output

@@ -18,9 +18,11 @@ import pyarrow as pa
 import pytest
 import redis
 
+from sluice.graph import KafkaSpec, StreamsSpec
 from sluice.source.ids import xor_all
-from sluice.source.log import Log, Span, open_log
-from sluice.source.options import KafkaSpec, SourceOptions, StreamsSpec
+from sluice.source.log import Log, Span
+from sluice.source.logs import open_log
+from sluice.source.options import SourceOptions
 from sluice.testing.kafka import KafkaBroker
 
 FIELDS = (("ts", "long", True), ("card", "string", False), ("amount", "double", False))

@@ -15,7 +15,7 @@ from redis import exceptions
 
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.mux import MuxClient
-from sluice.server.app import AsyncClients
+from sluice.server.clients import AsyncClients
 from tests.conftest import free_port
 
 

@@ -9,9 +9,10 @@ from typing import Any
 import redis
 
 from sluice.config import BackpressureConfig
-from sluice.redis.keys import OFFSETS_KEY, shard_keys, shard_side_key
+from sluice.graph import StreamsSpec
+from sluice.redis.keys import shard_keys, shard_side_key
 from sluice.redis.local_cluster import LocalCluster
-from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.options import SourceOptions
 from sluice.source.reader import LogStreamReader
 from sluice.source.streams import raw_client
 from tests.integration.helpers import stream_level
@@ -63,7 +64,6 @@ def test_a_shard_is_trimmed_only_up_to_its_slowest_reader(r: redis.Redis, redis_
     _commit(b, "1007-0")
     assert _first_id(r, "s") == "1007-0"
     assert r.hgetall(shard_side_key("rd", "s")) == {b"a": b"1008-0", b"b": b"1007-0"}
-    assert not r.exists(OFFSETS_KEY)  # published for the default pipeline only
     # the status backlog: entries after the slowest reader's committed id (1008-0, 1009-0)
     from sluice.config import config_from_dict
     from sluice.status.snapshot import backlog
@@ -94,7 +94,7 @@ def test_an_offset_never_moves_back(r: redis.Redis, redis_url: str) -> None:
     assert _first_id(r, "s") == "1003-0"
 
 
-def test_the_default_reader_trims_to_its_own_id_and_publishes_it(
+def test_the_default_reader_trims_to_its_own_id_and_records_it(
     r: redis.Redis, redis_url: str
 ) -> None:
     shards = ("events:0", "events:1")
@@ -102,7 +102,7 @@ def test_the_default_reader_trims_to_its_own_id_and_publishes_it(
         _fill(r, s, 1000, 10)
     _commit(_reader(redis_url, shards=shards), "1004-0")
     assert [r.xlen(s) for s in shards] == [6, 6]  # the committed id itself stays
-    assert r.hgetall(OFFSETS_KEY) == {b"events:0": b"1004-0", b"events:1": b"1004-0"}
+    assert [r.hgetall(shard_side_key("rd", s)) for s in shards] == [{b"": b"1004-0"}] * 2
 
 
 def test_stream_level_of_a_reader(r: redis.Redis, redis_url: str) -> None:

@@ -357,7 +357,7 @@ def pid_reference(
         hist = sched * rate / batch_ms
         d_error = (error - latest_error) / since_s
         new = max(
-            latest_rate - p.proportional * error - p.integral * hist - p.derived * d_error,
+            latest_rate - p.proportional * error - p.integral * hist - p.derivative * d_error,
             p.min_rate,
         )
         latest_time = time_ms

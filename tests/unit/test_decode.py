@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sluice.errors import ConfigError
+from sluice.graph import StreamsSpec
 from sluice.source.decode import META_FIELDS, Decoder, output_schema, spark_schema_ddl
-from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.options import SourceOptions
 
 FAST = settings(max_examples=40, deadline=None, database=None)
 REF_MS = 1_700_000_999_000

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice.config import config_from_dict
+from sluice.graph import StreamsSpec
 from sluice.source.decode import (
     DECODE_REASONS,
     RAW_LIMIT,
@@ -24,7 +25,7 @@ from sluice.source.decode import (
     entry_event_count,
     output_schema,
 )
-from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.options import SourceOptions
 
 FUZZ = settings(
     max_examples=60,

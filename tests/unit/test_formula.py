@@ -1,4 +1,4 @@
-"""sluice.query.formula: safe arithmetic over metric values (never `eval`)."""
+"""sluice.formula: safe arithmetic over metric values (never `eval`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.query.formula import BinOp, Name, Neg, Num, check_derived, evaluate, names, parse
+from sluice.formula import BinOp, Name, Neg, Num, check_derived, evaluate, names, parse
 
 FAST = settings(max_examples=120, deadline=None, database=None)
 

@@ -354,7 +354,7 @@ class Pid(Controller):
             self._latest_rate
             - p.proportional * error
             - p.integral * historical_error
-            - p.derived * d_error,
+            - p.derivative * d_error,
             p.min_rate,
         )
         self._latest_time_ms, self._processing_rate = time_ms, processing_rate

@@ -27,15 +27,17 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import AuditError, PipelineError
 from sluice.flow.valves import StoreMonitor
-from sluice.pipeline.audit import AuditResult, Ledger, batch_offsets, writer_xors
+from sluice.pipeline.audit import batch_offsets, writer_xors
 from sluice.pipeline.plan import check_expressions, explode_updates, fold_columns, fold_updates
 from sluice.pipeline.plan import metric_specs as make_specs
 from sluice.pipeline.query import Role, StreamQuery
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
-from sluice.source.log import Admitted, Log, open_log
+from sluice.source.log import Admitted, Log
+from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
+from sluice.status.ledger import AuditResult, Ledger
 
 log = logging.getLogger(__name__)
 

@@ -270,9 +270,3 @@ def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:
     k is the dead-letter record as JSON, one row per bad event.
     """
     return exploded.groupBy("g", "k", "s").agg(*aggs)
-
-
-def slice_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
-    """`explode_updates` then `fold_updates`, for a batch DataFrame of decoded events."""
-    exploded = explode_updates(events, cfg, specs)
-    return fold_updates(exploded, fold_columns(specs, cfg.audit.enabled))

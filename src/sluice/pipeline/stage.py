@@ -35,7 +35,7 @@ from pyspark.sql import functions as F
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, StageConfig
-from sluice.graph import Graph
+from sluice.graph import Graph, StreamsSpec
 from sluice.pipeline.plan import dead_letter_json
 from sluice.pipeline.query import Role, StreamQuery
 from sluice.pipeline.schemas import load_tables
@@ -43,7 +43,7 @@ from sluice.pipeline.writer import WriterContext, write_dead_letters
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import EMIT, evalsha_on, execute_loading
-from sluice.source.options import SourceOptions, StreamsSpec
+from sluice.source.options import SourceOptions
 from sluice.source.reader import LogDataSource
 from sluice.source.values import SPARK_TYPES
 

@@ -10,19 +10,18 @@ A batch of lookups is one pipelined round trip.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 
+from sluice import formula
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
-from sluice.query import formula
+from sluice.query.wire import Commands, aexecute, slice_fields
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
-from sluice.redis.mux import MuxClient
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import Cover, Piece, cover, slice_start
@@ -81,78 +80,6 @@ def _integral_value(cfg: Config, m: MetricConfig) -> bool:
         return False
     spec = cfg.source.schema_.get(m.value.strip())
     return spec is not None and FieldType.parse(spec).type in ("long", "int")
-
-
-# Pieces of up to this many slices have their fields cached (at most 1,024 of them, a few MB).
-CACHED_PIECE_SLICES = 256
-
-
-def slice_fields(first: int, last: int, step: int) -> tuple[str, ...]:
-    """The hash fields of the slices first, first + step, ..., last. Lookups in the same minute
-    share their covers, so the fields of short pieces repeat, and are made once."""
-    if (last - first) // step < CACHED_PIECE_SLICES:
-        return _cached_fields(first, last, step)
-    return _make_fields(first, last, step)
-
-
-def _make_fields(first: int, last: int, step: int) -> tuple[str, ...]:
-    return tuple(map(str, range(first, last + 1, step)))
-
-
-_cached_fields = functools.lru_cache(maxsize=1024)(_make_fields)
-
-
-def _fields_resp(first: int, last: int, step: int) -> bytes:
-    """slice_fields as RESP bulk strings: the tail of an HMGET command."""
-    if (last - first) // step < CACHED_PIECE_SLICES:
-        return _cached_resp(first, last, step)
-    return _make_resp(first, last, step)
-
-
-def _make_resp(first: int, last: int, step: int) -> bytes:
-    return b"".join(
-        b"$%d\r\n%s\r\n" % (len(f), f.encode()) for f in slice_fields(first, last, step)
-    )
-
-
-_cached_resp = functools.lru_cache(maxsize=1024)(_make_resp)
-
-
-class _Hmget(NamedTuple):
-    key: str
-    first: int
-    last: int
-    step: int
-
-    def resp(self) -> bytes:
-        """The whole command, RESP-encoded, from the cached fields."""
-        key = self.key.encode()
-        n = (self.last - self.first) // self.step + 1
-        head = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(key), key)
-        return head + _fields_resp(self.first, self.last, self.step)
-
-    def args(self) -> tuple[str, ...]:
-        return ("HMGET", self.key, *slice_fields(self.first, self.last, self.step))
-
-
-class _Commands(list[Any]):
-    """Commands queued like on a pipeline (argument tuples, or `_Hmget`s), to be sent by
-    `_aexecute`."""
-
-    def execute_command(self, *args: Any) -> None:
-        self.append(args)
-
-    def hmget_slices(self, key: str, first: int, last: int, step: int) -> None:
-        self.append(_Hmget(key, first, last, step))
-
-
-async def _aexecute(aclient: Any, commands: Sequence[Any]) -> list[Any]:
-    if isinstance(aclient, MuxClient):
-        return await aclient.execute([c.resp() if isinstance(c, _Hmget) else c for c in commands])
-    pipe = aclient.pipeline(transaction=False)
-    for command in commands:
-        pipe.execute_command(*(command.args() if isinstance(command, _Hmget) else command))
-    return list(await pipe.execute())
 
 
 class QueryEngine:
@@ -232,10 +159,10 @@ class QueryEngine:
         without holding a thread."""
         self._check_batch(lookups)
         for attempt in (0, 1):
-            commands = _Commands()
+            commands = Commands()
             plan = self._queue_all(commands, lookups)
             try:
-                replies = await _aexecute(aclient, commands) if plan else []
+                replies = await aexecute(aclient, commands) if plan else []
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
@@ -296,7 +223,7 @@ class QueryEngine:
         if raw:
             for p in cov.pieces:
                 key = slice_hash_key(m.name, encoded, res(p))
-                if isinstance(pipe, _Commands):
+                if isinstance(pipe, Commands):
                     pipe.hmget_slices(key, p.first, p.last, p.slice_ms)
                 else:
                     pipe.execute_command("HMGET", key, *slice_fields(p.first, p.last, p.slice_ms))

@@ -10,7 +10,6 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:h:{uniq_dev|acct-3}:[r<res>:]<slice_start_ms>  HyperLogLog of one `distinct` slice
     sluice:{stats}                 hash: pipeline counters and the last batch record
     sluice:{stats}:batches         list: the newest batch records (JSON), for rates and freshness
-    sluice:{stats}:offsets         hash: shard -> last committed entry id
     sluice:{stats}:health          hash: the supervisor's state, failures, last error, heartbeat
     sluice:{stats}:freshness       hash: the freshness histogram (bucket counts, count, sum)
     sluice:{stats}:history         list: per-second samples for the dashboard (JSON, newest first)
@@ -45,7 +44,6 @@ PREFIX = "sluice"
 SLICE_PREFIX = f"{PREFIX}:s:"
 STATS_KEY = f"{PREFIX}:{{stats}}"
 BATCHES_KEY = f"{PREFIX}:{{stats}}:batches"
-OFFSETS_KEY = f"{PREFIX}:{{stats}}:offsets"
 HEALTH_KEY = f"{PREFIX}:{{stats}}:health"
 FRESHNESS_KEY = f"{PREFIX}:{{stats}}:freshness"
 HISTORY_KEY = f"{PREFIX}:{{stats}}:history"

@@ -56,9 +56,6 @@ class LocalCluster:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
-    def node_url(self, i: int) -> str:
-        return f"redis://127.0.0.1:{self.ports[i]}/0"
-
     def slot_range(self, i: int) -> tuple[int, int]:
         """The slots (first, last) master i serves."""
         return i * SLOTS // self.masters, (i + 1) * SLOTS // self.masters - 1

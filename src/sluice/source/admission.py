@@ -22,7 +22,8 @@ from sluice.config import BackpressureConfig, Config
 from sluice.flow.levels import QueueLevel
 from sluice.flow.valves import AdmissionValve, IngestValve
 from sluice.graph import FlowStage
-from sluice.source.log import Log, open_log
+from sluice.source.log import Log
+from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 
 log = logging.getLogger(__name__)

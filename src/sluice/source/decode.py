@@ -67,8 +67,8 @@ from sluice.source.options import SourceOptions
 from sluice.source.values import (
     ARROW_TYPES,
     DECODE_REASONS,
+    META_FIELDS,
     RAW_LIMIT,
-    SPARK_TYPES,
     Bad,
     arrow_only_number,
     convert_json,
@@ -81,8 +81,10 @@ from sluice.source.values import (
     loads_json,
     object_lines,
     orjson_fields,
+    output_schema,
     oversize_raw,
     record_payload,
+    spark_schema_ddl,
     truncate,
 )
 
@@ -97,40 +99,8 @@ __all__ = [
     "spark_schema_ddl",
 ]
 
-META_FIELDS: list[tuple[str, pa.DataType]] = [
-    ("_ts", pa.int64()),
-    ("_ems", pa.int64()),
-    ("_ref", pa.int64()),
-    ("_err", pa.string()),
-    ("_field", pa.string()),
-    ("_eid", pa.string()),
-    ("_idx", pa.int32()),
-    ("_raw", pa.string()),
-    ("_e", pa.int64()),
-]
 CHUNK_ENTRIES = 4096
 Err = tuple[str, str | None]
-
-
-def output_schema(opts: SourceOptions) -> pa.Schema:
-    fields = [pa.field(n, ARROW_TYPES[t], nullable=True) for n, t, _ in opts.fields]
-    return pa.schema(fields + [pa.field(n, t, nullable=True) for n, t in META_FIELDS])
-
-
-def spark_schema_ddl(opts: SourceOptions) -> str:
-    cols = [f"`{n}` {SPARK_TYPES[t]}" for n, t, _ in opts.fields]
-    meta = {
-        "_ts": "bigint",
-        "_ems": "bigint",
-        "_ref": "bigint",
-        "_err": "string",
-        "_field": "string",
-        "_eid": "string",
-        "_idx": "int",
-        "_raw": "string",
-        "_e": "bigint",
-    }
-    return ", ".join(cols + [f"`{k}` {v}" for k, v in meta.items()])
 
 
 class EntryIds(NamedTuple):

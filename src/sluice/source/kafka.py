@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
+from sluice.graph import KafkaSpec
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import RELEASE_OFFSET, evalsha_on, execute_loading
 from sluice.source.decode import Decoder
@@ -45,7 +46,7 @@ from sluice.source.log import (
     Span,
     spread_budget,
 )
-from sluice.source.options import KafkaSpec, SourceOptions
+from sluice.source.options import SourceOptions
 from sluice.source.values import record_event_count
 
 log = logging.getLogger(__name__)

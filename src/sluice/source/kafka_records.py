@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.source.options import KafkaSpec
+from sluice.graph import KafkaSpec
 
 log = logging.getLogger(__name__)
 

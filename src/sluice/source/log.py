@@ -31,14 +31,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
 from sluice.errors import SluiceError
-
-if TYPE_CHECKING:
-    from sluice.source.options import SourceOptions
 
 Position = Any  # str for Redis Streams, int for Kafka
 
@@ -205,15 +202,3 @@ def spread_budget(
                 still.append(s)
         wanting = still
     return budget - left, wanting
-
-
-def open_log(opts: SourceOptions, client: Any = None) -> Log:
-    """The log `opts` names. `client`: a Redis client for the log's own bookkeeping (reader
-    positions, trimming); made from `opts.url` on first use when None."""
-    from sluice.source.kafka import KafkaLog
-    from sluice.source.options import KafkaSpec
-    from sluice.source.streams import RedisStreamsLog
-
-    if isinstance(opts.log, KafkaSpec):
-        return KafkaLog(opts, client)
-    return RedisStreamsLog(opts, client)

@@ -1,9 +1,9 @@
 """Options of the Spark source, parsed once from Spark's string options.
 
-The reader keeps only plain, picklable values: the Redis URL, the log to read (the shard keys
-of a Redis stream, or a Kafka topic), the schema as (name, type, nullable) triples, and the
-reading stage's flow settings. Clients are created on first use, on the driver for planning and
-inside `read()` on the executors.
+The reader keeps only plain, picklable values: the Redis URL, the log to read (its spec from
+`sluice.graph`: the shard keys of a Redis stream, or a Kafka topic), the schema as
+(name, type, nullable) triples, and the reading stage's flow settings. Clients are created on
+first use, on the driver for planning and inside `read()` on the executors.
 
 Spark hands a data source its options as strings, so the whole of it travels as one JSON
 option, `sluice.source`, and is turned back into these types in `from_spark`, once.
@@ -18,40 +18,9 @@ from typing import Any
 
 from sluice.config import BackpressureConfig, Config, FieldType
 from sluice.errors import ConfigError
+from sluice.graph import KafkaSpec, StreamsSpec, log_spec
 
 OPTION = "sluice.source"
-
-
-@dataclass(frozen=True)
-class StreamsSpec:
-    """Redis Streams: the shard keys, in the Redis of `SourceOptions.url`."""
-
-    shards: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class KafkaSpec:
-    """A Kafka topic: its partitions are the shards. `options` go to librdkafka as they are."""
-
-    bootstrap: str
-    topic: str
-    group_id: str
-    start: str = "earliest"  # where a fresh checkpoint begins: earliest | latest
-    options: tuple[tuple[str, str], ...] = ()
-    producer_options: tuple[tuple[str, str], ...] = ()
-
-    def client_config(self, **extra: Any) -> dict[str, Any]:
-        """A librdkafka config: the bootstrap servers, the user's options, then `extra`.
-        librdkafka's own log lines go to the `sluice.kafka` logger (key=value lines, like
-        every other log line), not straight to stderr."""
-        import logging
-
-        return {
-            "bootstrap.servers": self.bootstrap,
-            "logger": logging.getLogger("sluice.kafka"),
-            **dict(self.options),
-            **extra,
-        }
 
 
 @dataclass(frozen=True)
@@ -161,25 +130,3 @@ class SourceOptions:
             max_entry_bytes=cfg.source.max_entry_bytes,
             flow=FlowOptions(cfg.backpressure, cfg.spark.trigger, inputs=(cfg.source.stream,)),
         )
-
-
-def log_spec(cfg: Config) -> StreamsSpec | KafkaSpec:
-    """The log of `cfg.source`: its Kafka topic when `source.kafka` is set, else its streams."""
-    k = cfg.source.kafka
-    if k is None:
-        return StreamsSpec(tuple(cfg.source.shard_keys()))
-    return KafkaSpec(
-        bootstrap=k.bootstrap,
-        topic=k.topic,
-        group_id=k.group_id,
-        start=k.start,
-        options=_librdkafka(k.options),
-        producer_options=_librdkafka(k.producer_options),
-    )
-
-
-def _librdkafka(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """Settings as librdkafka takes them: strings, booleans as `true` / `false`."""
-    return tuple(
-        (str(k), str(v).lower() if isinstance(v, bool) else str(v)) for k, v in options.items()
-    )

@@ -39,8 +39,8 @@ import orjson
 
 from sluice.config import Config
 from sluice.errors import SluiceError
+from sluice.graph import KafkaSpec, log_spec
 from sluice.redis.keys import STATS_KEY, shard_keys
-from sluice.source.options import KafkaSpec, log_spec
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve

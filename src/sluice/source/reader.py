@@ -29,7 +29,8 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from sluice.clock import SYSTEM_CLOCK
 from sluice.source.admission import Admission
 from sluice.source.decode import spark_schema_ddl
-from sluice.source.log import LogUnavailable, Span, open_log
+from sluice.source.log import LogUnavailable, Span
+from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 from sluice.source.waiting import LogState
 

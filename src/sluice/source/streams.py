@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from sluice.redis.keys import OFFSETS_KEY, shard_side_key
+from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import (
     ADVANCE,
     AUDIT_SOURCE,
@@ -259,9 +259,7 @@ class RedisStreamsLog(Log):
             pipe.execute_command("XRANGE", s, "-", "+", "COUNT", 1)
             pipe.execute_command("XREVRANGE", s, "+", "-", "COUNT", 1)
             pipe.hgetall(shard_side_key("rd", s))
-        pipe.hgetall(OFFSETS_KEY)  # the default reader's, as written before readers had names
         res = pipe.execute()
-        legacy = {_text(k): _text(v) for k, v in res[-1].items()}
         per: dict[str, int] = {}
         total_bytes = 0
         for i, s in enumerate(self.shards):
@@ -270,7 +268,7 @@ class RedisStreamsLog(Log):
             first_id, last_id = _entry_id(first), _entry_id(last)
             first_text = None if first_id is None else _text(first_id)
             if reader is None:
-                ids = set(committed.values()) | ({legacy[s]} if s in legacy else set())
+                ids = set(committed.values())
                 share = 1.0
                 n = int(length) - (first_text in ids)
             else:
@@ -286,8 +284,7 @@ class RedisStreamsLog(Log):
 
     def release(self, end: Mapping[str, Position]) -> None:
         """Record this reader's committed ids and trim each shard up to the slowest reader of
-        it (see release.lua; idempotent). The default reader also publishes its ids for the
-        status views."""
+        it (see release.lua; idempotent)."""
         client = self._client()
         released = {s: last for s, last in end.items() if last != ZERO_ID}
         if not released:
@@ -299,8 +296,6 @@ class RedisStreamsLog(Log):
                 keys = [shard, shard_side_key("rd", shard)]
                 names = self.opts.readers_of(shard)
                 evalsha_on(pipe, RELEASE, keys, [self.opts.reader, last, *names])
-                if self.opts.reader == "":
-                    pipe.hset(OFFSETS_KEY, shard, last)
             return pipe.execute()
 
         execute_loading(client, run, (RELEASE,))

@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from sluice.source.options import SourceOptions
 
 ARROW_TYPES: dict[str, pa.DataType] = {
     "string": pa.string(),
@@ -30,6 +33,17 @@ SPARK_TYPES = {
     "float": "float",
     "boolean": "boolean",
 }
+META_FIELDS: list[tuple[str, pa.DataType]] = [
+    ("_ts", pa.int64()),
+    ("_ems", pa.int64()),
+    ("_ref", pa.int64()),
+    ("_err", pa.string()),
+    ("_field", pa.string()),
+    ("_eid", pa.string()),
+    ("_idx", pa.int32()),
+    ("_raw", pa.string()),
+    ("_e", pa.int64()),
+]
 RAW_LIMIT = 1024
 DECODE_REASONS: tuple[str, ...] = (
     "missing_field",
@@ -286,3 +300,24 @@ def orjson_fields(m: dict[bytes, bytes]) -> str:
             {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in m.items()}
         )
     )
+
+
+def output_schema(opts: SourceOptions) -> pa.Schema:
+    fields = [pa.field(n, ARROW_TYPES[t], nullable=True) for n, t, _ in opts.fields]
+    return pa.schema(fields + [pa.field(n, t, nullable=True) for n, t in META_FIELDS])
+
+
+def spark_schema_ddl(opts: SourceOptions) -> str:
+    cols = [f"`{n}` {SPARK_TYPES[t]}" for n, t, _ in opts.fields]
+    meta = {
+        "_ts": "bigint",
+        "_ems": "bigint",
+        "_ref": "bigint",
+        "_err": "string",
+        "_field": "string",
+        "_eid": "string",
+        "_idx": "int",
+        "_raw": "string",
+        "_e": "bigint",
+    }
+    return ", ".join(cols + [f"`{k}` {v}" for k, v in meta.items()])

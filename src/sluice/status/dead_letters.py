@@ -16,37 +16,14 @@ import re
 from typing import Any
 
 from sluice.config import Config
-from sluice.errors import BadQuery
 from sluice.redis.keys import STATS_KEY
 from sluice.source.ids import id_ms
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 1000
 PAGE_ENTRIES = 1000  # XREVRANGE page when filtering by reason
-_REASON = re.compile(r"[a-z][a-z0-9_]{0,63}")
+REASON_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")  # a reason name
 _KAFKA_ENTRY = re.compile(r"(.+):(\d+)@(\d+)")
-
-
-def parse_limit(value: str | None) -> int:
-    """The `limit` query parameter: an integer from 1 to MAX_LIMIT, or BadQuery (400)."""
-    if value is None:
-        return DEFAULT_LIMIT
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= MAX_LIMIT:
-        raise BadQuery(f"`limit` must be an integer from 1 to {MAX_LIMIT}, got {value!r}", "limit")
-    return n
-
-
-def parse_reason(value: str | None) -> str | None:
-    """The `reason` query parameter: a reason name such as `bad_json`, or BadQuery (400)."""
-    if value is None:
-        return None
-    if not _REASON.fullmatch(value):
-        raise BadQuery(f"`reason` must be a reason name such as bad_json, got {value!r}", "reason")
-    return value
 
 
 def read_dead_letters(

@@ -14,10 +14,11 @@ import orjson
 
 from sluice.config import Config
 from sluice.flow.levels import memory_fraction
-from sluice.graph import graph_topology, reader_name
+from sluice.graph import graph_topology, log_spec, reader_name
 from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, STATS_KEY, stats_keys
-from sluice.source.log import Backlog, Log, LogUnavailable, open_log
-from sluice.source.options import SourceOptions, log_spec
+from sluice.source.log import Backlog, Log, LogUnavailable
+from sluice.source.logs import open_log
+from sluice.source.options import SourceOptions
 from sluice.source.waiting import read_log_state
 from sluice.status.flow import flow_status
 
@@ -208,7 +209,7 @@ def audit_status(
     client: Any, cfg: Config, counters: dict[str, int], last: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The audit's totals and its books: events in = aggregated + dead-lettered + expired."""
-    from sluice.pipeline.audit import Ledger
+    from sluice.status.ledger import Ledger
 
     ledger = Ledger(client, cfg.source.stream, cfg.audit.ledger_shards)
     recent = ledger.recent(int(last["batch"]), 10) if last else []

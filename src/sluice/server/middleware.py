@@ -1,0 +1,87 @@
+"""The ASGI layers in front of the FastAPI app: request timing, the bearer-token guard, and the
+JSON error body every error uses ({"error": {"code", "message"}})."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+import orjson
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sluice.status.prometheus import RequestTimer
+
+MAX_BODY_BYTES = 10 * 1024 * 1024
+
+
+class ORJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
+    return ORJSONResponse({"error": {"code": code, "message": message}}, status, headers=headers)
+
+
+class Guard:
+    """Bearer token on /v1/* (when configured) and a cap on the declared body size.
+
+    A plain ASGI middleware: it looks at headers only and costs one dict scan per request.
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            if self.expected is not None and scope["path"].startswith("/v1/"):
+                got = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(got, self.expected):
+                    deny = error(401, "unauthorized", "missing or wrong bearer token")
+                    return await deny(scope, receive, send)
+            length = headers.get(b"content-length", b"")
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                big = error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
+                return await big(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Timer:
+    """Records each request's latency by route template into the Prometheus histogram.
+
+    Outermost, so it times the whole request, including the response's serialisation. The
+    route is read after the app ran: Starlette's router leaves the matched route in the scope.
+    """
+
+    def __init__(self, app: ASGIApp, timer: RequestTimer) -> None:
+        self.app = app
+        self.timer = timer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            route = getattr(scope.get("route"), "path", None)
+            if route is not None:
+                self.timer.observe(scope["method"], route, time.perf_counter() - t0)
+
+
+class SluiceApp:
+    """The ASGI application `serve` runs: request timing, then the token guard, then the lookup
+    fast paths, in front of the FastAPI application (`api`). They wrap it from outside, so a
+    lookup answered by the fast path never enters FastAPI's own middleware stack."""
+
+    def __init__(self, api: FastAPI, outer: ASGIApp) -> None:
+        self.api = api
+        self._outer = outer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._outer(scope, receive, send)

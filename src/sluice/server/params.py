@@ -1,0 +1,92 @@
+"""Request parameters and bodies, parsed into values or a `QueryError` (HTTP 400) that names
+the parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, Field
+
+from sluice.errors import BadQuery, QueryError
+from sluice.status.dead_letters import DEFAULT_LIMIT, MAX_LIMIT, REASON_RE
+from sluice.status.history import HISTORY_LEN
+
+MAX_EVENTS_PER_REQUEST = 100_000
+
+
+class Lookup(BaseModel):
+    metric: str = Field(description="metric or derived metric name")
+    key: list[str] | str = Field(description="key value(s), one per key field")
+    window: str = Field(description="window length, e.g. 15m", examples=["15m"])
+    end: int | None = Field(None, description="window end in epoch ms; default now")
+
+
+class BatchQuery(BaseModel):
+    queries: list[Lookup] = Field(max_length=1000)
+
+
+def parse_history(value: str | None) -> int | None:
+    """The `history` query parameter: seconds from 0 to HISTORY_LEN, or QueryError (400)."""
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()) or int(value) > HISTORY_LEN:
+        raise BadQuery(
+            f"`history` must be a number of seconds from 0 to {HISTORY_LEN}, got {value!r}",
+            "history",
+        )
+    return int(value)
+
+
+def parse_limit(value: str | None) -> int:
+    """The `limit` query parameter: an integer from 1 to MAX_LIMIT, or BadQuery (400)."""
+    if value is None:
+        return DEFAULT_LIMIT
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_LIMIT:
+        raise BadQuery(f"`limit` must be an integer from 1 to {MAX_LIMIT}, got {value!r}", "limit")
+    return n
+
+
+def parse_reason(value: str | None) -> str | None:
+    """The `reason` query parameter: a reason name such as `bad_json`, or BadQuery (400)."""
+    if value is None:
+        return None
+    if not REASON_RE.fullmatch(value):
+        raise BadQuery(f"`reason` must be a reason name such as bad_json, got {value!r}", "reason")
+    return value
+
+
+def parse_events(raw: bytes) -> list[dict[str, Any]]:
+    """A JSON array of objects, or NDJSON (one object per line). Raises QueryError (400)."""
+    text = raw.strip()
+    if not text:
+        raise QueryError("body is empty; send a JSON array of events or NDJSON", "body")
+    events: Any
+    if text[:1] == b"[":
+        try:
+            events = orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            raise QueryError(f"body is not a valid JSON array: {e}", "body") from None
+    else:
+        events = []
+        for n, line in enumerate(text.split(b"\n"), start=1):
+            if not line.strip():
+                continue
+            try:
+                events.append(orjson.loads(line))
+            except orjson.JSONDecodeError as e:
+                raise QueryError(f"NDJSON line {n} is not valid JSON: {e}", "body") from None
+    for i, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise QueryError(f"event {i} is not a JSON object", "body")
+    if len(events) > MAX_EVENTS_PER_REQUEST:
+        raise QueryError(f"at most {MAX_EVENTS_PER_REQUEST} events per request", "body")
+    try:  # orjson reads deeper nesting than it writes: refuse it before anything is sent
+        orjson.dumps(events)
+    except orjson.JSONEncodeError as e:
+        raise QueryError(f"body cannot be re-encoded as JSON: {e}", "body") from None
+    return list(events)
