@@ -21,16 +21,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import pyarrow as pa
 
 from sluice.pipeline.plan import DEAD_G, MetricSpec
+from sluice.redis.connection import client_for
 from sluice.redis.keys import (
     dead_letter_marker_key,
     dead_letter_stream_key,
+    key_slot,
     slice_hash_key,
     slice_hll_key,
 )
-from sluice.redis.scripts import evalsha_on
+from sluice.redis.scripts import DEAD_LETTERS, WRITE_SLICES, evalsha_on, script_source
 from sluice.slices.aggs import AGGS, HLL
 
 PIPELINE_CHUNK = 50
@@ -144,8 +147,6 @@ def write_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: apply every slice update of this partition, yield counters."""
-    from sluice.redis.connection import client_for
-
     by_group: dict[int, list[MetricSpec]] = {}
     for sp in ctx.specs:
         by_group.setdefault(sp.group, []).append(sp)
@@ -200,9 +201,6 @@ def run_write_script(
     of its keys in `failed`, so the audit sees those updates as not applied.
     On Redis Cluster the keys of one call must share a slot, so they are grouped by slot.
     """
-    from sluice.redis.keys import key_slot
-    from sluice.redis.scripts import WRITE_SLICES, script_source
-
     client.script_load(script_source(WRITE_SLICES))  # once per partition; then EVALSHA only
     by_slot: dict[int, list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
     for item in calls:
@@ -316,10 +314,6 @@ def _apply_blob(
 
 
 def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict[str, int]:
-    import orjson
-
-    from sluice.redis.scripts import DEAD_LETTERS, script_source
-
     dead.sort()
     digest = hashlib.blake2b("\n".join(dead).encode(), digest_size=12).hexdigest()
     reasons: dict[str, int] = {}

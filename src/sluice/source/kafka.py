@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
+from confluent_kafka import Consumer, IsolationLevel, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from sluice.graph import KafkaSpec
 from sluice.redis.keys import shard_side_key
@@ -96,8 +98,6 @@ class KafkaLog(Log):
 
     def _admin_client(self) -> Any:
         if self._admin is None:
-            from confluent_kafka.admin import AdminClient
-
             self._admin = AdminClient(self.spec.client_config())
         return self._admin
 
@@ -139,9 +139,6 @@ class KafkaLog(Log):
         LogUnavailable."""
         if not parts:
             return {}
-        from confluent_kafka import IsolationLevel, TopicPartition
-        from confluent_kafka.admin import OffsetSpec
-
         want = OffsetSpec.latest() if which == "latest" else OffsetSpec.earliest()
         req = {TopicPartition(self.spec.topic, p): want for p in parts}
         try:
@@ -295,8 +292,6 @@ class KafkaLog(Log):
 
     def _group_offsets(self, parts: list[int]) -> dict[int, int]:
         """The group's committed offsets, else each partition's earliest offset."""
-        from confluent_kafka import TopicPartition
-
         out: dict[int, int] = {}
         try:
             got = self._committer_client().committed(
@@ -345,8 +340,6 @@ class KafkaLog(Log):
 
     def _committer_client(self) -> Any:
         if self._committer is None:
-            from confluent_kafka import Consumer
-
             self._committer = Consumer(
                 self.spec.client_config(
                     **{"group.id": self.spec.group_id, "enable.auto.commit": False}
@@ -383,8 +376,6 @@ class KafkaLog(Log):
             self._commit(commit)
 
     def _commit(self, offsets: dict[int, int]) -> None:
-        from confluent_kafka import TopicPartition
-
         tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(offsets.items())]
         try:
             self._committer_client().commit(offsets=tps, asynchronous=False)

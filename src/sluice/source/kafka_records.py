@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
 from sluice.graph import KafkaSpec
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,6 @@ _consumers: dict[tuple[Any, ...], Any] = {}
 def new_consumer(spec: KafkaSpec, role: str) -> Any:
     """A consumer for bounded reads (`role` names its group, which it never joins nor commits
     to: librdkafka needs one)."""
-    from confluent_kafka import Consumer
-
     return Consumer(
         spec.client_config(
             **{
@@ -98,8 +98,6 @@ def read_span(
     """The records of `partition` with lo <= offset < hi, in chunks. Blocks while the broker
     cannot serve them (see the module docstring). `consumer`: one to use instead of this
     process's kept consumer for `role`."""
-    from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
     if hi <= lo:
         return
     consumer = consumer if consumer is not None else consumer_for(spec, role)
@@ -177,8 +175,6 @@ def read_span(
 
 
 def _low_watermark(consumer: Any, topic: str, partition: int) -> int | None:
-    from confluent_kafka import TopicPartition
-
     try:
         low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5)
     except Exception:  # noqa: BLE001 - unknown: treated as a transient fault by the caller

@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
+from sluice.redis.cluster import node_clients
+from sluice.redis.connection import client_for
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import (
     ADVANCE,
@@ -54,9 +56,6 @@ def raw_client(url: str) -> Any:
     """
     client = _clients.get(url)
     if client is None:
-        from sluice.redis.cluster import node_clients
-        from sluice.redis.connection import client_for
-
         client = client_for(url, timeout_s=30, connect_timeout_s=10)
         for c in {id(n): n for n in [client, *node_clients(client)]}.values():
             c.set_response_callback("XRANGE", _unparsed)
