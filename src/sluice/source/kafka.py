@@ -37,7 +37,13 @@ from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import RELEASE_OFFSET, evalsha_on, execute_loading
 from sluice.source.decode import Decoder
 from sluice.source.ids import event_ids, xor_all
-from sluice.source.kafka_records import Records, forget_consumers, new_consumer, read_span
+from sluice.source.kafka_records import (
+    Records,
+    forget_consumers,
+    new_consumer,
+    read_span,
+    topic_partitions,
+)
 from sluice.source.log import (
     Admitted,
     Backlog,
@@ -114,23 +120,12 @@ class KafkaLog(Log):
         if self._parts is not None and now - self._parts[0] < METADATA_TTL_S:
             return self._parts[1]
         try:
-            # All topics, not the one: a metadata request naming a topic may create it.
-            md = self._admin_client().list_topics(timeout=REQUEST_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
-            raise LogUnavailable(
-                "unreachable", f"Kafka at {self.spec.bootstrap} does not answer: {e}"
-            ) from None
-        topic = md.topics.get(self.spec.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            # Kept consumers know the topic: let them go before it may be created again.
-            forget_consumers(self.spec)
-            why = f" ({topic.error})" if topic is not None and topic.error is not None else ""
-            raise LogUnavailable(
-                "no_topic",
-                f"Kafka topic {self.spec.topic!r} does not exist at {self.spec.bootstrap}{why};"
-                " create it, or fix `source.kafka.topic`",
-            )
-        parts = sorted(topic.partitions)
+            parts = topic_partitions(self._admin_client(), self.spec, REQUEST_TIMEOUT_S)
+        except LogUnavailable as e:
+            if e.reason == "no_topic":
+                # Kept consumers know the topic: let them go before it may be created again.
+                forget_consumers(self.spec)
+            raise
         self._parts = (now, parts)
         return parts
 

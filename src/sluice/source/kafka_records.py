@@ -22,6 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from sluice.graph import KafkaSpec
+from sluice.source.log import LogUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,27 @@ def forget_consumers(spec: KafkaSpec | None = None) -> None:
             c.close()
         except Exception:
             log.debug("consumer close failed", exc_info=True)
+
+
+def topic_partitions(client: Any, spec: KafkaSpec, timeout_s: float) -> list[int]:
+    """The partition ids of `spec.topic`, from the metadata `client` (any librdkafka handle)
+    lists. Asks for every topic, not the one: a metadata request naming a topic may create it.
+    Raises LogUnavailable: `unreachable`, or `no_topic`."""
+    try:
+        md = client.list_topics(timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
+        raise LogUnavailable(
+            "unreachable", f"Kafka at {spec.bootstrap} does not answer: {e}"
+        ) from None
+    topic = md.topics.get(spec.topic)
+    if topic is None or topic.error is not None or not topic.partitions:
+        why = f" ({topic.error})" if topic is not None and topic.error is not None else ""
+        raise LogUnavailable(
+            "no_topic",
+            f"Kafka topic {spec.topic!r} does not exist at {spec.bootstrap}{why};"
+            " create it, or fix `source.kafka.topic`",
+        )
+    return sorted(topic.partitions)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from sluice.errors import SluiceError
 from sluice.graph import KafkaSpec, log_spec
 from sluice.redis.keys import STATS_KEY, shard_keys
 from sluice.source.admission import ingest_valve
-from sluice.source.log import LogUnavailable
+from sluice.source.kafka_records import topic_partitions
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
@@ -245,21 +245,8 @@ class KafkaSink:
         return self._producer
 
     def partitions(self) -> int:
-        """The topic's partition count. Raises SluiceError when the topic cannot be found."""
-        try:
-            md = self._client().list_topics(timeout=10)
-        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
-            raise LogUnavailable(
-                "unreachable", f"Kafka at {self.spec.bootstrap} does not answer: {e}"
-            ) from None
-        topic = md.topics.get(self.spec.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            raise LogUnavailable(
-                "no_topic",
-                f"Kafka topic {self.spec.topic!r} does not exist at {self.spec.bootstrap};"
-                " create it, or fix `source.kafka.topic`",
-            )
-        return len(topic.partitions)
+        """The topic's partition count. Raises LogUnavailable when the topic cannot be found."""
+        return len(topic_partitions(self._client(), self.spec, 10.0))
 
     def write(self, records: list[tuple[int, bytes, bytes | None]]) -> None:
         """Produce every record and wait until each is delivered. Raises SluiceError naming
