@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from lib import freshness
 from lib.load import SIZES, PacedProducer, bench_config, build_pool, now_ms, xrange_entries
@@ -34,8 +33,8 @@ from sluice.redis.connection import RedisHandle
 from sluice.source.decode import Decoder, output_schema, spark_schema_ddl
 from sluice.source.options import SourceOptions
 from sluice.status.snapshot import backlog, recent_batches
+from sluice.testing.arrow_source import ARROW_FORMAT, ArrowFileSource
 
-ARROW_FORMAT = "sluice-bench-arrow"
 BARE_PARTITIONS, BARE_CHUNKS_PER_PARTITION = 4, 4
 SAMPLE_EVERY_S = 0.5
 MAX_LAG_S = 15.0  # a step whose final backlog exceeds this much input is not bounded
@@ -228,52 +227,6 @@ class Format:
                                 **(rate or {})}  # fmt: skip
         self.series["bare"] = rows(records)
         log(f"{self.fmt} bare engine: {self.results['bare']}")
-
-
-# The source below is pickled by value (this file runs as __main__) into Spark's Python workers,
-# so it may use only sluice, pyarrow and the standard library, nothing from bench/lib.
-
-
-class ArrowFileSource(DataSource):
-    """`spark.readStream.format("sluice-bench-arrow")`: every micro-batch re-reads one pre-built
-    Arrow IPC file (memory-mapped), split into `partitions` partitions. Options: path, ddl (the
-    schema), batches (micro-batches in all), partitions."""
-
-    @classmethod
-    def name(cls) -> str:
-        return ARROW_FORMAT
-
-    def schema(self) -> str:
-        return str(self.options["ddl"])
-
-    def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        o = self.options
-        return ArrowFileReader(str(o["path"]), int(o["batches"]), int(o["partitions"]))
-
-
-class ArrowFileReader(DataSourceStreamReader):
-    def __init__(self, path: str, total_batches: int, n_partitions: int) -> None:
-        self.path, self.total_batches, self.n_partitions = path, total_batches, n_partitions
-
-    def initialOffset(self) -> dict[str, Any]:
-        return {"batch": 0}
-
-    def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
-        return {"batch": min(int(start["batch"]) + 1, self.total_batches)}
-
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        n = int(end["batch"]) - int(start["batch"])
-        return [InputPartition((self.path, j, self.n_partitions))
-                for _ in range(n) for j in range(self.n_partitions)]  # fmt: skip
-
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        import pyarrow.ipc as ipc  # on the executor
-
-        path, j, n_parts = partition.value
-        with pa.memory_map(path) as src:
-            reader = ipc.open_file(src)
-            for i in range(j, reader.num_record_batches, n_parts):
-                yield reader.get_batch(i)
 
 
 def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path) -> int:
