@@ -1,8 +1,8 @@
 """Throughput and freshness per source: Redis Streams (`jsonl`, `fields`) and Kafka (`jsonl`,
 `json`, on the test broker `sluice.testing.kafka.KafkaBroker`), side by side in one run.
 
-    .venv/bin/python bench/throughput.py            # full run, about 30 minutes
-    .venv/bin/python bench/throughput.py --quick    # smoke run, about 8 minutes
+    .venv/bin/python bench/throughput.py            # full run, 13 minutes to half an hour
+    .venv/bin/python bench/throughput.py --quick    # smoke run, about 5 minutes
 
 Per source: the drain of a pre-filled backlog, the highest sustained produce rate, freshness
 probes (`lib.freshness`), and the bare engine (the same Spark plan fed from in-memory Arrow).
