@@ -79,35 +79,24 @@ def pack(metric: str, values: Sequence[Any], cache: _PackedCache) -> list[bytes]
     return [cache.number(v) for v in values]
 
 
-def _writer_args(agg: str, starts: range, vals: Sequence[float], width: int | None) -> list[Any]:
-    """write_slices.lua's ARGV for one key: `agg, slice_ms, retention_ms, n[, width]` then per
-    slice `start, v1..` (width given: the current script), or `start, a, b` (width None: the
-    script before per-agg widths)."""
-    head: list[Any] = [agg, SLICE_MS, RETENTION_MS, len(vals)]
-    if width is not None:
-        head.append(width)
+def _writer_args(agg: str, starts: range, vals: Sequence[float]) -> list[Any]:
+    """write_slices.lua's ARGV for one key: `agg, slice_ms, retention_ms, n, width` (1), then
+    per slice `start, v`."""
+    head: list[Any] = [agg, SLICE_MS, RETENTION_MS, len(vals), 1]
     for s, a in zip(starts, vals, strict=True):
-        head += [s, format_number(a)] if width is not None else [s, format_number(a), 0]
+        head += [s, format_number(a)]
     return head
 
 
 def _writer_hash(client: redis.Redis, name: str, agg: str, starts: range, vals: Any) -> Any:
-    """The hash and PTTL write_slices.lua leaves for these slices, trying the script's known
-    ARGV conventions (it is being changed) until one runs. Raises RuntimeError if none does."""
+    """The hash and PTTL write_slices.lua leaves for these slices."""
     write = client.register_script(script_source(WRITE_SLICES))
     theirs = slice_hash_key(name, encode_key(["fmt-check-writer"]))
-    errors = []
-    for width in (1, None):
-        client.delete(theirs)
-        try:
-            write(keys=[theirs], args=[WRITER_TOKEN, *_writer_args(agg, starts, vals, width)])
-        except redis.ResponseError as e:
-            errors.append(str(e))
-            continue
-        got = client.hgetall(theirs), client.pttl(theirs)
-        client.delete(theirs)
-        return got
-    raise RuntimeError(f"write_slices.lua rejected every known argument layout: {errors}")
+    client.delete(theirs)
+    write(keys=[theirs], args=[WRITER_TOKEN, *_writer_args(agg, starts, vals)])
+    got = client.hgetall(theirs), client.pttl(theirs)
+    client.delete(theirs)
+    return got
 
 
 def check_writer_format(client: redis.Redis, url: str, now_ms: int) -> None:
