@@ -22,6 +22,7 @@ can tell: `pipeline.schemas.resolve_schemas` fills it in at start-up.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,8 +69,6 @@ class KafkaSpec:
         """A librdkafka config: the bootstrap servers, the user's options, then `extra`.
         librdkafka's own log lines go to the `sluice.kafka` logger (key=value lines, like
         every other log line), not straight to stderr."""
-        import logging
-
         return {
             "bootstrap.servers": self.bootstrap,
             "logger": logging.getLogger("sluice.kafka"),

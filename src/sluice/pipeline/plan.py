@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pyspark.errors import AnalysisException, ParseException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, IntegralType, NumericType
@@ -67,8 +68,6 @@ def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | 
 
     Raises ConfigError naming the field path, e.g. `metrics[2].filter`, with Spark's reason.
     """
-    from pyspark.errors import AnalysisException, ParseException
-
     opts = SourceOptions.from_config(cfg, url="redis://unused")
     empty = spark.createDataFrame([], spark_schema_ddl(opts))
     types: dict[str, DataType | None] = {}

@@ -22,6 +22,7 @@ from sluice.config import BackpressureConfig, Config
 from sluice.flow.levels import QueueLevel
 from sluice.flow.valves import AdmissionValve, IngestValve
 from sluice.graph import FlowStage
+from sluice.redis.connection import client_for
 from sluice.source.log import Log
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
@@ -69,8 +70,6 @@ class Admission:
         return {**self.__dict__, "_valve": None}
 
     def _make_valve(self) -> AdmissionValve:
-        from sluice.redis.connection import client_for
-
         flow = self.flow
         stage = FlowStage(flow.stage, flow.upstreams, "streams", flow.inputs)
         reader = self.opts.reader if flow.own_level else None

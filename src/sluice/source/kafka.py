@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, IsolationLevel, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from sluice.graph import KafkaSpec
+from sluice.redis.connection import client_for
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import RELEASE_OFFSET, evalsha_on, execute_loading
 from sluice.source.decode import Decoder
@@ -109,8 +110,6 @@ class KafkaLog(Log):
 
     def _client(self) -> Any:
         if self._redis is None:
-            from sluice.redis.connection import client_for
-
             self._redis = client_for(self.opts.url, timeout_s=30, connect_timeout_s=10)
         return self._redis
 

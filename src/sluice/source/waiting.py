@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from sluice.redis.connection import client_for
 from sluice.redis.keys import log_state_key
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,6 @@ class LogState:
             self._since_ms = 0
         try:
             if self._client is None:
-                from sluice.redis.connection import client_for
-
                 self._client = client_for(self.url, timeout_s=5, connect_timeout_s=5)
             self._client.hset(
                 self.key,
