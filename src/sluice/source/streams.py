@@ -32,65 +32,16 @@ from sluice.source.decode import Decoder
 from sluice.source.ids import ZERO_ID, event_ids, id_ms, parse_id, split_range, xor_all
 from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
 from sluice.source.options import SourceOptions
+from sluice.source.resp import StreamReply
+from sluice.source.xrange import forget_client, raw_client, read_range, read_replies
 
-XRANGE_COUNT = 2000
+# Entries per XRANGE call when reading a batch: a `fields` reply is read in columnar form
+# (`source.xrange.read_replies`), and larger replies cost fewer round trips; a jsonl entry holds
+# hundreds of events, so its replies are already large.
+XRANGE_COUNT = {"fields": 10_000, "jsonl": 2000}
 # Entries per audit script call: a jsonl entry holds hundreds of events and tens of KB, so fewer
 # of them keep each call short (Redis serves no one else meanwhile) and its memory small.
 AUDIT_CHUNK = {"fields": 5000, "jsonl": 20}
-
-_clients: dict[str, Any] = {}
-
-
-def _unparsed(reply: Any, **kw: Any) -> Any:
-    return reply
-
-
-def raw_client(url: str) -> Any:
-    """A per-process client whose XRANGE replies are left unparsed (nested lists of bytes).
-
-    Python workers are reused across tasks, so the client (and its pool) is kept per URL. On a
-    cluster the replies are parsed by the client of the node that served them, so the callback
-    is set on each node's client; `read_range` copes with a node added later (a failover).
-    """
-    client = _clients.get(url)
-    if client is None:
-        from sluice.redis.cluster import node_clients
-        from sluice.redis.connection import client_for
-
-        client = client_for(url, timeout_s=30, connect_timeout_s=10)
-        for c in {id(n): n for n in [client, *node_clients(client)]}.values():
-            c.set_response_callback("XRANGE", _unparsed)
-            c.set_response_callback("XREVRANGE", _unparsed)
-        _clients[url] = client
-    return client
-
-
-def forget_client(url: str) -> None:
-    _clients.pop(url, None)
-
-
-def _raw_entries(chunk: Any) -> Any:
-    """Entries as XRANGE sends them, [[id, [k, v, ...]], ...], also from a client that parsed
-    them into (id, {k: v}) pairs (a cluster node whose client was made after `raw_client`)."""
-    if chunk and isinstance(chunk[0], tuple):
-        return [[eid, [x for kv in fields.items() for x in kv]] for eid, fields in chunk]
-    return chunk
-
-
-def read_range(client: Any, shard: str, lo: str, hi: str) -> Iterator[list[Any]]:
-    """Yield raw XRANGE chunks covering (lo, hi]."""
-    cursor = lo
-    while True:
-        chunk = _raw_entries(
-            client.execute_command("XRANGE", shard, f"({cursor}", hi, "COUNT", XRANGE_COUNT)
-        )
-        if not chunk:
-            return
-        yield chunk
-        if len(chunk) < XRANGE_COUNT:
-            return
-        last = chunk[-1][0]
-        cursor = last.decode() if isinstance(last, bytes) else str(last)
 
 
 def _text(x: Any) -> str:
@@ -306,8 +257,17 @@ class RedisStreamsLog(Log):
         self, span: Span, ref_ms: int, on_wait: Callable[[str, str], None] | None = None
     ) -> Iterator[pa.RecordBatch]:
         decoder = Decoder(self.opts, ref_ms, span.shard)
-        for chunk in read_range(raw_client(self.opts.url), span.shard, span.lo, span.hi):
-            yield from decoder.decode(chunk)
+        fmt, url = self.opts.format, self.opts.url
+        count = XRANGE_COUNT[fmt]
+        if fmt != "fields":
+            for chunk in read_range(raw_client(url), span.shard, span.lo, span.hi, count):
+                yield from decoder.decode(chunk)
+            return
+        for part in read_replies(url, span.shard, span.lo, span.hi, count):
+            if isinstance(part, StreamReply):
+                yield from decoder.decode_reply(part)
+            else:
+                yield from decoder.decode(part)
 
     def close(self) -> None:
         forget_client(self.opts.url)
