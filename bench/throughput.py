@@ -1,9 +1,10 @@
-"""Throughput and freshness, for both source formats (`jsonl`, `fields`).
+"""Throughput and freshness per source: Redis Streams (`jsonl`, `fields`) and Kafka (`jsonl`,
+`json`, on the test broker `sluice.testing.kafka.KafkaBroker`), side by side in one run.
 
-    .venv/bin/python bench/throughput.py            # full run, about 15 minutes
-    .venv/bin/python bench/throughput.py --quick    # smoke run, about 4 minutes
+    .venv/bin/python bench/throughput.py            # full run, 13 minutes to half an hour
+    .venv/bin/python bench/throughput.py --quick    # smoke run, about 5 minutes
 
-Per format: the drain of a pre-filled backlog, the highest sustained produce rate, freshness
+Per source: the drain of a pre-filled backlog, the highest sustained produce rate, freshness
 probes (`lib.freshness`), and the bare engine (the same Spark plan fed from in-memory Arrow).
 bench/templates/throughput.md says what each number means. Writes
 bench/results/throughput[.quick].json.
@@ -13,29 +14,28 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 from lib import freshness
-from lib.load import SIZES, PacedProducer, bench_config, build_pool, now_ms, xrange_entries
-from lib.procs import Workspace, drain, pipeline_run, stat_counter
+from lib.load import SHARDS, SIZES, PacedProducer, bench_config, build_pool, now_ms, xrange_entries
+from lib.procs import CpuSnapshot, Workspace, drain, pipeline_run, stat_counter
 from lib.results import Run, log, parser
 from lib.stats import batch_rate, judge_step
 from sluice.config import Config
 from sluice.pipeline import plan as spark_plan
-from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.spark import build_spark
-from sluice.redis.connection import RedisHandle
 from sluice.source.decode import Decoder, output_schema, spark_schema_ddl
+from sluice.source.kafka_records import forget_consumers
 from sluice.source.options import SourceOptions
 from sluice.status.snapshot import backlog, recent_batches
+from sluice.testing.arrow_source import ARROW_FORMAT, ArrowFileSource
+from sluice.testing.kafka import BULK_PRODUCER_OPTIONS, KafkaBroker
 
-ARROW_FORMAT = "sluice-bench-arrow"
 BARE_PARTITIONS, BARE_CHUNKS_PER_PARTITION = 4, 4
 SAMPLE_EVERY_S = 0.5
 MAX_LAG_S = 15.0  # a step whose final backlog exceeds this much input is not bounded
@@ -43,6 +43,7 @@ ABORT_LAG_S = 25.0  # ... and one whose backlog passes this is cut short
 BATCH_HISTORY = 600  # the store keeps this many batch records
 DRAIN_EVENTS = {(True, "jsonl"): 400_000, (True, "fields"): 80_000, (False, "jsonl"): 3_000_000,
                 (False, "fields"): 1_000_000}  # fmt: skip
+SOURCES = ("redis-jsonl", "kafka-jsonl", "redis-fields", "kafka-json")  # pairs side by side
 
 
 def rows(records: Sequence[dict[str, Any]]) -> list[list[int]]:
@@ -50,41 +51,55 @@ def rows(records: Sequence[dict[str, Any]]) -> list[list[int]]:
     return [[r["batch"], r["events"], r["started_ms"], r["done_ms"]] for r in records]
 
 
-class Format:
-    """Every measurement of one source format; `results` and `series` fill up as it goes."""
+class Case:
+    """Every measurement of one source (log and format); `results` and `series` fill up."""
 
-    def __init__(self, spark: Any, a: Any, fmt: str, ws: Workspace, budget_s: float) -> None:
-        self.spark, self.a, self.fmt, self.ws = spark, a, fmt, ws
-        self.cap, self.pool_events = SIZES[(a.quick, fmt)]
-        self.drain_events = DRAIN_EVENTS[(a.quick, fmt)]
+    def __init__(self, spark: Any, a: Any, name: str, ws: Workspace, budget_s: float,
+                 broker: KafkaBroker | None) -> None:  # fmt: skip
+        self.spark, self.a, self.name, self.ws, self.broker = spark, a, name, ws, broker
+        self.log, self.fmt = name.split("-")
+        sized = (a.quick, "fields" if self.fmt == "json" else self.fmt)  # both an event an entry
+        (self.cap, self.pool_events), self.drain_events = SIZES[sized], DRAIN_EVENTS[sized]
         self.deadline = time.monotonic() + budget_s
-        self.results: dict[str, Any] = {"format": fmt, "batch_events": self.cap,
-                                        "drain_events": self.drain_events}  # fmt: skip
+        self.kafka = None if broker is None else (broker.bootstrap, f"events-{self.fmt}")
+        if broker is not None:  # a topic per source
+            broker.create_topic(f"events-{self.fmt}", partitions=SHARDS)
+        self.results: dict[str, Any] = {"source": name, "log": self.log, "format": self.fmt}
+        self.results |= {"batch_events": self.cap, "drain_events": self.drain_events}
         self.series: dict[str, Any] = {"samples": [], "spans": []}
-        self.t0_ms = 0
+        self.t0_ms, self.sent = 0, 0
 
     def measure(self) -> None:
-        """1. drain, 2. sustained, 3. freshness on one pipeline; then 4. the bare engine."""
-        cfg = bench_config(self.fmt, self.ws.state_dir(f"{self.fmt}-pipeline"), self.cap)
-        with pipeline_run(self.spark, cfg) as (pipeline, handle):
-            drain_per_s = self.drain(pipeline, handle, cfg)
+        """1. drain, 2. sustained, 3. freshness on one pipeline, events in vs sent; 4. bare."""
+        self.cfg = bench_config(self.fmt, self.ws.state_dir(f"{self.name}-pipeline"), self.cap,
+                                kafka=self.kafka)  # fmt: skip
+        with pipeline_run(self.spark, self.cfg) as (self.pipeline, self.handle):
+            self.target = self.kafka or self.handle.url  # where the load goes
+            e, b = self.handle.embedded, self.broker  # the servers beside Spark
+            pids = {"redis": e and e.pid, "broker": b and b.proc and b.proc.pid}
+            cpu0 = CpuSnapshot.take(servers := {k: [v] for k, v in pids.items() if v})
+            drain_per_s = self.drain()
             if drain_per_s is None:
-                log(f"{self.fmt}: no drain rate, skipping the sustained and freshness runs")
+                log(f"{self.name}: no drain rate, skipping the sustained and freshness runs")
             else:
-                self.sustained(pipeline, handle, cfg, drain_per_s)
+                self.sustained(drain_per_s)
+            idle = self.pipeline.wait_idle(60.0)
+            counted = stat_counter(self.handle.client, "events_in")
+            self.results["events"] = {"sent": self.sent, "counted": counted, "idle": idle}
+            self.results["cores"] = CpuSnapshot.take(servers).cores_since(cpu0)
         self.bare()
         r, bare = self.results, self.results["bare"].get("per_s")
-        for x, rate in (
-            ("drain", r["drain"].get("per_s")),
-            ("sustained", r.get("sustained_per_s")),
-        ):
-            r[f"{x}_vs_bare"] = rate / bare if rate and bare else None
+        rates = {"drain": r["drain"].get("per_s"), "sustained": r.get("sustained_per_s")}
+        r |= {f"{x}_vs_bare": v / bare if v and bare else None for x, v in rates.items()}
 
-    def drain(self, pipeline: FoldQuery, handle: RedisHandle, cfg: Config) -> float | None:
+    def drain(self) -> float | None:
         """Pre-fill, then start the pipeline and wait until it is idle; its rate or None."""
+        handle, cfg = self.handle, self.cfg
         pool = build_pool(cfg, self.pool_events, self.a.seed, now_ms())
-        d = drain(pipeline, handle, cfg, pool, self.drain_events, self.a.drain_timeout_s, self.fmt)
+        d = drain(self.pipeline, handle, cfg, pool, self.drain_events, self.a.drain_timeout_s,
+                  self.name, self.target)  # fmt: skip
         rate, sizes = d["rate"], sorted(r["events"] for r in d["records"])
+        self.sent += d["prefilled"]
         self.results |= {
             "shard_share": [n / pool.total_events for n in pool.shard_events],
             "drain_batch_events": [sizes[0], sizes[-1]] if sizes else None,
@@ -95,27 +110,22 @@ class Format:
         self.series["drain"] = rows(d["records"])
         return rate["per_s"] if rate and d["idle"] else None
 
-    def sustained(
-        self, pipeline: FoldQuery, handle: RedisHandle, cfg: Config, drain: float
-    ) -> None:
+    def sustained(self, drain: float) -> None:
         """The rate ladder (factors of the drain rate from 0.9: 1.25 x after a bounded step,
         0.7 x after an unbounded one, until both outcomes were seen), then freshness at about
         half the best bounded rate (half the lowest rate tried if none was bounded)."""
         self.t0_ms = self.series["t0_ms"] = now_ms()
         steps: list[dict[str, Any]] = []
-        factor = 0.9
+        factor, reserve_s = 0.9, self.a.step_s + self.a.freshness_s + self.a.bare_reserve_s
         for i in range(self.a.max_steps):
-            if (
-                self.deadline - time.monotonic()
-                < self.a.step_s + self.a.freshness_s + self.a.bare_reserve_s
-            ):
-                log(f"{self.fmt} sustained: time budget reached, skipping further steps")
+            if self.deadline - time.monotonic() < reserve_s:
+                log(f"{self.name} sustained: time budget reached, skipping further steps")
                 break
-            pool = build_pool(cfg, self.pool_events, self.a.seed + 10 + i, now_ms())
-            steps.append(self.step(pipeline, handle, cfg, pool, factor * drain))
-            log(f"{self.fmt} sustained: {steps[-1]}")
+            pool = build_pool(self.cfg, self.pool_events, self.a.seed + 10 + i, now_ms())
+            steps.append(self.step(pool, factor * drain))
+            log(f"{self.name} sustained: {steps[-1]}")
             if not steps[-1]["drained"]:
-                log(f"{self.fmt} sustained: the backlog did not drain; stopping the ladder")
+                log(f"{self.name} sustained: the backlog did not drain; stopping the ladder")
                 break
             if len({s["bounded"] for s in steps}) == 2:
                 break
@@ -126,54 +136,54 @@ class Format:
                          "best_reason": best and best["reason"]}  # fmt: skip
         if steps and all(s["drained"] for s in steps):
             base = best["achieved_per_s"] if best else min(s["achieved_per_s"] for s in steps)
-            pool = build_pool(cfg, self.pool_events, self.a.seed + 99, now_ms())
+            pool = build_pool(self.cfg, self.pool_events, self.a.seed + 99, now_ms())
             t_from = (now_ms() - self.t0_ms) / 1000
             per = pool.events_per_entry()
-            res = freshness.measure(handle.url, cfg, pool, base / 2, self.a.freshness_s,
-                                    lambda: self.sample(handle, cfg, per))  # fmt: skip
-            self.series["spans"].append(
-                [t_from, (now_ms() - self.t0_ms) / 1000, res["load_per_s"], None]
-            )
+            res = freshness.measure(self.handle.url, self.cfg, pool, base / 2, self.a.freshness_s,
+                                    lambda: self.sample(per), self.target)  # fmt: skip
+            self.sent += res["load_events"] + res["sent"]
+            t_to = (now_ms() - self.t0_ms) / 1000
+            self.series["spans"].append([t_from, t_to, res["load_per_s"], None])
             self.results["freshness"] = res
-            log(f"{self.fmt} freshness: {res}")
-        self.series["sustained"] = rows(recent_batches(handle.client, BATCH_HISTORY))
+            log(f"{self.name} freshness: {res}")
+        self.series["sustained"] = rows(recent_batches(self.handle.client, BATCH_HISTORY))
 
-    def sample(self, handle: RedisHandle, cfg: Config, per_entry: float) -> tuple[float, int]:
-        """(t_s, the backlog in events: uncommitted entries x events per entry), kept for the
-        plot."""
-        t_b = ((now_ms() - self.t0_ms) / 1000, round(backlog(handle.client, cfg)[0] * per_entry))
+    def sample(self, per_entry: float) -> tuple[float, int]:
+        """(t_s, the backlog in events: uncommitted entries x events per entry), for the plot."""
+        entries = backlog(self.handle.client, self.cfg)[0]
+        t_b = ((now_ms() - self.t0_ms) / 1000, round(entries * per_entry))
         self.series["samples"].append(list(t_b))
         return t_b
 
-    def step(self, pipeline: FoldQuery, handle: RedisHandle, cfg: Config, pool: Any,
-             rate_per_s: float) -> dict[str, Any]:  # fmt: skip
+    def step(self, pool: Any, rate_per_s: float) -> dict[str, Any]:
         """Produce at `rate_per_s` for `step_s` beside the running pipeline, sampling the
         backlog (cut short past ABORT_LAG_S of input); let it drain, then judge the step."""
-        events_before = stat_counter(handle.client, "events_in")
-        producer = PacedProducer(handle.url, pool, rate_per_s, self.a.step_s)
+        client, per = self.handle.client, pool.events_per_entry()
+        events_before = stat_counter(client, "events_in")
+        producer = PacedProducer(self.target, pool, rate_per_s, self.a.step_s)
         start_ms = now_ms()
         producer.start()
         samples: list[tuple[float, int]] = []
         aborted = False
         while producer.is_alive():
             producer.join(SAMPLE_EVERY_S)
-            samples.append(self.sample(handle, cfg, pool.events_per_entry()))
+            samples.append(self.sample(per))
             if samples[-1][1] > ABORT_LAG_S * rate_per_s and not aborted:
                 aborted = True
                 producer.stop()
         if producer.error is not None:
             raise RuntimeError(f"the load producer failed: {producer.error}")
         end_ms, achieved = now_ms(), producer.achieved_per_s()
-        processed = (stat_counter(handle.client, "events_in") - events_before) / max(
-            producer.elapsed_s, 1e-9
-        )
+        self.sent += producer.sent_events
+        elapsed_s = max(producer.elapsed_s, 1e-9)
+        processed = (stat_counter(client, "events_in") - events_before) / elapsed_s
         deadline = time.monotonic() + min(120.0, 20.0 + samples[-1][1] / max(processed, 1.0) * 2)
-        while not (drained := pipeline.wait_idle(timeout_s=SAMPLE_EVERY_S)):
-            self.sample(handle, cfg, pool.events_per_entry())
+        while not (drained := self.pipeline.wait_idle(timeout_s=SAMPLE_EVERY_S)):
+            self.sample(per)
             if time.monotonic() > deadline:
                 break
         judged_from = start_ms + (end_ms - start_ms) / 3  # the step's last two thirds
-        admitted = [r["events"] for r in recent_batches(handle.client, BATCH_HISTORY)
+        admitted = [r["events"] for r in recent_batches(client, BATCH_HISTORY)
                     if judged_from <= r["started_ms"] <= end_ms]  # fmt: skip
         bounded, reason = judge_step(samples, achieved, MAX_LAG_S, admitted, self.cap)
         if aborted:
@@ -187,8 +197,8 @@ class Format:
         """explode_updates + fold_updates + a no-op write over `bare_batches` micro-batches of
         the same size, from the Arrow source, back to back (trigger 0, so the 500 ms trigger
         does not cap small fast batches); each batch timed."""
-        state_dir = self.ws.state_dir(f"{self.fmt}-bare")
-        cfg = bench_config(self.fmt, state_dir, self.cap)
+        state_dir = self.ws.state_dir(f"{self.name}-bare")
+        cfg = bench_config(self.fmt, state_dir, self.cap, kafka=self.kafka)
         n_rows = write_arrow_batch(cfg, self.cap, self.a.seed + 7, state_dir / "batch.arrow")
         specs = spark_plan.metric_specs(cfg, spark_plan.check_expressions(self.spark, cfg))
         folds = spark_plan.fold_columns(specs)
@@ -202,9 +212,8 @@ class Format:
                 checked.append(int(updates.where("g = 0").agg({"cnt": "sum"}).collect()[0][0] or 0))
                 started = now_ms()
             updates.write.format("noop").mode("overwrite").save()
-            records.append(
-                {"batch": batch_id, "events": n_rows, "started_ms": started, "done_ms": now_ms()}
-            )
+            records.append({"batch": batch_id, "events": n_rows, "started_ms": started,
+                            "done_ms": now_ms()})  # fmt: skip
 
         options = {"path": str(state_dir / "batch.arrow"), "partitions": str(BARE_PARTITIONS),
                    "ddl": spark_schema_ddl(SourceOptions.from_config(cfg, "x")),
@@ -227,61 +236,18 @@ class Format:
         self.results["bare"] = {"checked_events": checked[0] if checked else None,
                                 **(rate or {})}  # fmt: skip
         self.series["bare"] = rows(records)
-        log(f"{self.fmt} bare engine: {self.results['bare']}")
-
-
-# The source below is pickled by value (this file runs as __main__) into Spark's Python workers,
-# so it may use only sluice, pyarrow and the standard library, nothing from bench/lib.
-
-
-class ArrowFileSource(DataSource):
-    """`spark.readStream.format("sluice-bench-arrow")`: every micro-batch re-reads one pre-built
-    Arrow IPC file (memory-mapped), split into `partitions` partitions. Options: path, ddl (the
-    schema), batches (micro-batches in all), partitions."""
-
-    @classmethod
-    def name(cls) -> str:
-        return ARROW_FORMAT
-
-    def schema(self) -> str:
-        return str(self.options["ddl"])
-
-    def streamReader(self, schema: Any) -> DataSourceStreamReader:
-        o = self.options
-        return ArrowFileReader(str(o["path"]), int(o["batches"]), int(o["partitions"]))
-
-
-class ArrowFileReader(DataSourceStreamReader):
-    def __init__(self, path: str, total_batches: int, n_partitions: int) -> None:
-        self.path, self.total_batches, self.n_partitions = path, total_batches, n_partitions
-
-    def initialOffset(self) -> dict[str, Any]:
-        return {"batch": 0}
-
-    def latestOffset(self, start: dict[str, Any], limit: Any) -> dict[str, Any]:
-        return {"batch": min(int(start["batch"]) + 1, self.total_batches)}
-
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        n = int(end["batch"]) - int(start["batch"])
-        return [InputPartition((self.path, j, self.n_partitions))
-                for _ in range(n) for j in range(self.n_partitions)]  # fmt: skip
-
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        import pyarrow.ipc as ipc  # on the executor
-
-        path, j, n_parts = partition.value
-        with pa.memory_map(path) as src:
-            reader = ipc.open_file(src)
-            for i in range(j, reader.num_record_batches, n_parts):
-                yield reader.get_batch(i)
+        log(f"{self.name} bare engine: {self.results['bare']}")
 
 
 def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path) -> int:
-    """Decode `n_events` synthetic entries with the real Decoder and store them as an Arrow IPC
-    file in BARE_PARTITIONS x BARE_CHUNKS_PER_PARTITION record batches. Returns rows."""
+    """Decode `n_events` synthetic entries (or Kafka records) with the real Decoder into an Arrow
+    IPC file of BARE_PARTITIONS x BARE_CHUNKS_PER_PARTITION record batches. Returns rows."""
     ref_ms = now_ms()
     opts = SourceOptions.from_config(cfg, url="redis://unused")
-    decoded = Decoder(opts, ref_ms, "events:0").decode(xrange_entries(cfg, n_events, seed, ref_ms))
+    entries = xrange_entries(cfg, n_events, seed, ref_ms)
+    values, decoder = [e[1][1] for e in entries], Decoder(opts, ref_ms, "events:0")  # value: `d`
+    decoded = decoder.decode(entries) if cfg.source.kafka is None else decoder.decode_records(
+        values, range(len(values)), [ref_ms] * len(values), "events", 0)  # fmt: skip
     table = pa.Table.from_batches(list(decoded), schema=output_schema(opts))
     chunk = math.ceil(table.num_rows / (BARE_PARTITIONS * BARE_CHUNKS_PER_PARTITION))
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -292,36 +258,42 @@ def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path) -> int:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--formats", default="jsonl,fields", help="comma-separated: jsonl,fields")
-    p.add_argument("--budget-s", type=float, help="time budget (default 900, quick 240)")
+    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated: {SOURCES}")
+    p.add_argument("--budget-s", type=float, help="time budget (default 450, quick 120 a source)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--keep-state", action="store_true", help="keep the temporary state dirs")
     a = p.parse_args()
-    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
-    if not formats or any(f not in ("jsonl", "fields") for f in formats):
-        p.error(f"--formats: expected jsonl and/or fields, got {a.formats!r}")
+    names = [f.strip() for f in a.sources.split(",") if f.strip()]
+    if not names or any(n not in SOURCES for n in names):
+        p.error(f"--sources: expected some of {','.join(SOURCES)}, got {a.sources!r}")
     # step length, steps, freshness run, bare batches, drain timeout, time kept for the bare run
     a.step_s, a.max_steps, a.freshness_s, a.bare_batches, a.drain_timeout_s, a.bare_reserve_s = (
         (10.0, 2, 8.0, 5, 120.0, 25.0) if a.quick else (30.0, 4, 30.0, 6, 300.0, 60.0))  # fmt: skip
-    budget_s = a.budget_s or (240.0 if a.quick else 900.0)
-    run, ws, done, spark = Run("throughput", a), Workspace(a.keep_state), [], None
+    budget_s = a.budget_s or len(names) * (120.0 if a.quick else 450.0)
+    run, ws, done, spark, broker = Run("throughput", a), Workspace(a.keep_state), [], None, None
     try:
+        if any(n.startswith("kafka") for n in names):  # one broker; a topic per source
+            broker = KafkaBroker(ws.root / "kafka-broker.log").start()
         spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
         spark.dataSource.register(ArrowFileSource)
-        for i, fmt in enumerate(formats):
-            share_s = (budget_s - (time.monotonic() - run.t0)) / (len(formats) - i)
-            log(f"== {fmt} (time share {share_s:.0f} s)")
-            done.append(Format(spark, a, fmt, ws, share_s))
+        for i, name in enumerate(names):
+            share_s = (budget_s - (time.monotonic() - run.t0)) / (len(names) - i)
+            log(f"== {name} (time share {share_s:.0f} s)")
+            done.append(Case(spark, a, name, ws, share_s, broker if "kafka" in name else None))
             done[-1].measure()
     finally:
         if spark is not None:
             spark.stop()
+        if broker is not None:
+            forget_consumers()  # before the broker goes, or they keep trying to reach it
+            broker.stop()
         ws.cleanup()
     f = freshness
     params = {"step_s": a.step_s, "max_lag_s": MAX_LAG_S, "bare_partitions": BARE_PARTITIONS,
               "probe_window": f.PROBE_WINDOW, "probe_every_ms": 1000 * f.PROBE_EVERY_S,
-              "poll_every_ms": 1000 * f.POLL_EVERY_S}  # fmt: skip
-    run.write(params, {"formats": [f.results for f in done]}, {"formats": [f.series for f in done]})
+              "poll_every_ms": 1000 * f.POLL_EVERY_S,
+              "kafka_bulk": BULK_PRODUCER_OPTIONS}  # fmt: skip
+    run.write(params, {"sources": [c.results for c in done]}, {"sources": [c.series for c in done]})
 
 
 if __name__ == "__main__":

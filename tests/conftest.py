@@ -180,6 +180,15 @@ def kafka_config(
     return config_from_dict(data)
 
 
+def wait_until(predicate: Any, timeout_s: float, what: str, every_s: float = 0.05) -> None:
+    """Poll `predicate` until it is true; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(every_s)
+
+
 class ServerThread:
     """A real uvicorn server for an ASGI app, on a free loopback port, in a thread."""
 

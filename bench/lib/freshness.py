@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lib.load import LoadPool, PacedProducer, now_ms, probe_fields
+from lib.load import LoadPool, PacedProducer, now_ms, open_writer, probe_command
 from lib.stats import percentile
 from sluice.config import Config
 from sluice.query.engine import QueryEngine
@@ -53,12 +53,12 @@ class ProbePoller(threading.Thread):
 
 
 def measure(url: str, cfg: Config, pool: LoadPool, rate_per_s: float, seconds: float,
-            on_probe: Callable[[], object]) -> dict[str, Any]:  # fmt: skip
-    """Load at `rate_per_s` (2 s to reach its pace first), a probe every PROBE_EVERY_S for
-    `seconds` (`on_probe` called after each), then up to 30 s for the last probes to show.
-    Raises RuntimeError if the poller or the producer failed."""
-    producer, poller = PacedProducer(url, pool, rate_per_s, seconds + 3.0), ProbePoller(cfg, url)
-    sender = client_for(url)
+            on_probe: Callable[[], object], target: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Load at `rate_per_s` (2 s to reach its pace first) into `target` (default `url`, the
+    slices' Redis), a probe every PROBE_EVERY_S for `seconds` (`on_probe` called after each),
+    then up to 30 s for the last probes to show. Raises RuntimeError if a thread failed."""
+    producer = PacedProducer(target or url, pool, rate_per_s, seconds + 3.0)
+    poller, sender = ProbePoller(cfg, url), open_writer(target or url)
     producer.start()
     time.sleep(2.0)
     poller.start()
@@ -66,10 +66,10 @@ def measure(url: str, cfg: Config, pool: LoadPool, rate_per_s: float, seconds: f
     try:
         t0 = time.monotonic()
         for i in range(n_probes):
-            shard, fields = probe_fields(cfg, f"probe-{i}", sent_ms := now_ms())
+            command = probe_command(cfg, f"probe-{i}", sent_ms := now_ms())
             with poller.lock:
                 poller.pending[f"probe-{i}"] = sent_ms
-            sender.xadd(shard, fields)
+            sender.call_many([command])
             on_probe()
             time.sleep(max(0.0, t0 + (i + 1) * PROBE_EVERY_S - time.monotonic()))
         producer.join(10.0)
@@ -85,6 +85,7 @@ def measure(url: str, cfg: Config, pool: LoadPool, rate_per_s: float, seconds: f
         if err is not None:
             raise RuntimeError(f"the {who} failed: {err}")
     lat = sorted(poller.latencies_ms)
-    return {"load_per_s": producer.achieved_per_s(), "sent": n_probes, "seen": len(lat),
-            "p50_ms": percentile(lat, 0.5), "p99_ms": percentile(lat, 0.99),
-            "max_ms": lat[-1] if lat else None, "wrong": poller.wrong}  # fmt: skip
+    return {"load_per_s": producer.achieved_per_s(), "load_events": producer.sent_events,
+            "sent": n_probes, "seen": len(lat), "p50_ms": percentile(lat, 0.5),
+            "p99_ms": percentile(lat, 0.99), "max_ms": lat[-1] if lat else None,
+            "wrong": poller.wrong}  # fmt: skip

@@ -1,7 +1,7 @@
 """Load for the benchmarks: the bench config, and `EventGenerator` events (Zipf keys, seeded)
 pre-encoded as raw RESP `XADD`s, sharded like `sluice.source.producer`. Sending them is a socket
 write plus reading the replies with hiredis, so a producer costs the 2 cores almost nothing and
-the numbers measure Sluice, not the benchmark."""
+the numbers measure Sluice, not the benchmark. Kafka entries are (partition, value) records."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import hiredis
-import orjson
 import pandas as pd
 
 from sluice.config import Config, config_from_dict
 from sluice.source.loadgen import EventGenerator
 from sluice.source.producer import shard_of
+from sluice.testing.kafka import FencedProducer
 
 SCHEMA = {"ts": "long", "card": "string", "merchant": "string", "amount": "double"}
 METRICS: list[dict[str, Any]] = [
@@ -59,9 +59,14 @@ def bench_config_data(fmt: str, state_dir: Path, max_events_per_batch: int,
 
 
 def bench_config(fmt: str, state_dir: Path, max_events_per_batch: int, stream: str = "events",
-                 **update: Any) -> Config:  # fmt: skip
-    """`bench_config_data` validated; `update` replaces whole top-level sections."""
+                 kafka: tuple[str, str] | None = None, **update: Any) -> Config:  # fmt: skip
+    """`bench_config_data` validated, reading Kafka (bootstrap, topic) `kafka` if given;
+    `update` replaces whole top-level sections."""
     data = bench_config_data(fmt, state_dir, max_events_per_batch, stream)
+    if kafka is not None:
+        source = {k: v for k, v in data["source"].items() if k != "shards"}
+        topic = {"bootstrap": kafka[0], "topic": kafka[1], "group_id": f"sluice-{kafka[1]}"}
+        data["source"] = {**source, "kafka": topic}
     return config_from_dict({**data, **update})
 
 
@@ -72,9 +77,10 @@ def resp_command(*args: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class LoadPool:
-    """Pre-encoded XADD commands, shards interleaved; `events[i]` is command i's event count."""
+    """Pre-encoded entries (XADDs, or Kafka records), shards interleaved; `events[i]` is entry
+    i's event count."""
 
-    commands: list[bytes]
+    commands: list[Any]
     events: list[int]
     shard_events: tuple[int, ...]
 
@@ -97,43 +103,54 @@ def _value(v: Any) -> bytes:
     return repr(v).encode() if isinstance(v, float) else str(v).encode()
 
 
+def shard_count(cfg: Config) -> int:
+    """Shards of the bench log: `source.shards` streams, or the Kafka topic's SHARDS partitions."""
+    return cfg.source.shards if cfg.source.kafka is None else SHARDS
+
+
 def _entries(cfg: Config, df: pd.DataFrame) -> list[tuple[int, list[bytes], int]]:
-    """Stream entries for `df` as (shard, [field, value, ...], events), shards interleaved so
+    """Log entries for `df` as (shard, [field, value, ...], events), shards interleaved so
     each gets load at the same pace: jsonl, JSONL_EVENTS_PER_ENTRY events per entry (fields `d`
-    and `n`, as the Producer writes); fields, one entry per event."""
-    n = cfg.source.shards
+    and `n`, as the Producer writes), Kafka's json one; fields, one entry per event."""
+    n, fmt = shard_count(cfg), cfg.source.format
     cache: dict[Any, int] = {}
     shards = [cache.setdefault(v, shard_of(v, n)) for v in df["card"].tolist()]
     per: list[list[tuple[int, list[bytes], int]]] = [[] for _ in range(n)]
-    if cfg.source.format == "jsonl":
+    if fmt in ("jsonl", "json"):
         lines: list[list[bytes]] = [[] for _ in range(n)]
         text = df.to_json(orient="records", lines=True)
         for s, ln in zip(shards, (x.encode() for x in text.split("\n") if x), strict=True):
             lines[s].append(ln)
+        step = JSONL_EVENTS_PER_ENTRY if fmt == "jsonl" else 1
         for s, part in enumerate(lines):
-            for j in range(0, len(part), JSONL_EVENTS_PER_ENTRY):
-                chunk = part[j : j + JSONL_EVENTS_PER_ENTRY]
+            for j in range(0, len(part), step):
+                chunk = part[j : j + step]
                 per[s].append((s, [b"d", b"\n".join(chunk), b"n", b"%d" % len(chunk)], len(chunk)))
     else:
         names = [str(c).encode() for c in df.columns]
         for s, row in zip(shards, df.itertuples(index=False, name=None), strict=True):
-            per[s].append(
-                (s, [x for nv in zip(names, map(_value, row), strict=True) for x in nv], 1)
-            )
+            fields = [x for nv in zip(names, map(_value, row), strict=True) for x in nv]
+            per[s].append((s, fields, 1))
     longest = max(len(p) for p in per)
     return [p[i] for i in range(longest) for p in per if i < len(p)]
 
 
-def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int) -> LoadPool:
-    """`n_events` events (Zipf keys, 1% up to 5 min late, times at `at_ms`) as XADDs for
-    `cfg.source.format`, sharded by card: good for well under the 1 h retention."""
-    entries = _entries(cfg, EventGenerator(cfg, seed=seed).frame(n_events, at_ms))
+def _encode(cfg: Config, entries: Sequence[tuple[int, list[bytes], int]]) -> list[Any]:
+    """Entries as XADDs, or as Kafka (partition, value) records: the value is field `d`."""
+    if cfg.source.kafka is not None:
+        return [(s, f[1]) for s, f, _ in entries]
     keys = [k.encode() for k in cfg.source.shard_keys()]
-    per_shard = [0] * len(keys)
+    return [resp_command(b"XADD", keys[s], b"*", *f) for s, f, _ in entries]
+
+
+def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int) -> LoadPool:
+    """`n_events` events (Zipf keys, 1% up to 5 min late, times at `at_ms`) as entries for
+    `cfg`'s log and format, sharded by card: good for well under the 1 h retention."""
+    entries = _entries(cfg, EventGenerator(cfg, seed=seed).frame(n_events, at_ms))
+    per_shard = [0] * shard_count(cfg)
     for s, _, n in entries:
         per_shard[s] += n
-    commands = [resp_command(b"XADD", keys[s], b"*", *f) for s, f, _ in entries]
-    return LoadPool(commands, [n for _, _, n in entries], tuple(per_shard))
+    return LoadPool(_encode(cfg, entries), [n for _, _, n in entries], tuple(per_shard))
 
 
 def xrange_entries(cfg: Config, n_events: int, seed: int, at_ms: int) -> list[list[Any]]:
@@ -143,13 +160,10 @@ def xrange_entries(cfg: Config, n_events: int, seed: int, at_ms: int) -> list[li
     return [[f"{at_ms}-{i}".encode(), f] for i, (_, f, _) in enumerate(entries)]
 
 
-def probe_fields(cfg: Config, card: str, at_ms: int) -> tuple[str, dict[str, Any]]:
-    """(shard key, XADD fields) of one probe event with card `card`, in the source's format."""
-    event = {"ts": at_ms, "card": card, "merchant": "probe", "amount": 1.0}
-    shard = cfg.source.shard_keys()[shard_of(card, cfg.source.shards)]
-    if cfg.source.format == "jsonl":
-        return shard, {"d": orjson.dumps(event), "n": 1}
-    return shard, {k: _value(v) for k, v in event.items()}
+def probe_command(cfg: Config, card: str, at_ms: int) -> Any:
+    """One probe event with card `card`, encoded like `build_pool`'s entries."""
+    event = pd.DataFrame([{"ts": at_ms, "card": card, "merchant": "probe", "amount": 1.0}])
+    return _encode(cfg, _entries(cfg, event))[0]
 
 
 def is_busy(e: BaseException | str) -> bool:
@@ -196,15 +210,28 @@ class RespWriter:
         self.sock.close()
 
 
-def prefill(url: str, pool: LoadPool, n_events: int) -> int:
+class KafkaWriter(FencedProducer):
+    """Records to a test broker's topic (exact end offsets), with `RespWriter`'s interface."""
+
+    def call_many(self, commands: Sequence[tuple[int, bytes]], check: bool = True) -> list[None]:
+        self.send(commands)
+        return [None] * len(commands)
+
+
+def open_writer(target: Any, timeout_s: float = 60.0) -> Any:
+    """A writer of entries: a `RespWriter` on a Redis URL, a `KafkaWriter` on (bootstrap, topic)."""
+    return RespWriter(target, timeout_s) if isinstance(target, str) else KafkaWriter(*target)
+
+
+def prefill(target: Any, pool: LoadPool, n_events: int) -> int:
     """Write about `n_events` events (cycling the pool; the last entry may overshoot) as fast as
-    possible. Returns the events written."""
+    possible to `target` (see `open_writer`). Returns the events written."""
     commands, sent = [], 0
     while sent < n_events:
         i = len(commands) % len(pool.commands)
         commands.append(pool.commands[i])
         sent += pool.events[i]
-    writer = RespWriter(url)
+    writer = open_writer(target)
     try:
         writer.send(commands)
     finally:
@@ -213,13 +240,13 @@ def prefill(url: str, pool: LoadPool, n_events: int) -> int:
 
 
 class PacedProducer(threading.Thread):
-    """Sends the pool's commands (cycling) at `rate_per_s` events/s until `stop()` or
-    `duration_s`, owing events for elapsed time (a slow tick is made up, up to 1 s). With
-    `retry_busy` a command refused with BUSY (a script past `lua-time-limit`) is sent again on
-    the next tick, until the retries are through. `sent_events` counts acknowledged events;
-    `error` holds the exception that ended the thread."""
+    """Sends the pool's entries (cycling) to `url` (see `open_writer`) at `rate_per_s` events/s
+    until `stop()` or `duration_s`, owing events for elapsed time (a slow tick is made up, up to
+    1 s). With `retry_busy` a command refused with BUSY (a script past `lua-time-limit`) is sent
+    again on the next tick, until the retries are through. `sent_events` counts acknowledged
+    events; `error` holds the exception that ended the thread."""
 
-    def __init__(self, url: str, pool: LoadPool, rate_per_s: float,
+    def __init__(self, url: Any, pool: LoadPool, rate_per_s: float,
                  duration_s: float = float("inf"), retry_busy: bool = False) -> None:  # fmt: skip
         super().__init__(name="bench-producer", daemon=True)
         self.url, self.pool, self.rate_per_s = url, pool, rate_per_s
@@ -235,7 +262,7 @@ class PacedProducer(threading.Thread):
         return self.sent_events / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def run(self) -> None:
-        writer = RespWriter(self.url, timeout_s=120)
+        writer = open_writer(self.url, timeout_s=120)
         t0 = last = time.monotonic()
         owed, i, cmds, events = 0.0, 0, self.pool.commands, self.pool.events
         retry: list[tuple[bytes, int]] = []

@@ -39,16 +39,16 @@ def _per_batch(rows: list[list[int]], t0_ms: int) -> tuple[list[float], list[flo
 
 
 def throughput(doc: dict[str, Any], series: dict[str, Any]) -> Any:
-    """Per format: per-batch events/s of the drain and the bare engine (left); the sustained
+    """Per source: per-batch events/s of the drain and the bare engine (left); the sustained
     steps and the freshness load, with each batch's events/s and the backlog (right)."""
-    fmts = series["formats"]
+    fmts = series["sources"]
     fig, axes = plt.subplots(len(fmts), 2, figsize=(13, 4.2 * len(fmts)), squeeze=False)
-    for (left, right), s, r in zip(axes, fmts, doc["results"]["formats"], strict=True):
+    for (left, right), s, r in zip(axes, fmts, doc["results"]["sources"], strict=True):
         for label, rows in (("pipeline drain", s.get("drain")), ("bare engine", s.get("bare"))):
             if rows:
                 left.plot(*_per_batch(rows, min(x[2] for x in rows)), marker="o", label=label)
         left.set(
-            title=f"{r['format']}: per-batch events/s (batch {r['batch_events']:,})",
+            title=f"{r['source']}: per-batch events/s (batch {r['batch_events']:,})",
             xlabel="s since the first batch started",
             ylabel="events/s within a batch",
         )
@@ -60,7 +60,7 @@ def throughput(doc: dict[str, Any], series: dict[str, Any]) -> Any:
             right.hlines(rate, t0, t1, colors=color, linewidth=2.5)
             right.axvspan(t0, t1, color=color, alpha=0.07)
         right.set(
-            title=f"{r['format']}: steps (green bounded, red not), then the freshness load",
+            title=f"{r['source']}: steps (green bounded, red not), then the freshness load",
             xlabel="s since the first step",
             ylabel="events/s",
         )

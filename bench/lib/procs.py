@@ -14,7 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -101,11 +101,11 @@ def wait_idle(pipeline: FoldQuery, client: Any, cfg: Config, timeout_s: float,
 
 
 def drain(pipeline: FoldQuery, handle: RedisHandle, cfg: Config, pool: LoadPool, n_events: int,
-          timeout_s: float, what: str) -> dict[str, Any]:  # fmt: skip
-    """Pre-fill about `n_events` from `pool`, start `pipeline` and wait until it is idle: the
-    events written, whether it went idle, the BUSY polls, the batch records (by batch number)
-    and their rate (`lib.stats.batch_rate`, None with fewer than 2 batches)."""
-    sent = prefill(handle.url, pool, n_events)
+          timeout_s: float, what: str, target: Any = None) -> dict[str, Any]:  # fmt: skip
+    """Pre-fill about `n_events` from `pool` into `target` (default: `handle`), start `pipeline`
+    and wait until it is idle: the events written, whether it went idle, the BUSY polls, the
+    batch records (by batch number) and their rate (`lib.stats.batch_rate`, None if < 2)."""
+    sent = prefill(target or handle.url, pool, n_events)
     log(f"{what}: pre-filled {sent:,} events; starting the pipeline")
     pipeline.start()
     idle, busy = wait_idle(pipeline, handle.client, cfg, timeout_s, what)
@@ -261,7 +261,7 @@ class CpuSnapshot:
     wall_s: float
 
     @classmethod
-    def take(cls, parties: dict[str, Sequence[int]]) -> CpuSnapshot:
+    def take(cls, parties: Mapping[str, Sequence[int]]) -> CpuSnapshot:
         cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
         busy = sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
         ru = resource.getrusage(resource.RUSAGE_CHILDREN)

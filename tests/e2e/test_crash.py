@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -20,6 +21,7 @@ import yaml
 
 from sluice.redis.keys import STATS_KEY
 from sluice.status.ledger import Ledger
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]
@@ -72,12 +74,30 @@ def _sum_slices(r: redis.Redis, metric: str) -> dict[str, int]:
     return out
 
 
-def _wait(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
+def kill_repeatedly(
+    start: Callable[[], subprocess.Popen[bytes]],
+    events_in: Callable[[], int],
+    ckpt: Path,
+    rng: random.Random,
+    kills: int = KILLS,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """SIGKILL `sluice run` (`start()` starts one) `kills` times, each after it committed a
+    batch, at a random moment then when a batch is in flight if one comes within 3 s, and
+    start it again each time. Returns the running process and the kills that landed
+    mid-batch."""
+    proc, mid_batch = start(), 0
+    for _ in range(kills):
+        before = events_in()
+        wait_until(lambda b=before: events_in() > b, 180, "a committed batch after the (re)start")
+        time.sleep(rng.uniform(0.2, 2.5))
+        deadline = time.monotonic() + 3.0
+        while not _in_flight(ckpt) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        mid_batch += _in_flight(ckpt)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        proc = start()
+    return proc, mid_batch
 
 
 def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
@@ -109,42 +129,32 @@ def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
     rng = random.Random(20261122)
     producer = SteadyProducer(r)
     logs = []
+    procs: list[subprocess.Popen[bytes]] = []
 
     def start() -> subprocess.Popen[bytes]:
         log = (tmp_path / f"run-{len(logs)}.log").open("w")
         logs.append(log)
-        return subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=log)
+        procs.append(subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=log))
+        return procs[-1]
 
     def events_in() -> int:
         return int(r.hget(STATS_KEY, "events_in") or 0)
 
-    proc = start()
     producer.start()
-    mid_batch = 0
     try:
-        for _ in range(KILLS):
-            before = events_in()
-            _wait(lambda b=before: events_in() > b, 180, "a committed batch after the (re)start")
-            # A random moment; then, for up to 3 s, wait to catch a batch in flight.
-            time.sleep(rng.uniform(0.2, 2.5))
-            deadline = time.monotonic() + 3.0
-            while not _in_flight(ckpt) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            mid_batch += _in_flight(ckpt)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
+        proc, mid_batch = kill_repeatedly(start, events_in, ckpt, rng)
         time.sleep(3.0)
         producer.stop.set()
         producer.join(10)
-        _wait(lambda: events_in() >= producer.events, 240, "the backlog to drain")
+        wait_until(lambda: events_in() >= producer.events, 240, "the backlog to drain")
         time.sleep(1.0)  # anything counted twice would show up as more than produced
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
         producer.stop.set()
-        if proc.poll() is None:
-            proc.kill()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
         for log in logs:
             log.close()
     assert mid_batch >= 1, "no kill landed in the middle of a batch"

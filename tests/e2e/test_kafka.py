@@ -35,8 +35,8 @@ from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
 from sluice.status.ledger import Ledger
 from sluice.testing.kafka import TEST_PRODUCER_OPTIONS, KafkaBroker
-from tests.conftest import config_data, kafka_config
-from tests.e2e.test_crash import _in_flight, _sum_slices, json_last_batch
+from tests.conftest import config_data, kafka_config, wait_until
+from tests.e2e.test_crash import _sum_slices, json_last_batch, kill_repeatedly
 from tests.e2e.test_oracle import check_answers, make_events
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -47,14 +47,6 @@ MALFORMED = [
     b'["an", "array"]',
     b'{"ts": %d, "merchant": "m-1", "amount": 1.0, "qty": 1}',
 ]
-
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def _group_offsets(broker: KafkaBroker, topic: str, group: str, parts: int) -> list[int]:
@@ -170,41 +162,32 @@ def test_five_sigkills_under_load_on_kafka_lose_nothing_and_count_nothing_twice(
     rng = random.Random(20261124)
     producer = KafkaProducerThread(kafka_broker, kafka_topic)
     logs = []
+    procs: list[subprocess.Popen[bytes]] = []
 
     def start() -> subprocess.Popen[bytes]:
         log = (tmp_path / f"run-{len(logs)}.log").open("w")
         logs.append(log)
-        return subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=log)
+        procs.append(subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=log))
+        return procs[-1]
 
     def events_in() -> int:
         return int(r.hget(STATS_KEY, "events_in") or 0)
 
-    proc = start()
     producer.start()
-    mid_batch = 0
     try:
-        for _ in range(5):
-            before = events_in()
-            _wait(lambda b=before: events_in() > b, 180, "a committed batch after the (re)start")
-            time.sleep(rng.uniform(0.2, 2.5))
-            deadline = time.monotonic() + 3.0
-            while not _in_flight(ckpt) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            mid_batch += _in_flight(ckpt)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            proc = start()
+        proc, mid_batch = kill_repeatedly(start, events_in, ckpt, rng)
         time.sleep(3.0)
         producer.stop.set()
         producer.join(30)
-        _wait(lambda: events_in() >= producer.events, 240, "the backlog to drain")
+        wait_until(lambda: events_in() >= producer.events, 240, "the backlog to drain")
         time.sleep(1.0)  # anything counted twice would show up as more than produced
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
         producer.stop.set()
-        if proc.poll() is None:
-            proc.kill()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
         for log in logs:
             log.close()
     assert mid_batch >= 1, "no kill landed in the middle of a batch"
@@ -245,14 +228,14 @@ def test_a_stage_reads_the_topic_and_its_output_is_folded(
     runner = threading.Thread(target=run.run_forever, daemon=True)
     runner.start()
     try:
-        _wait(
+        wait_until(
             lambda: int(r.hget("sluice:{stats:fold:big}", "events_in") or 0) == 200
             and int(r.hget(STATS_KEY, "events_in") or 0) == 400,
             240, "both folds",
         )  # fmt: skip
         # Two readers of the topic: the group holds the slower one's offsets; both finish.
         ends = _end_offsets(kafka_broker, kafka_topic, 2)
-        _wait(
+        wait_until(
             lambda: _group_offsets(kafka_broker, kafka_topic, group, 2) == ends,
             30, "the group's offsets to reach the end",
         )  # fmt: skip

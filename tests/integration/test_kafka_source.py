@@ -24,7 +24,7 @@ from sluice.source.options import SourceOptions
 from sluice.source.reader import FORMAT, LogStreamReader
 from sluice.status.snapshot import read_status
 from sluice.testing.kafka import KafkaBroker
-from tests.conftest import free_port, kafka_config
+from tests.conftest import free_port, kafka_config, wait_until
 
 pytestmark = pytest.mark.spark
 NOW = time.time_ns() // 1_000_000
@@ -32,14 +32,6 @@ NOW = time.time_ns() // 1_000_000
 
 def _event(i: int, card: str | None = None) -> dict[str, Any]:
     return {"ts": NOW + i, "card": card or f"c{i % 7}", "merchant": "m", "amount": 0.5, "qty": i}
-
-
-def _wait(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_a_streaming_query_reads_a_topic_within_the_admission_limit(
@@ -65,7 +57,7 @@ def test_a_streaming_query_reads_a_topic_within_the_admission_limit(
         .start()
     )
     try:
-        _wait(lambda: spark.table("kafka_json").count() >= 1200, 120, "1200 rows")
+        wait_until(lambda: spark.table("kafka_json").count() >= 1200, 120, "1200 rows")
         q.processAllAvailable()
         rows = spark.table("kafka_json").select("qty", "_err", "_ems").collect()
         sizes = [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
@@ -141,7 +133,7 @@ def test_an_unreachable_broker_keeps_the_pipeline_waiting_and_it_goes_on_when_it
     runner.start()
     try:
         # Nothing listens: the source waits, and status says so; the query does not fail.
-        _wait(lambda: read_status(r, cfg, NOW)["log"]["state"] == "waiting", 90, "waiting")
+        wait_until(lambda: read_status(r, cfg, NOW)["log"]["state"] == "waiting", 90, "waiting")
         st = read_status(r, cfg, time.time_ns() // 1_000_000)
         assert st["log"]["reason"] == "unreachable"
         assert st["pipeline"]["state"] in ("waiting_for_log", "starting")
@@ -149,14 +141,16 @@ def test_an_unreachable_broker_keeps_the_pipeline_waiting_and_it_goes_on_when_it
         assert int(r.hget("sluice:{stats}:health", "restarts") or 0) == 0
         # The broker comes up, but the topic does not exist yet: still waiting, for the topic.
         broker.start()
-        _wait(lambda: read_status(r, cfg, NOW)["log"].get("reason") == "no_topic", 60, "no_topic")
+        wait_until(
+            lambda: read_status(r, cfg, NOW)["log"].get("reason") == "no_topic", 60, "no_topic"
+        )
         broker.create_topic("later", partitions=2)
         producer = broker.producer()
         for i in range(50):
             producer.produce("later", orjson.dumps(_event(i)), partition=i % 2)
         producer.flush(30)
-        _wait(lambda: int(r.hget(STATS_KEY, "events_in") or 0) == 50, 120, "50 events folded")
-        _wait(lambda: read_status(r, cfg, NOW)["log"]["state"] == "ok", 30, "the log ok")
+        wait_until(lambda: int(r.hget(STATS_KEY, "events_in") or 0) == 50, 120, "50 events folded")
+        wait_until(lambda: read_status(r, cfg, NOW)["log"]["state"] == "ok", 30, "the log ok")
         assert int(r.hget("sluice:{stats}:health", "restarts") or 0) == 0
     finally:
         fold.request_stop()

@@ -19,6 +19,8 @@ from sluice.config.runtime import (
 from sluice.config.source import SourceConfig
 from sluice.config.stages import StageConfig, check_acyclic
 from sluice.errors import ConfigError
+from sluice.formula import check_derived
+from sluice.redis.cluster import is_cluster_url, parse_cluster_url, seeds_to_url
 
 
 class Config(_Model):
@@ -41,8 +43,6 @@ class Config(_Model):
     @classmethod
     def _redis_url(cls, v: Any) -> Any:
         """One URL, a `redis+cluster://` URL, or a list of cluster seeds (made into that URL)."""
-        from sluice.redis.cluster import is_cluster_url, parse_cluster_url, seeds_to_url
-
         if isinstance(v, list):
             return seeds_to_url(v)
         if not isinstance(v, str):
@@ -58,8 +58,6 @@ class Config(_Model):
 
     @property
     def redis_cluster(self) -> bool:
-        from sluice.redis.cluster import is_cluster_url
-
         return is_cluster_url(self.redis)
 
     @model_validator(mode="after")
@@ -148,8 +146,6 @@ class Config(_Model):
                 raise _at(f"derived[{i}].name", f"name {d.name!r} is already a metric")
             seen.add(d.name)
             # Imported here: the formula module imports this one for the metric types.
-            from sluice.formula import check_derived
-
             try:
                 check_derived(d.expr, {m.name: m for m in self.metrics})
             except ValueError as e:

@@ -16,6 +16,7 @@ from sluice.config.base import (
     check_schema,
     check_stream_name,
 )
+from sluice.redis.keys import dead_letter_stream_key, shard_keys
 
 KAFKA_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 # librdkafka settings Sluice sets itself on every client it makes.
@@ -175,12 +176,8 @@ class SourceConfig(_Model):
 
     def shard_keys(self) -> list[str]:
         """Redis keys of the input streams, in shard order (see `redis.keys.shard_keys`)."""
-        from sluice.redis.keys import shard_keys
-
         return shard_keys(self.stream, self.shards, bool(self.hash_tags))
 
     @property
     def dead_letter_stream(self) -> str:
-        from sluice.redis.keys import dead_letter_stream_key
-
         return dead_letter_stream_key(self.stream)

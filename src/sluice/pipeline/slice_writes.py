@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from redis.exceptions import ResponseError
 
 from sluice.redis.keys import key_slot
 from sluice.redis.scripts import WRITE_SLICES, evalsha_on, script_sha, script_source
@@ -198,8 +199,6 @@ def send_calls(client: Any, calls: Calls) -> tuple[list[int], np.ndarray]:
 
 
 def _run_raw(client: Any, payloads: list[bytes]) -> list[Any]:
-    from redis.exceptions import ResponseError
-
     pool = client.connection_pool
     conn = pool.get_connection()
     replies: list[Any] = []

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -40,7 +41,7 @@ from sluice.pipeline.plan import dead_letter_json
 from sluice.pipeline.query import Role, StreamQuery
 from sluice.pipeline.schemas import load_tables
 from sluice.pipeline.writer import WriterContext, write_dead_letters
-from sluice.redis.connection import RedisHandle
+from sluice.redis.connection import RedisHandle, client_for
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import EMIT, evalsha_on, execute_loading
 from sluice.source.options import SourceOptions
@@ -68,10 +69,6 @@ class EmitContext:
 def emit_partition(ctx: EmitContext, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: append this partition's JSON lines to its shard, chunk by chunk, each
     chunk at most once per writer token. Yields one row of counters."""
-    from pyspark import TaskContext
-
-    from sluice.redis.connection import client_for
-
     task = TaskContext.get()
     part = task.partitionId() if task is not None else 0
     shard = ctx.shards[part % len(ctx.shards)]
@@ -127,8 +124,6 @@ def dead_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: write this partition's dead letters (once per token and content)."""
-    from sluice.redis.connection import client_for
-
     dead: list[str] = []
     for b in batches:
         dead.extend(b.column("k").to_pylist())

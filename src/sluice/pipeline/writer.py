@@ -22,17 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import build_calls, run_write_script, send_calls
+from sluice.redis.connection import client_for
 from sluice.redis.keys import (
     dead_letter_marker_key,
     dead_letter_stream_key,
     slice_hash_key,
     slice_hll_key,
 )
+from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 
 PIPELINE_CHUNK = 50
@@ -120,8 +123,6 @@ def write_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: apply every slice update of this partition, yield counters."""
-    from sluice.redis.connection import client_for
-
     rows = PartitionRows(batches)
     client = client_for(ctx.url, timeout_s=60, connect_timeout_s=10)
     t0 = time.perf_counter()
@@ -252,10 +253,6 @@ def _apply_blob(client: Any, ctx: WriterContext, rows: PartitionRows, sp: Metric
 
 
 def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict[str, int]:
-    import orjson
-
-    from sluice.redis.scripts import DEAD_LETTERS, script_source
-
     dead.sort()
     digest = hashlib.blake2b("\n".join(dead).encode(), digest_size=12).hexdigest()
     reasons: dict[str, int] = {}

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
+
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 CLUSTER_RETRIES = 8
@@ -75,8 +79,6 @@ def parse_cluster_url(url: str) -> ClusterAddress:
 def seeds_to_url(seeds: list[str]) -> str:
     """`[redis://h1:p1, redis://h2:p2]` -> `redis+cluster://h1:p1,h2:p2` (credentials and TLS
     from the first seed; all seeds must agree on them). Raises ValueError."""
-    from urllib.parse import urlsplit
-
     if not seeds:
         raise ValueError("a list of cluster seeds must not be empty")
     nodes: list[tuple[str, int]] = []
@@ -117,10 +119,6 @@ def cluster_client(url: str, timeout_s: float, connect_timeout_s: float | None =
     """A `RedisCluster` (bytes replies) for a cluster URL. Connects to a seed to read the slot
     map, so it blocks and raises redis.RedisClusterException / ConnectionError when no seed
     answers."""
-    from redis.backoff import ExponentialWithJitterBackoff
-    from redis.cluster import ClusterNode, RedisCluster
-    from redis.retry import Retry
-
     addr = parse_cluster_url(url)
     return RedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in addr.nodes],
@@ -138,8 +136,6 @@ def cluster_client(url: str, timeout_s: float, connect_timeout_s: float | None =
 def node_clients(client: Any) -> list[Any]:
     """One plain client per master: the cluster's masters, or just `client` itself. For what
     is asked of each server (INFO, CONFIG), since a cluster client sends those to one node."""
-    from redis.cluster import RedisCluster
-
     if isinstance(client, RedisCluster):
         return [client.get_redis_connection(node) for node in client.get_primaries()]
     return [client]

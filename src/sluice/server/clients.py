@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import redis.asyncio as aredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from sluice.redis.connection import is_cluster
 from sluice.redis.mux import MuxClient
 
 
@@ -17,8 +22,6 @@ class AsyncClients:
     """
 
     def __init__(self, client: Any) -> None:
-        from sluice.redis.connection import is_cluster
-
         self._by_loop: dict[int, Any] = {}
         self.cluster: list[tuple[str, int]] | None = None
         self.kind = ""
@@ -38,15 +41,9 @@ class AsyncClients:
         self.kind = kind
 
     def get(self) -> Any:
-        import asyncio
-
-        import redis.asyncio as aredis
-
         loop = id(asyncio.get_running_loop())
         found = self._by_loop.get(loop)
         if found is None and self.cluster is not None:
-            from redis.asyncio.cluster import ClusterNode, RedisCluster
-
             nodes = [ClusterNode(h, p) for h, p in self.cluster]
             found = self._by_loop[loop] = RedisCluster(startup_nodes=nodes, **self.kwargs)
         if found is None:

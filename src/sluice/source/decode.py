@@ -262,11 +262,15 @@ class Decoder:
             for j, v in enumerate(row):
                 values[j].append(v)
             errs.append(err)
-        cols = {
+        cols = self._columns(values)
+        return self._finish(ids, counts, cols, errs, raw_of)
+
+    def _columns(self, values: list[list[Any]]) -> dict[str, pa.Array]:
+        """The schema's columns from per-field lists of Python values (the slow paths)."""
+        return {
             n: pa.array(values[j], type=ARROW_TYPES[t])
             for j, (n, t, _) in enumerate(self.opts.fields)
         }
-        return self._finish(ids, counts, cols, errs, raw_of)
 
     def _fast_fields(self, maps: list[dict[bytes, bytes]]) -> dict[str, pa.Array] | None:
         if any(not m for m in maps):
@@ -387,10 +391,7 @@ class Decoder:
                     values[j].append(v)
                 errs.append(err)
                 raws.append(truncate(line))
-        cols = {
-            n: pa.array(values[j], type=ARROW_TYPES[t])
-            for j, (n, t, _) in enumerate(self.opts.fields)
-        }
+        cols = self._columns(values)
         return self._finish(ids, counts, cols, errs, lambda i: raws[i])
 
     def _json_line(self, line: bytes) -> tuple[list[Any], Err | None]:

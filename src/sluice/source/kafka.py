@@ -29,13 +29,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
+from confluent_kafka import Consumer, IsolationLevel, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from sluice.graph import KafkaSpec
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import RELEASE_OFFSET, evalsha_on, execute_loading
 from sluice.source.decode import Decoder
 from sluice.source.ids import event_ids, xor_all
-from sluice.source.kafka_records import Records, forget_consumers, new_consumer, read_span
+from sluice.source.kafka_records import (
+    Records,
+    forget_consumers,
+    new_consumer,
+    read_span,
+    topic_partitions,
+)
 from sluice.source.log import (
     Admitted,
     Backlog,
@@ -96,8 +104,6 @@ class KafkaLog(Log):
 
     def _admin_client(self) -> Any:
         if self._admin is None:
-            from confluent_kafka.admin import AdminClient
-
             self._admin = AdminClient(self.spec.client_config())
         return self._admin
 
@@ -114,23 +120,12 @@ class KafkaLog(Log):
         if self._parts is not None and now - self._parts[0] < METADATA_TTL_S:
             return self._parts[1]
         try:
-            # All topics, not the one: a metadata request naming a topic may create it.
-            md = self._admin_client().list_topics(timeout=REQUEST_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
-            raise LogUnavailable(
-                "unreachable", f"Kafka at {self.spec.bootstrap} does not answer: {e}"
-            ) from None
-        topic = md.topics.get(self.spec.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            # Kept consumers know the topic: let them go before it may be created again.
-            forget_consumers(self.spec)
-            why = f" ({topic.error})" if topic is not None and topic.error is not None else ""
-            raise LogUnavailable(
-                "no_topic",
-                f"Kafka topic {self.spec.topic!r} does not exist at {self.spec.bootstrap}{why};"
-                " create it, or fix `source.kafka.topic`",
-            )
-        parts = sorted(topic.partitions)
+            parts = topic_partitions(self._admin_client(), self.spec, REQUEST_TIMEOUT_S)
+        except LogUnavailable as e:
+            if e.reason == "no_topic":
+                # Kept consumers know the topic: let them go before it may be created again.
+                forget_consumers(self.spec)
+            raise
         self._parts = (now, parts)
         return parts
 
@@ -139,9 +134,6 @@ class KafkaLog(Log):
         LogUnavailable."""
         if not parts:
             return {}
-        from confluent_kafka import IsolationLevel, TopicPartition
-        from confluent_kafka.admin import OffsetSpec
-
         want = OffsetSpec.latest() if which == "latest" else OffsetSpec.earliest()
         req = {TopicPartition(self.spec.topic, p): want for p in parts}
         try:
@@ -295,8 +287,6 @@ class KafkaLog(Log):
 
     def _group_offsets(self, parts: list[int]) -> dict[int, int]:
         """The group's committed offsets, else each partition's earliest offset."""
-        from confluent_kafka import TopicPartition
-
         out: dict[int, int] = {}
         try:
             got = self._committer_client().committed(
@@ -345,8 +335,6 @@ class KafkaLog(Log):
 
     def _committer_client(self) -> Any:
         if self._committer is None:
-            from confluent_kafka import Consumer
-
             self._committer = Consumer(
                 self.spec.client_config(
                     **{"group.id": self.spec.group_id, "enable.auto.commit": False}
@@ -383,8 +371,6 @@ class KafkaLog(Log):
             self._commit(commit)
 
     def _commit(self, offsets: dict[int, int]) -> None:
-        from confluent_kafka import TopicPartition
-
         tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(offsets.items())]
         try:
             self._committer_client().commit(offsets=tps, asynchronous=False)

@@ -19,7 +19,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
 from sluice.graph import KafkaSpec
+from sluice.source.log import LogUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,6 @@ _consumers: dict[tuple[Any, ...], Any] = {}
 def new_consumer(spec: KafkaSpec, role: str) -> Any:
     """A consumer for bounded reads (`role` names its group, which it never joins nor commits
     to: librdkafka needs one)."""
-    from confluent_kafka import Consumer
-
     return Consumer(
         spec.client_config(
             **{
@@ -72,6 +73,27 @@ def forget_consumers(spec: KafkaSpec | None = None) -> None:
             log.debug("consumer close failed", exc_info=True)
 
 
+def topic_partitions(client: Any, spec: KafkaSpec, timeout_s: float) -> list[int]:
+    """The partition ids of `spec.topic`, from the metadata `client` (any librdkafka handle)
+    lists. Asks for every topic, not the one: a metadata request naming a topic may create it.
+    Raises LogUnavailable: `unreachable`, or `no_topic`."""
+    try:
+        md = client.list_topics(timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
+        raise LogUnavailable(
+            "unreachable", f"Kafka at {spec.bootstrap} does not answer: {e}"
+        ) from None
+    topic = md.topics.get(spec.topic)
+    if topic is None or topic.error is not None or not topic.partitions:
+        why = f" ({topic.error})" if topic is not None and topic.error is not None else ""
+        raise LogUnavailable(
+            "no_topic",
+            f"Kafka topic {spec.topic!r} does not exist at {spec.bootstrap}{why};"
+            " create it, or fix `source.kafka.topic`",
+        )
+    return sorted(topic.partitions)
+
+
 @dataclass(frozen=True)
 class Records:
     """One chunk of a partition's records, in offset order. `lost`: a run of offsets
@@ -98,8 +120,6 @@ def read_span(
     """The records of `partition` with lo <= offset < hi, in chunks. Blocks while the broker
     cannot serve them (see the module docstring). `consumer`: one to use instead of this
     process's kept consumer for `role`."""
-    from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
     if hi <= lo:
         return
     consumer = consumer if consumer is not None else consumer_for(spec, role)
@@ -177,8 +197,6 @@ def read_span(
 
 
 def _low_watermark(consumer: Any, topic: str, partition: int) -> int | None:
-    from confluent_kafka import TopicPartition
-
     try:
         low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5)
     except Exception:  # noqa: BLE001 - unknown: treated as a transient fault by the caller

@@ -36,11 +36,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from confluent_kafka import Producer as KafkaProducer
 
 from sluice.config import Config
 from sluice.errors import SluiceError
 from sluice.graph import KafkaSpec, log_spec
 from sluice.redis.keys import STATS_KEY, shard_keys
+from sluice.source.admission import ingest_valve
+from sluice.source.kafka_records import topic_partitions
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
@@ -101,8 +104,6 @@ class Producer:
         key field of the first metric, throttled by `cfg.backpressure` unless `flow` is False."""
         kw.setdefault("shard_by", cfg.metrics[0].key[0])
         if flow and "valve" not in kw:
-            from sluice.source.admission import ingest_valve
-
             kw["valve"] = ingest_valve(cfg, client)
         kw.setdefault("hash_tags", bool(cfg.source.hash_tags))
         spec = log_spec(cfg)
@@ -238,31 +239,14 @@ class KafkaSink:
 
     def _client(self) -> Any:
         if self._producer is None:
-            from confluent_kafka import Producer as KafkaProducer
-
             defaults = {"enable.idempotence": True, "linger.ms": 5}
             config = self.spec.client_config(**dict(self.spec.producer_options))
             self._producer = KafkaProducer({**defaults, **config})
         return self._producer
 
     def partitions(self) -> int:
-        """The topic's partition count. Raises SluiceError when the topic cannot be found."""
-        from sluice.source.log import LogUnavailable
-
-        try:
-            md = self._client().list_topics(timeout=10)
-        except Exception as e:  # noqa: BLE001 - librdkafka raises KafkaException for all of it
-            raise LogUnavailable(
-                "unreachable", f"Kafka at {self.spec.bootstrap} does not answer: {e}"
-            ) from None
-        topic = md.topics.get(self.spec.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            raise LogUnavailable(
-                "no_topic",
-                f"Kafka topic {self.spec.topic!r} does not exist at {self.spec.bootstrap};"
-                " create it, or fix `source.kafka.topic`",
-            )
-        return len(topic.partitions)
+        """The topic's partition count. Raises LogUnavailable when the topic cannot be found."""
+        return len(topic_partitions(self._client(), self.spec, 10.0))
 
     def write(self, records: list[tuple[int, bytes, bytes | None]]) -> None:
         """Produce every record and wait until each is delivered. Raises SluiceError naming

@@ -22,6 +22,8 @@ from typing import Any
 import hiredis
 import redis
 
+from sluice.redis.cluster import node_clients
+from sluice.redis.connection import client_for
 from sluice.source.resp import StreamReply, parse_xrange
 
 _clients: dict[str, Any] = {}
@@ -42,9 +44,6 @@ def raw_client(url: str) -> Any:
     """
     client = _clients.get(url)
     if client is None:
-        from sluice.redis.cluster import node_clients
-        from sluice.redis.connection import client_for
-
         client = client_for(url, timeout_s=30, connect_timeout_s=10)
         for c in {id(n): n for n in [client, *node_clients(client)]}.values():
             c.set_response_callback("XRANGE", _unparsed)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import redis
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import (
@@ -29,6 +30,8 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from sluice.flow.levels import memory_fraction
 
 PIPELINE_STATES = ("starting", "running", "restarting", "waiting_for_redis", "waiting_for_log",
                    "failing", "stopped", "not_running")  # fmt: skip
@@ -289,10 +292,6 @@ def _le(bound: float) -> str:
 
 def redis_health(client: Any) -> dict[str, Any]:
     """PING round trip and memory; `{"up": 0}` when Redis does not answer. Never raises."""
-    import redis
-
-    from sluice.flow.levels import memory_fraction
-
     try:
         t0 = time.perf_counter()
         client.ping()

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from sluice.config import Config
-from sluice.flow.levels import memory_fraction
+from sluice.flow.levels import QueueLevel, memory_fraction
 from sluice.graph import graph_topology, log_spec, reader_name
 from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, STATS_KEY, stats_keys
 from sluice.source.log import Backlog, Log, LogUnavailable
@@ -21,6 +21,7 @@ from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 from sluice.source.waiting import read_log_state
 from sluice.status.flow import flow_status
+from sluice.status.ledger import Ledger
 
 _logs: dict[tuple[int, str], Log] = {}
 
@@ -131,8 +132,6 @@ def stages_status(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
     counters, the age of its newest batch, and its own input backlog. Empty without stages."""
     if not cfg.stages:
         return {}
-    from sluice.flow.levels import QueueLevel
-
     graph = graph_topology(cfg)
     out: dict[str, Any] = {}
     for name, stage in graph.flow.items():
@@ -209,8 +208,6 @@ def audit_status(
     client: Any, cfg: Config, counters: dict[str, int], last: dict[str, Any] | None
 ) -> dict[str, Any]:
     """The audit's totals and its books: events in = aggregated + dead-lettered + expired."""
-    from sluice.status.ledger import Ledger
-
     ledger = Ledger(client, cfg.source.stream, cfg.audit.ledger_shards)
     recent = ledger.recent(int(last["batch"]), 10) if last else []
     dead = counters.get("dead_letters", 0)

@@ -8,11 +8,15 @@ does not work around; tests and benchmarks do:
 
 - ListOffsets "latest" answers the start of the last produce request + 1 when that request
   carried more than one record. Producers used against it send one record per request
-  (`TEST_PRODUCER_OPTIONS`); `jsonl` records carry many events each.
+  (`TEST_PRODUCER_OPTIONS`), and `jsonl` records carry many events each; or, to fill a topic
+  fast, they go through a `FencedProducer`.
 - `offsets_for_times` answers 0, and a `max_timestamp` lookup drops the connection.
 - A fetch past the end gives no OFFSET_OUT_OF_RANGE.
 - CreatePartitions is not supported, so partitions cannot be added to a topic.
 - A metadata request naming a topic creates it, even when the client does not allow it.
+- Deleting a topic while a process holds a consumer that was assigned one of its partitions has
+  crashed that process (librdkafka, in `rd_kafka_metadata_cache_find`): close such consumers
+  first (`sluice.source.kafka_records.forget_consumers`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,6 +35,10 @@ from sluice.errors import SluiceError
 
 # librdkafka producer settings that make the broker above report exact end offsets.
 TEST_PRODUCER_OPTIONS = {"linger.ms": "0", "batch.num.messages": "1"}
+# A batching producer's settings, for `FencedProducer`'s bulk: many records per request.
+BULK_PRODUCER_OPTIONS = {"linger.ms": "5", "batch.size": "1000000",
+                         "queue.buffering.max.messages": "500000"}  # fmt: skip
+FLUSH_TIMEOUT_S = 60.0
 
 
 def tansu_binary() -> str:
@@ -152,3 +161,48 @@ class KafkaBroker:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class FencedProducer:
+    """Sends records to `topic` fast, with end offsets that the broker above reports exactly.
+
+    `send(records)` produces (partition, value) records in two steps: all but each partition's
+    last record through a batching producer (many records per request), waited for, then each
+    partition's last record in a request of its own, the *fence*. When `send` returns, every
+    record is acknowledged and each partition's "latest" offset counts all of them; between
+    the two steps the bulk's records are not visible yet. A failed delivery raises SluiceError.
+    """
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        from confluent_kafka import Producer
+
+        self.topic, self.failed = topic, list[str]()
+        base = {"bootstrap.servers": bootstrap, "delivery.report.only.error": True,
+                "on_delivery": lambda err, msg: self.failed.append(str(err))}  # fmt: skip
+        self.bulk = Producer({**base, **BULK_PRODUCER_OPTIONS})
+        self.fence = Producer({**base, **TEST_PRODUCER_OPTIONS})
+
+    def send(self, records: Sequence[tuple[int, bytes]]) -> None:
+        """Produce `records`, (partition, value) each, in order per partition; blocks until the
+        broker acknowledged them all."""
+        fences = set({p: i for i, (p, _) in enumerate(records)}.values())  # last per partition
+        self._produce(self.bulk, [r for i, r in enumerate(records) if i not in fences])
+        self._produce(self.fence, [records[i] for i in sorted(fences)])
+
+    def _produce(self, producer: Any, records: Sequence[tuple[int, bytes]]) -> None:
+        for partition, value in records:
+            while True:
+                try:
+                    producer.produce(self.topic, value, partition=partition)
+                    break
+                except BufferError:  # the local queue is full: let librdkafka send some
+                    producer.poll(0.05)
+        if (left := producer.flush(FLUSH_TIMEOUT_S)) or self.failed:
+            raise SluiceError(
+                f"the test broker did not take every record: {left} unsent after"
+                f" {FLUSH_TIMEOUT_S:.0f} s, delivery failures {self.failed[:3]}"
+            )
+
+    def close(self) -> None:
+        self.bulk.flush(FLUSH_TIMEOUT_S)
+        self.fence.flush(FLUSH_TIMEOUT_S)
