@@ -87,3 +87,26 @@ def test_columnar_reads_on_a_cluster(rc: Any, redis_cluster: LocalCluster) -> No
     assert got.num_rows == 3_000
     assert got.equals(_hiredis_rows(url, shard, last))
     forget_client(url)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 40, 41, 100])
+def test_a_fields_budget_is_planned_exactly(r: redis.Redis, redis_url: str, budget: int) -> None:
+    """advance.lua's count of `fields` entries, from the stream's length when nothing but the
+    start entry lies before the start (fresh, or trimmed there), else walking the entries."""
+    ids = [r.xadd("s", {"n": i, "card": "c"}).decode() for i in range(41)]
+    log = RedisStreamsLog(_opts(redis_url))
+
+    def end_after(start: str) -> tuple[str, int, bool]:
+        plan = log.plan({"s": start}, budget, 0)
+        return plan.end["s"], plan.events, plan.more
+
+    def expected(start: str) -> tuple[str, int, bool]:
+        after = ids[ids.index(start) + 1 :] if start in ids else ids
+        took = after[: max(budget, 1)]
+        return (took[-1] if took else start), len(took), len(after) > len(took)
+
+    assert end_after("0-0") == expected("0-0")  # before the first entry
+    r.xtrim("s", minid=ids[10])  # trimmed at a committed entry: it stays, as the start
+    assert end_after(ids[10]) == expected(ids[10])
+    assert end_after(ids[20]) == expected(ids[20])  # older entries kept: the walk
+    assert end_after(ids[-1]) == (ids[-1], 0, False)  # nothing new

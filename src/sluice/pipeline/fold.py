@@ -2,8 +2,9 @@
 
 Per micro-batch: the exploded updates (`pipeline.plan`) are folded by (group, key, slice),
 written by the executors (`pipeline.writer`, idempotent per writer token), and audited
-(`pipeline.audit`): the events the batch admitted, read again from the log itself, against the
-updates the plan fanned out and those the store acknowledged. A batch that does not balance is
+(`pipeline.audit`): the events the batch admitted, read again from the log itself (on a thread
+of its own, while Spark folds and writes the batch), against the updates the plan fanned out
+and those the store acknowledged. A batch that does not balance is
 written again in place; after `audit.retries` replays it raises AuditError, so Spark neither
 commits nor releases it and replays it after the restart.
 
@@ -18,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -110,6 +112,8 @@ class FoldQuery(StreamQuery):
         self._folds: list[Any] = []
         self._flow_thread: threading.Thread | None = None
         self._flow_stop = threading.Event()
+        # The audit's source side reads the log again while Spark folds and writes the batch.
+        self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit-source")
 
     def base_options(self) -> SourceOptions:
         return SourceOptions.from_config(self.cfg, self.redis.url)
@@ -138,14 +142,14 @@ class FoldQuery(StreamQuery):
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             cluster=is_cluster_url(self.redis.url),
         )
-        source = self._audit_source(batch_id)
+        pending = self._auditor.submit(self._audit_source, batch_id)
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
         for attempt in range(1, attempts + 1):
             updates = fold_updates(exploded, self._folds)
             write = functools.partial(self.writer, ctx)
             rows = [r.asDict() for r in updates.mapInArrow(write, RESULT_DDL).collect()]
-            audit = self._audit(batch_id, attempt, source, rows)
+            audit = self._audit(batch_id, attempt, pending.result(), rows)
             if audit is None or audit.ok:
                 break
             log.warning(

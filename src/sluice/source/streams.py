@@ -29,7 +29,15 @@ from sluice.redis.scripts import (
     script_source,
 )
 from sluice.source.decode import Decoder
-from sluice.source.ids import ZERO_ID, event_ids, id_ms, parse_id, split_range, xor_all
+from sluice.source.ids import (
+    ZERO_ID,
+    entry_id_columns,
+    event_ids,
+    id_ms,
+    parse_id,
+    split_range,
+    xor_all,
+)
 from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
 from sluice.source.options import SourceOptions
 from sluice.source.resp import StreamReply
@@ -42,6 +50,7 @@ XRANGE_COUNT = {"fields": 10_000, "jsonl": 2000}
 # Entries per audit script call: a jsonl entry holds hundreds of events and tens of KB, so fewer
 # of them keep each call short (Redis serves no one else meanwhile) and its memory small.
 AUDIT_CHUNK = {"fields": 5000, "jsonl": 20}
+AUDIT_XRANGE_COUNT = 10_000  # `fields` entries per XRANGE of the audit's own read
 
 
 def _text(x: Any) -> str:
@@ -152,6 +161,17 @@ class RedisStreamsLog(Log):
     # -- the audit's source side --------------------------------------------------------------
 
     def admitted(self, spans: list[Span]) -> Admitted:
+        """The XOR of the ids of the events in `spans`, read from the stream again.
+
+        `fields`: every entry is one event (`entry_event_count`), so only the entry ids count.
+        They come from plain XRANGE replies parsed by hiredis, in AUDIT_XRANGE_COUNT entries a
+        call, so Redis only sends entries (no script turns every field into a Lua string), and
+        the parsing is not the columnar reader's that the batch itself used (`read`).
+        `jsonl`: the event counts come from `lua/audit_source.lua`, which counts each entry's
+        lines where the entries are.
+        """
+        if self.opts.format == "fields":
+            return self._admitted_fields(spans)
         client = self._client()
         script = client.register_script(script_source(AUDIT_SOURCE))
         fmt = self.opts.format
@@ -165,30 +185,31 @@ class RedisStreamsLog(Log):
                 )
                 pairs = reply[1:]
                 if pairs:
-                    ids = [parse_id(x) for x in (pairs[0::2] if fmt == "jsonl" else pairs)]
-                    counts = (
-                        np.asarray(pairs[1::2], dtype=np.int64)
-                        if fmt == "jsonl"
-                        else np.ones(len(ids), dtype=np.int64)
-                    )
-                    parts = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
+                    counts = np.asarray(pairs[1::2], dtype=np.int64)
+                    parts = np.asarray([parse_id(x) for x in pairs[0::2]], dtype=np.uint64)
+                    ms, seq = parts.reshape(-1, 2).T
                     n = int(counts.sum())
                     starts = np.cumsum(counts) - counts
                     idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
-                    acc ^= xor_all(
-                        event_ids(
-                            np.repeat(parts[:, 0], counts).astype(np.int64),
-                            np.repeat(parts[:, 1], counts),
-                            idx,
-                            span.shard,
-                        )
-                    )
+                    ids = event_ids(np.repeat(ms, counts).astype(np.int64),
+                                    np.repeat(seq, counts), idx, span.shard)  # fmt: skip
+                    acc ^= xor_all(ids)
                     events += n
-                    entries += len(ids)
+                    entries += len(counts)
                 if not reply[0]:
                     break
                 cursor = _text(reply[0])
         return Admitted(acc, events, entries)
+
+    def _admitted_fields(self, spans: list[Span]) -> Admitted:
+        client = raw_client(self.opts.url)
+        acc = n = 0
+        for span in spans:
+            for chunk in read_range(client, span.shard, span.lo, span.hi, AUDIT_XRANGE_COUNT):
+                ms, seq = entry_id_columns([e[0] for e in chunk])
+                acc ^= xor_all(event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), span.shard))
+                n += len(chunk)
+        return Admitted(acc, n, n)
 
     # -- backlog ------------------------------------------------------------------------------
 
