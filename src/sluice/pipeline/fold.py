@@ -44,6 +44,7 @@ from sluice.status.ledger import AuditResult, Ledger
 log = logging.getLogger(__name__)
 
 Writer = Callable[[WriterContext, Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
 
 
 def summarize(
@@ -63,19 +64,21 @@ def summarize(
         "started_ms": started_ms,
         "done_ms": done_ms,
         "write_ms": None,
+        "write_updates": 0,
         "dead_by_reason": {},
     }
     for r in rows:
         if r["kind"] == "stats":
             rec["events"] += r["events"]
             w = r.get("write_ms")
-            if w is not None:
-                rec["write_ms"] = round(max(w, rec["write_ms"] or 0.0), 1)
+            if w is not None and w >= (rec["write_ms"] or 0.0):
+                rec["write_ms"] = round(w, 1)  # the slowest partition's, and its updates
+                rec["write_updates"] = sum(r[k] or 0 for k in UPDATE_COUNTS)
             for key, pick in (("min_ems", min), ("max_ems", max)):
                 v = r[key]
                 if v is not None:
                     rec[key] = v if rec[key] is None else pick(rec[key], v)
-            for name in ("updates_applied", "updates_duplicate", "updates_expired"):
+            for name in UPDATE_COUNTS:
                 rec[name] += r[name]
         elif r["kind"] == "dead":
             rec["dead"] += r["events"]
@@ -189,7 +192,7 @@ class FoldQuery(StreamQuery):
                     "attempts": attempt,
                 },
             )  # fmt: skip
-        self._observe_store(rec["write_ms"])
+        self._observe_store(rec["write_ms"], rec["write_updates"])
         if self.on_batch is not None:
             self.on_batch(rec)
         return rec
@@ -227,9 +230,11 @@ class FoldQuery(StreamQuery):
 
     # -- the store's flow stage ---------------------------------------------------------------
 
-    def _observe_store(self, write_ms: float | None) -> None:
+    def _observe_store(self, write_ms: float | None, updates: int) -> None:
+        """The slowest partition's write time, and per slice update it wrote (`flow.levels`)."""
+        per_update = 1000 * write_ms / updates if write_ms is not None and updates else None
         try:
-            self.store.observe(write_ms)
+            self.store.observe(write_ms, per_update, updates)
         except Exception as e:  # noqa: BLE001 - flow control must never fail a batch
             log.warning("store monitor failed", extra={"error": str(e)})
 
