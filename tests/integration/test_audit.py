@@ -4,6 +4,7 @@ that loses one slice update is caught, and the replay repairs it, in place or af
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -145,6 +146,30 @@ def test_every_batch_balances_and_the_counters_add_up(
     records = Ledger(r, "events", cfg.audit.ledger_shards).recent(batches - 1, batches)
     assert len(records) == batches and all(rec["ok"] and rec["attempt"] == 1 for rec in records)
     assert sum(rec["events"] for rec in records) == sent
+
+
+def test_fields_batches_balance_with_the_planners_source_side(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """`fields` under a budget: the planner's walk gives the source side, logged with the
+    offsets, and every batch balances against it."""
+    src = {"format": "fields", "shards": 1, "max_events_per_batch": 700}
+    cfg = _cfg(redis_url, tmp_path, source=src)
+    for i in range(3_000):
+        r.xadd("events", {"ts": int(time.time() * 1000), "card": f"c{i % 13}", "merchant": "m",
+                          "amount": 2.5, "qty": 1})  # fmt: skip
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    p.start()
+    try:
+        assert p.wait_idle(120)
+    finally:
+        p.stop()
+    st = _stats(r)
+    assert int(st["batches"]) >= 5 and int(st["audit_ok"]) == int(st["batches"])
+    assert int(st["events_admitted"]) == int(st["events_in"]) == 3_000
+    logged = [json.loads(f.read_text().splitlines()[2]) for f in
+              sorted((tmp_path / "checkpoint" / "offsets").glob("[0-9]*"))]  # fmt: skip
+    assert logged and all("admitted" in o for o in logged)
 
 
 def test_a_lost_slice_update_is_caught_and_written_again_in_place(

@@ -110,3 +110,20 @@ def test_a_fields_budget_is_planned_exactly(r: redis.Redis, redis_url: str, budg
     assert end_after(ids[10]) == expected(ids[10])
     assert end_after(ids[20]) == expected(ids[20])  # older entries kept: the walk
     assert end_after(ids[-1]) == (ids[-1], 0, False)  # nothing new
+
+
+def test_planning_a_fields_budget_gives_the_audits_source_side(
+    r: redis.Redis, redis_url: str
+) -> None:
+    """The planner walks a `fields` budget's entries and logs their XOR; it must be what the
+    audit would read from the stream, and it is used only for exactly the spans it covers."""
+    ids = [r.xadd("s", {"n": i, "card": "c"}).decode() for i in range(30)]
+    log = RedisStreamsLog(_opts(redis_url))
+    plan = log.plan({"s": ids[4]}, 20, 0)
+    assert plan.admitted is not None and plan.admitted["s"][:2] == [ids[4], ids[24]]
+    end = {"ids": plan.end, "admitted": plan.admitted}
+    spans = log.spans({"ids": {"s": ids[4]}}, end)
+    planned = log.planned_source(spans, end)
+    assert planned == log.admitted(spans) and planned is not None and planned.events == 20
+    other = log.spans({"ids": {"s": ids[5]}}, end)  # not the span it was planned for
+    assert log.planned_source(other, end) is None

@@ -210,7 +210,8 @@ class FoldQuery(StreamQuery):
             # Only a batch handed in directly (not by the streaming query) has no offset log.
             log.warning("batch not audited: no offset log entry", extra={"batch": batch_id})
             return None
-        admitted = self.log.admitted(self.log.spans(start, end))
+        spans = self.log.spans(start, end)
+        admitted = self.log.planned_source(spans, end) or self.log.admitted(spans)
         return admitted, (time.perf_counter() - t0) * 1000
 
     def _audit(

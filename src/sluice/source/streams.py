@@ -41,7 +41,13 @@ from sluice.source.ids import (
 from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
 from sluice.source.options import SourceOptions
 from sluice.source.resp import StreamReply
-from sluice.source.xrange import forget_client, raw_client, read_range, read_replies
+from sluice.source.xrange import (
+    forget_client,
+    raw_client,
+    read_range,
+    read_replies,
+    xrange_chunk,
+)
 
 # Entries per XRANGE call when reading a batch: a `fields` reply is read in columnar form
 # (`source.xrange.read_replies`), and larger replies cost fewer round trips; a jsonl entry holds
@@ -109,12 +115,13 @@ class RedisStreamsLog(Log):
 
     def plan(self, start: Mapping[str, Position], budget: int | None, ref_ms: int) -> Plan:
         ids = {s: start.get(s, ZERO_ID) for s in self.shards}
+        admitted: dict[str, list[Any]] = {}
         if budget is None:
             end, entries, events, more = self._newest(ids), None, 0, False
         else:
-            end, entries, events, more = self._advance(ids, budget)
+            end, entries, events, more = self._advance(ids, budget, admitted)
         ref = max(id_ms(v) for v in end.values()) if end else 0
-        return Plan(end, {}, entries, events, more, ref)
+        return Plan(end, {}, entries, events, more, ref, admitted or None)
 
     def _newest(self, ids: dict[str, str]) -> dict[str, str]:
         pipe = self._client().pipeline(transaction=False)
@@ -127,15 +134,25 @@ class RedisStreamsLog(Log):
         return out
 
     def _advance(
-        self, ids: dict[str, str], budget: int
+        self, ids: dict[str, str], budget: int, admitted: dict[str, list[Any]]
     ) -> tuple[dict[str, str], dict[str, int], int, bool]:
-        """Spread `budget` events over the shards (`log.spread_budget`), counted in Redis by
-        advance.lua: only the end ids travel back."""
+        """Spread `budget` events over the shards (`log.spread_budget`). `jsonl` is counted in
+        Redis by advance.lua: only the end ids travel back. `fields` entries are one event each
+        and are walked here (`_walk_fields`), which also gives the audit's source side of each
+        shard's span: put in `admitted` as [lo, hi, xor (hex), events]."""
         script = self._client().register_script(script_source(ADVANCE))
         new_ids = dict(ids)
         entries = dict.fromkeys(self.shards, 0)
+        walked: dict[str, tuple[int, int]] = {}
 
         def take(shard: str, share: int, first_round: bool) -> tuple[int, bool]:
+            if self.opts.format == "fields":
+                end, n, more, x = self._walk_fields(shard, new_ids[shard], share)
+                acc, total = walked.get(shard, (0, 0))
+                walked[shard] = (acc ^ x, total + n)
+                new_ids[shard] = end
+                entries[shard] += n
+                return n, more
             end, n_entries, n_events, more = script(
                 keys=[shard], args=[new_ids[shard], share, self.opts.format, int(first_round)]
             )
@@ -146,7 +163,31 @@ class RedisStreamsLog(Log):
             return int(n_events), bool(int(more))
 
         events, wanting = spread_budget(budget, self.shards, take)
+        for s, (x, n) in walked.items():
+            if n:
+                admitted[s] = [ids[s], new_ids[s], f"{x:016x}", n]
         return new_ids, entries, events, bool(wanting)
+
+    def _walk_fields(self, shard: str, after: str, share: int) -> tuple[str, int, bool, int]:
+        """Up to `share` `fields` entries after `after`: (end id, entries, whether more wait,
+        the XOR of their event ids). Read as plain XRANGE replies parsed by hiredis, not by the
+        columnar reader the batch itself will use, so the XOR is the audit's source side,
+        computed independently of the batch's read (see `planned_source`)."""
+        client = raw_client(self.opts.url)
+        acc = n = 0
+        end = after
+        while n < share:
+            want = min(AUDIT_XRANGE_COUNT, share - n)
+            chunk = xrange_chunk(client, shard, end, "+", want)
+            if chunk:
+                ms, seq = entry_id_columns([e[0] for e in chunk])
+                acc ^= xor_all(event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard))
+                n += len(chunk)
+                end = _text(chunk[-1][0])
+            if len(chunk) < want:
+                return end, n, False, acc
+        more = bool(xrange_chunk(client, shard, end, "+", 1))
+        return end, n, more, acc
 
     def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
         return [Span(span.shard, a, b) for a, b in split_range(span.lo, span.hi, parts)]
@@ -200,6 +241,20 @@ class RedisStreamsLog(Log):
                     break
                 cursor = _text(reply[0])
         return Admitted(acc, events, entries)
+
+    def planned_source(self, spans: list[Span], end: Mapping[str, Any]) -> Admitted | None:
+        """The source side the planner computed for a `fields` batch (`_walk_fields`), logged
+        with its end offsets: used when it covers exactly the batch's spans, which a batch
+        re-planned from the offset log after a crash does too."""
+        planned = end.get("admitted") or {}
+        acc = n = 0
+        for span in spans:
+            got = planned.get(span.shard)
+            if got is None or (got[0], got[1]) != (span.lo, span.hi):
+                return None
+            acc ^= int(got[2], 16)
+            n += int(got[3])
+        return Admitted(acc, n, n) if spans else None
 
     def _admitted_fields(self, spans: list[Span]) -> Admitted:
         client = raw_client(self.opts.url)

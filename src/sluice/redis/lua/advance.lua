@@ -9,11 +9,6 @@
 -- the stream. Returns {end_id, entries, events, more}: end_id is the start id when nothing is
 -- new; more is 1 when the budget, not the end of the stream, stopped the walk.
 -- Only the end id travels back to the client; the entries stay on the server.
---
--- `fields` has one event per entry, so when the stream holds nothing before the start id but
--- the start entry itself (it is trimmed there, as after every commit by its only reader), the
--- events after it are XLEN (less one for the start entry): if they fit the budget, the end is
--- the newest entry, and no entry is walked.
 local key = KEYS[1]
 local cursor = ARGV[1]
 local budget = tonumber(ARGV[2])
@@ -36,32 +31,6 @@ local function count_events(fields)
   if d == nil then return 1 end
   local _, newlines = string.gsub(d, '\n', '\n')
   return newlines + 1
-end
-
--- Ids are "<ms>-<seq>"; numbers compare by length, then digit by digit (exact past 2^53).
-local function id_cmp(a, b)
-  local a_ms, a_seq = string.match(a, '^(%d+)-(%d+)$')
-  local b_ms, b_seq = string.match(b, '^(%d+)-(%d+)$')
-  for _, pair in ipairs({{a_ms, b_ms}, {a_seq, b_seq}}) do
-    local x, y = pair[1], pair[2]
-    if #x ~= #y then return #x < #y and -1 or 1 end
-    if x ~= y then return x < y and -1 or 1 end
-  end
-  return 0
-end
-
-if not jsonl then
-  local first = redis.call('XRANGE', key, '-', '+', 'COUNT', 1)
-  if #first == 0 then return {end_id, 0, 0, 0} end
-  local c = id_cmp(cursor, first[1][1])
-  if c <= 0 then
-    local n = redis.call('XLEN', key) - (c == 0 and 1 or 0)
-    if n <= budget then
-      if n == 0 then return {end_id, 0, 0, 0} end
-      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
-      return {last[1][1], n, n, 0}
-    end
-  end
 end
 
 while true do
