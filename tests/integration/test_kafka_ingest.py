@@ -6,6 +6,7 @@ watermark) the API answers 429 with Retry-After and the SDK blocks, and nothing 
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import orjson
 import pytest
 import redis
+import yaml
 from confluent_kafka import Consumer, TopicPartition
 from fastapi.testclient import TestClient
 
@@ -104,3 +106,37 @@ def test_post_events_writes_to_the_topic_and_answers_429_while_backpressured(
     with pytest.raises(BackpressureError, match=r"not admitted within 0\.3s"):
         producer.flush()
     assert producer.pending() == 1  # kept, not dropped
+
+
+def test_status_shows_the_lag_per_partition_and_the_group_in_cli_api_and_metrics(
+    kafka_broker: KafkaBroker, kafka_topic: str, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from sluice.cli import main
+    from sluice.config import config_from_dict
+    from tests.conftest import config_data
+
+    cfg = kafka_config(redis_url, tmp_path, kafka_broker, kafka_topic, "json")
+    with Producer.from_config(cfg, r, flow=False) as producer:
+        for i in range(7):
+            producer.send({"ts": NOW, "card": f"c{i}", "merchant": "m", "amount": 1.0, "qty": i})
+    parts = sorted({m.partition() for m in _records(kafka_broker, kafka_topic)})
+    data = config_data(redis_url, tmp_path)
+    data["source"] = cfg.source.model_dump(by_alias=True, exclude_unset=True)
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert config_from_dict(data).source.kafka is not None
+    out = CliRunner().invoke(main, ["status", "-c", str(path)])
+    assert out.exit_code == 0, out.output
+    line = next(ln for ln in out.output.splitlines() if ln.startswith("log "))
+    assert f"kafka topic {kafka_topic} (group sluice-{kafka_topic})" in line
+    assert "lag by partition 0: " in line and "1: " in line
+    st = CliRunner().invoke(main, ["status", "-c", str(path), "--json"])
+    log = json.loads(st.output)["log"]
+    assert log["kind"] == "kafka" and log["state"] == "ok" and sum(log["lag"].values()) == 7
+    assert set(parts) <= {int(p) for p in log["lag"]}
+    with TestClient(create_app(cfg, r)) as http:
+        text = http.get("/metrics").text
+    assert f'sluice_kafka_lag_records{{partition="0",topic="{kafka_topic}"}}' in text
+    assert "sluice_log_up 1.0" in text

@@ -188,3 +188,45 @@ def test_partitions_that_appear_are_read_from_their_start(
     rows = [row for p in reader.partitions(first, second) for b in reader.read(p)
             for row in b.to_pylist()]  # fmt: skip
     assert len(rows) == 6 and all(row["_err"] is None for row in rows)
+
+
+def test_a_topic_deleted_while_running_is_waited_for_and_read_again_once_back(
+    spark: Any,
+    kafka_broker: KafkaBroker,
+    kafka_topic: str,
+    r: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """The topic goes away under a running pipeline: status says it waits for the topic, the
+    query does not crash-loop, and once the topic is back (created again, offsets from 0) its
+    records are read from the start."""
+    cfg = kafka_config(redis_url, tmp_path, kafka_broker, kafka_topic, "json")
+    fold = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    runner = __import__("threading").Thread(target=fold.run_forever, daemon=True)
+    producer = kafka_broker.producer()
+    for i in range(20):
+        producer.produce(kafka_topic, orjson.dumps(_event(i)), partition=i % 2)
+    producer.flush(30)
+    runner.start()
+    try:
+        wait_until(lambda: int(r.hget(STATS_KEY, "events_in") or 0) == 20, 120, "20 events")
+        kafka_broker.delete_topic(kafka_topic)
+        wait_until(
+            lambda: read_status(r, cfg, NOW)["log"].get("reason") == "no_topic", 60, "no_topic"
+        )
+        assert read_status(r, cfg, time.time_ns() // 1_000_000)["pipeline"]["state"] in (
+            "waiting_for_log", "restarting", "running"
+        )  # fmt: skip
+        kafka_broker.create_topic(kafka_topic, partitions=2)
+        producer = kafka_broker.producer()
+        for i in range(10):
+            producer.produce(kafka_topic, orjson.dumps(_event(i)), partition=i % 2)
+        producer.flush(30)
+        wait_until(lambda: int(r.hget(STATS_KEY, "events_in") or 0) == 30, 180, "10 more")
+        wait_until(lambda: read_status(r, cfg, NOW)["log"]["state"] == "ok", 30, "the log ok")
+        restarts = int(r.hget("sluice:{stats}:health", "restarts") or 0)
+        assert restarts <= 2, f"{restarts} restarts: a crash loop"
+    finally:
+        fold.request_stop()
+        runner.join(60)

@@ -226,11 +226,22 @@ class KafkaLog(Log):
     # -- the audit's source side --------------------------------------------------------------
 
     def admitted(self, spans: list[Span]) -> Admitted:
+        """Reads with a consumer of its own, closed when done: this runs in the driver's main
+        process, which an idle consumer of a topic deleted meanwhile could take down (seen with
+        librdkafka against the test broker)."""
+        consumer = new_consumer(self.spec, "audit")
+        try:
+            return self._admitted(spans, consumer)
+        finally:
+            consumer.close()
+
+    def _admitted(self, spans: list[Span], consumer: Any) -> Admitted:
         acc = events = entries = 0
         fmt = self.opts.format
         for span in spans:
             salt = shard_name(self.spec.topic, span.shard)
-            for recs in read_span(self.spec, int(span.shard), int(span.lo), int(span.hi), "audit"):
+            lo, hi = int(span.lo), int(span.hi)
+            for recs in read_span(self.spec, int(span.shard), lo, hi, "audit", consumer=consumer):
                 if recs.lost is not None:
                     acc ^= xor_all(event_ids([recs.lost[0]], [0], [0], salt))
                     events += 1
