@@ -58,13 +58,14 @@ FORMATS = ("fields", "jsonl")
 REVISIONS = ("before", "after")
 # (quick, format, workload): (source.max_events_per_batch, events drained)
 SIZES = {
-    (False, "fields", "zipf"): (200_000, 400_000), (False, "jsonl", "zipf"): (1_000_000, 2_000_000),
-    (False, "fields", "highcard"): (100_000, 150_000),
-    (False, "jsonl", "highcard"): (100_000, 200_000),
-    (True, "fields", "zipf"): (50_000, 100_000), (True, "jsonl", "zipf"): (250_000, 500_000),
-    (True, "fields", "highcard"): (50_000, 60_000), (True, "jsonl", "highcard"): (50_000, 60_000),
+    (False, "fields", "zipf"): (100_000, 500_000), (False, "jsonl", "zipf"): (500_000, 2_500_000),
+    (False, "fields", "highcard"): (50_000, 200_000),
+    (False, "jsonl", "highcard"): (50_000, 250_000),
+    (True, "fields", "zipf"): (20_000, 100_000), (True, "jsonl", "zipf"): (100_000, 500_000),
+    (True, "fields", "highcard"): (10_000, 40_000), (True, "jsonl", "highcard"): (10_000, 40_000),
 }  # fmt: skip
-POOL_EVENTS = 100_000  # zipf entries are cycled; highcard ones are all drawn afresh
+POOL_EVENTS = 100_000  # zipf entries are cycled; highcard ones are drawn afresh, up to
+MAX_POOL_EVENTS = 300_000  # ... this many
 STEP_S, MAX_STEPS, MAX_LAG_S = 10.0, 2, 15.0
 LUA = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall")
 READS = ("xrange", "xrevrange", "xread")
@@ -116,13 +117,13 @@ def command_usec(client: Any) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in stats.items()}
 
 
-def progress_durations(query: Any) -> list[dict[str, Any]]:
-    """Spark's per-batch durations (ms) of the batches that read events."""
-    out = []
+def progress_durations(query: Any, batches: set[int]) -> list[dict[str, Any]]:
+    """Spark's per-batch durations (ms) of `batches` (those that recorded a batch)."""
+    out = {}
     for p in query.recentProgress if query is not None else []:
-        if (p.numInputRows or 0) > 0:
-            out.append({"batch": p.batchId, "rows": p.numInputRows, **dict(p.durationMs)})
-    return out
+        if p.batchId in batches and "addBatch" in p.durationMs:
+            out[p.batchId] = {"batch": p.batchId, **dict(p.durationMs)}
+    return list(out.values())
 
 
 def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
@@ -181,7 +182,7 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
         usec1 = command_usec(handle.client)
         usec = {k: v - usec0.get(k, 0) for k, v in usec1.items()}
         records = sorted(recent_batches(handle.client, 600), key=lambda r: r["batch"])
-        durations = progress_durations(pipeline.query)
+        durations = progress_durations(pipeline.query, {r["batch"] for r in records})
         rate = batch_rate(records) or {}
         counted = stat_counter(handle.client, "events_in")
         stored = count_metric_total(handle.client, "txn_count")
@@ -216,8 +217,8 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
     factor, cap = 0.9, SIZES[(a.quick, cfg.source.format, workload)][0]
     for i in range(MAX_STEPS):
         rate = factor * drain_per_s
-        pool = build_pool(cfg, max(POOL_EVENTS, int(rate * STEP_S)), a.seed + 10 + i, now_ms(),
-                          workload)  # fmt: skip
+        n = POOL_EVENTS if workload == "zipf" else min(MAX_POOL_EVENTS, int(rate * STEP_S) + 1)
+        pool = build_pool(cfg, n, a.seed + 10 + i, now_ms(), workload)
         per = pool.events_per_entry()
         producer = PacedProducer(handle.url, pool, rate, STEP_S)
         t0, start_ms = time.monotonic(), now_ms()
@@ -244,11 +245,22 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
     return steps
 
 
+def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any) -> dict[str, Any]:
+    """The bare engine on batches of the cell's cap (`throughput.bare_run`)."""
+    from throughput import bare_run
+
+    cap = SIZES[(a.quick, fmt, workload)][0]
+    extra = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
+    cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap, **extra)
+    bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload)
+    log(f"after bare {fmt}-{workload}: {bare}")
+    return {"format": fmt, "workload": workload, "bare": bare}
+
+
 def worker(a: Any) -> None:
     """Measure every cell of one revision; write the cells as JSON to `a.result`."""
     from sluice.pipeline.spark import build_spark
     from sluice.testing.arrow_source import ArrowFileSource
-    from throughput import bare_run
 
     after = a.worker == "after"
     ws, cells, spark = Workspace(), [], None
@@ -257,28 +269,23 @@ def worker(a: Any) -> None:
         spark.dataSource.register(ArrowFileSource)
         for fmt in FORMATS:
             for workload in WORKLOADS:
-                for audit in (True, False) if after and workload == "zipf" else (True,):
-                    try:
-                        cells.append(drain_cell(spark, ws, fmt, workload, a, audit,
-                                                sustained=after and audit))  # fmt: skip
-                    except Exception as e:  # noqa: BLE001 - recorded; the other cells go on
-                        log(f"{a.worker} {fmt}-{workload}: failed: {e!r}")
-                        cells.append({"format": fmt, "workload": workload, "audit": audit,
-                                      "error": repr(e)})  # fmt: skip
+                runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, after))]
+                if after and workload == "zipf":
+                    runs.append((drain_cell, (spark, ws, fmt, workload, a, False)))
                 if after:
-                    cap = SIZES[(a.quick, fmt, workload)][0]
-                    extra = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
-                    cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap,
-                                       **extra)  # fmt: skip
-                    bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches,
-                                       a.timeout_s, workload)  # fmt: skip
-                    cells.append({"format": fmt, "workload": workload, "bare": bare})
-                    log(f"after bare {fmt}-{workload}: {bare}")
+                    runs.append((bare_cell, (spark, ws, fmt, workload, a)))
+                for fn, args in runs:
+                    try:
+                        cells.append(fn(*args))
+                    except Exception as e:  # noqa: BLE001 - recorded; the other cells go on
+                        log(f"{a.worker} {fmt}-{workload} {fn.__name__}: failed: {e!r}")
+                        cells.append({"format": fmt, "workload": workload, "error": repr(e),
+                                      "audit": fn is drain_cell and args[5]})  # fmt: skip
+                    Path(a.result).write_text(json.dumps(cells, default=str))  # so far
     finally:
         if spark is not None:
             spark.stop()
         ws.cleanup()
-    Path(a.result).write_text(json.dumps(cells))
 
 
 # -- the driver: rounds of workers, then the medians -----------------------------------------
@@ -317,7 +324,7 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
             def cells(rev: str, audit: bool = True, f: str = fmt, w: str = wl) -> list[Any]:
                 return [c for x in workers if x["revision"] == rev for c in x["cells"]
                         if c["format"] == f and c["workload"] == w and "bare" not in c
-                        and c["audit"] == audit]  # fmt: skip
+                        and "error" not in c and c["audit"] == audit]  # fmt: skip
 
             bare = median([c["bare"]["per_s"] for x in workers for c in x["cells"]
                            if c["format"] == fmt and c["workload"] == wl and "bare" in c
@@ -331,6 +338,9 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
                 drain, sus = med("per_s"), med("sustained_per_s")
                 row = {
                     "format": fmt, "workload": wl, "revision": rev, "runs": len(cs),
+                    "errors": [c["error"] for x in workers if x["revision"] == rev
+                               for c in x["cells"] if c["format"] == fmt
+                               and c["workload"] == wl and "error" in c],
                     "drain_per_s": drain, "drain_each": [c.get("per_s") for c in cs],
                     "sustained_per_s": sus,
                     "sustained_each": [c.get("sustained_per_s") for c in cs if "steps" in c],
