@@ -198,4 +198,5 @@ def ingest(doc: dict[str, Any], fmt: str) -> Any:
             ax.bar(labels, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.set(title=f"`{fmt}`: {unit} (medians over the rounds)", ylabel=unit)
+        ax.set_ylim(0, max(bottom, default=1.0) * 1.5)  # room for the legend above the bars
     return fig
