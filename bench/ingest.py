@@ -3,6 +3,7 @@
     .venv/bin/python bench/ingest.py                    # 3 rounds, about 25 minutes on 2 cores
     .venv/bin/python bench/ingest.py --quick            # 1 round, small sizes, about 8 minutes
     .venv/bin/python bench/ingest.py --before db2d2f0   # the revision to compare with
+    .venv/bin/python bench/ingest.py --bare-audit       # the bare engine, audit columns or not
 
 Two revisions of src/ are measured: `--before` (exported with `git archive` into a temporary
 directory) and the working tree (`after`). Each round starts one worker process per revision,
@@ -245,16 +246,52 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
     return steps
 
 
-def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any) -> dict[str, Any]:
-    """The bare engine on batches of the cell's cap (`throughput.bare_run`)."""
+def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
+              audit: bool = True) -> dict[str, Any]:  # fmt: skip
+    """The bare engine on batches of the cell's cap (`throughput.bare_run`); its plan carries
+    the audit's columns unless `audit` is False, as the fold's does."""
     from throughput import bare_run
 
     cap = SIZES[(a.quick, fmt, workload)][0]
-    extra = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
+    extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
+    if not audit:
+        extra["audit"] = {"enabled": False}
     cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap, **extra)
     bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload)
-    log(f"after bare {fmt}-{workload}: {bare}")
-    return {"format": fmt, "workload": workload, "bare": bare}
+    log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}: {bare}")
+    return {"format": fmt, "workload": workload, "bare": bare, "audit": audit}
+
+
+def bare_audit(a: Any) -> None:
+    """`--bare-audit`: the bare engine (zipf) with the audit's columns and without, per format,
+    `rounds` times in alternating order, in this process (the working tree's src/); writes
+    bench/results/ingest-bare-audit[.quick].json."""
+    from sluice.pipeline.spark import build_spark
+    from sluice.testing.arrow_source import ArrowFileSource
+
+    run, ws, cells, spark = Run("ingest-bare-audit", a), Workspace(), [], None
+    try:
+        spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
+        spark.dataSource.register(ArrowFileSource)
+        bare_cell(spark, ws, "fields", "zipf", a)  # warm-up, not counted
+        for rnd in range(a.rounds or 3):
+            for fmt in FORMATS:
+                for audit in (True, False) if rnd % 2 == 0 else (False, True):
+                    cells.append(bare_cell(spark, ws, fmt, "zipf", a, audit) | {"round": rnd + 1})
+    finally:
+        if spark is not None:
+            spark.stop()
+        ws.cleanup()
+    rows = []
+    for fmt in FORMATS:
+        on, off = ([c["bare"]["per_s"] for c in cells if c["format"] == fmt and c["audit"] == x
+                    and c["bare"].get("per_s")] for x in (True, False))  # fmt: skip
+        m_on, m_off = median(on), median(off)
+        cost = 1 - m_on / m_off if m_on and m_off else None
+        rows.append({"format": fmt, "on_per_s": m_on, "off_per_s": m_off, "on_each": on,
+                     "off_each": off, "cost": cost})  # fmt: skip
+    run.write({"bare_batches": a.bare_batches, "sizes": {f: SIZES[(a.quick, f, "zipf")][0]
+               for f in FORMATS}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
 def worker(a: Any) -> None:
@@ -383,10 +420,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--worker", choices=REVISIONS, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--bare-audit", action="store_true",
+                   help="only the bare engine with and without the audit's columns")  # fmt: skip
     a = p.parse_args()
     a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
     if a.worker:
         worker(a)
+        return
+    if a.bare_audit:
+        bare_audit(a)
         return
     rounds = a.rounds or (1 if a.quick else 3)
     a.worker_timeout_s = 900 if a.quick else 1200

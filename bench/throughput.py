@@ -220,7 +220,7 @@ def bare_run(
     the events the warm-up batch counted, the batch records)."""
     n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload)
     specs = spark_plan.metric_specs(cfg, spark_plan.check_expressions(spark, cfg))
-    folds = spark_plan.fold_columns(specs)
+    folds = spark_plan.fold_columns(specs, cfg.audit.enabled)  # as the fold builds them
     records: list[dict[str, Any]] = []
     checked: list[int] = []
 
