@@ -22,7 +22,7 @@ from typing import Any
 from lib.load import now_ms
 from lib.results import Run, log, parser
 from sluice.config import config_from_dict
-from sluice.pipeline.writer import WriterContext, run_write_script
+from sluice.pipeline.slice_writes import run_write_script
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
@@ -37,14 +37,13 @@ def _write(args: tuple[str, bool, int, range, int, int, Any]) -> int:
     """One writer process: wait for the start barrier, apply its keys' updates once."""
     url, cluster, token, keys, slices, at_ms, barrier = args
     client = client_for(url, timeout_s=60)
-    ctx = WriterContext(url, token, (), "events", 1000, cluster=cluster)
     first = at_ms // SLICE_MS * SLICE_MS - (slices - 1) * SLICE_MS
     flat = [x for s in range(slices) for x in (str(first + s * SLICE_MS), "1")]
     head = ["count", str(SLICE_MS), str(RETENTION_MS), str(slices), "1"]
     calls = [(slice_hash_key("txn_count", f"card-{k}"), [*head, *flat], ("l", 0, k)) for k in keys]
     client.ping()
     barrier.wait()
-    applied = run_write_script(client, ctx, calls, set())[0]
+    applied = run_write_script(client, token, calls, set(), cluster)[0]
     client.close()
     return int(applied)
 

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import hiredis
+import numpy as np
 import pandas as pd
 
 from sluice.config import Config, config_from_dict
@@ -30,6 +31,24 @@ METRICS: list[dict[str, Any]] = [
     {"name": "card_max", "key": ["card"], "agg": "max", "value": "amount",
      "slice": "10s", "retention": "1h"},
 ]  # fmt: skip
+# The high-cardinality workload (issue 15): six metrics over three key sets and three slice
+# lengths, fed by events with uniform keys over HIGHCARD_CARDS cards and HIGHCARD_MERCHANTS
+# merchants, stamped uniformly over the last HIGHCARD_SPREAD_MS.
+HIGHCARD_METRICS: list[dict[str, Any]] = [
+    {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1h"},
+    {"name": "card_amount", "key": ["card"], "agg": "sum", "value": "amount", "slice": "1m",
+     "retention": "1h"},
+    {"name": "merchant_count", "key": ["merchant"], "agg": "count", "slice": "10s",
+     "retention": "1h"},
+    {"name": "merchant_amount", "key": ["merchant"], "agg": "sum", "value": "amount",
+     "slice": "30s", "retention": "1h"},
+    {"name": "pair_count", "key": ["card", "merchant"], "agg": "count", "slice": "30s",
+     "retention": "1h"},
+    {"name": "pair_max", "key": ["card", "merchant"], "agg": "max", "value": "amount",
+     "slice": "1m", "retention": "1h"},
+]  # fmt: skip
+HIGHCARD_CARDS, HIGHCARD_MERCHANTS, HIGHCARD_SPREAD_MS = 100_000, 200, 600_000
+WORKLOADS = ("zipf", "highcard")
 SHARDS = 2
 JSONL_EVENTS_PER_ENTRY = 500  # the Producer's default `batch_events`
 # The drain benchmarks' sizes per (quick, format): (source.max_events_per_batch, pool events).
@@ -143,20 +162,46 @@ def _encode(cfg: Config, entries: Sequence[tuple[int, list[bytes], int]]) -> lis
     return [resp_command(b"XADD", keys[s], b"*", *f) for s, f, _ in entries]
 
 
-def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int) -> LoadPool:
-    """`n_events` events (Zipf keys, 1% up to 5 min late, times at `at_ms`) as entries for
-    `cfg`'s log and format, sharded by card: good for well under the 1 h retention."""
-    entries = _entries(cfg, EventGenerator(cfg, seed=seed).frame(n_events, at_ms))
+def highcard_frame(n_events: int, seed: int, at_ms: int) -> pd.DataFrame:
+    """`n_events` events of the high-cardinality workload: cards and merchants uniform over
+    HIGHCARD_CARDS and HIGHCARD_MERCHANTS, times uniform over the HIGHCARD_SPREAD_MS before
+    `at_ms`, amounts log-normal (columns in SCHEMA's order)."""
+    rng = np.random.default_rng(seed)
+    cards = rng.integers(0, HIGHCARD_CARDS, n_events)
+    merchants = rng.integers(0, HIGHCARD_MERCHANTS, n_events)
+    return pd.DataFrame({
+        "ts": at_ms - rng.integers(0, HIGHCARD_SPREAD_MS, n_events).astype(np.int64),
+        "card": [f"card-{i}" for i in cards.tolist()],
+        "merchant": [f"merchant-{i}" for i in merchants.tolist()],
+        "amount": np.round(rng.lognormal(3.0, 1.0, n_events), 2),
+    })  # fmt: skip
+
+
+def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int,
+               workload: str = "zipf") -> LoadPool:  # fmt: skip
+    """`n_events` events (`zipf`: Zipf keys, 1% up to 5 min late, times at `at_ms`; `highcard`:
+    `highcard_frame`) as entries for `cfg`'s log and format, sharded by card: good for well
+    under the 1 h retention."""
+    if workload == "highcard":
+        frame = highcard_frame(n_events, seed, at_ms)
+    else:
+        frame = EventGenerator(cfg, seed=seed).frame(n_events, at_ms)
+    entries = _entries(cfg, frame)
     per_shard = [0] * shard_count(cfg)
     for s, _, n in entries:
         per_shard[s] += n
     return LoadPool(_encode(cfg, entries), [n for _, _, n in entries], tuple(per_shard))
 
 
-def xrange_entries(cfg: Config, n_events: int, seed: int, at_ms: int) -> list[list[Any]]:
+def xrange_entries(cfg: Config, n_events: int, seed: int, at_ms: int,
+                   workload: str = "zipf") -> list[list[Any]]:  # fmt: skip
     """The same kind of events as `build_pool`, shaped like a raw XRANGE reply
     (`[[id, [f1, v1, ...]], ...]`, ids at `at_ms`), for `sluice.source.decode.Decoder`."""
-    entries = _entries(cfg, EventGenerator(cfg, seed=seed).frame(n_events, at_ms))
+    if workload == "highcard":
+        frame = highcard_frame(n_events, seed, at_ms)
+    else:
+        frame = EventGenerator(cfg, seed=seed).frame(n_events, at_ms)
+    entries = _entries(cfg, frame)
     return [[f"{at_ms}-{i}".encode(), f] for i, (_, f, _) in enumerate(entries)]
 
 

@@ -13,7 +13,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 PNG = {"throughput": "throughput.png", "query": "query_latency.png", "burst": "burst.png",
-       "audit": "audit_recovery.png", "branches": "branches.png"}  # fmt: skip
+       "audit": "audit_recovery.png", "branches": "branches.png",
+       "ingest": "ingest_fields.png"}  # fmt: skip
+# Benchmarks drawn as one figure per part: name -> {png: what the figure function gets}.
+PARTS = {"ingest": {"ingest_fields.png": "fields", "ingest_jsonl.png": "jsonl"}}
 
 
 def draw(doc: dict[str, Any], out: Path) -> str | None:
@@ -21,15 +24,20 @@ def draw(doc: dict[str, Any], out: Path) -> str | None:
     name, series = doc["benchmark"], doc.get("series")
     if not series or name not in PNG:
         return None
-    fig = globals()[name](doc, series)
+    parts = PARTS.get(name, {PNG[name]: series})
+    for png, arg in parts.items():
+        _save(globals()[name](doc, arg), out / png)
+    return PNG[name]
+
+
+def _save(fig: Any, path: Path) -> None:
     for ax in fig.axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    fig.savefig(out / PNG[name], dpi=90)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
-    return PNG[name]
 
 
 def _per_batch(rows: list[list[int]], t0_ms: int) -> tuple[list[float], list[float]]:
@@ -166,4 +174,29 @@ def branches(doc: dict[str, Any], series: dict[str, Any]) -> Any:
         axes[0][col].set(title=f"propagation: {mode}", ylabel="latency, s (event due → folded)")
         axes[1][col].set(ylabel="events folded / s (3 s mean)",
                          xlabel="s since the producer started")  # fmt: skip
+    return fig
+
+
+INGEST_PARTS = {"plan": "plan", "read_redis": "read (Redis)", "spark_tasks": "Spark tasks",
+                "write_python": "write: Python", "write_lua": "write: Lua", "commit": "commit",
+                "other": "other"}  # fmt: skip
+INGEST_CORES = {"redis": "Redis", "jvm": "JVM", "python_workers": "Python workers",
+                "driver": "driver", "other": "rest of the machine"}  # fmt: skip
+
+
+def ingest(doc: dict[str, Any], fmt: str) -> Any:
+    """One format: per workload and revision, ms per drain batch stacked by part (left), and
+    cores stacked by component (right)."""
+    rows = [x for x in doc["results"]["rows"] if x["format"] == fmt]
+    labels = [f"{x['workload']}\n{x['revision']}" for x in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, parts, key, unit in ((left, INGEST_PARTS, "breakdown", "ms per batch"),
+                                 (right, INGEST_CORES, "cores", "cores")):  # fmt: skip
+        bottom = [0.0] * len(rows)
+        for part, label in parts.items():
+            vals = [(x.get(key) or {}).get(part) or 0.0 for x in rows]
+            ax.bar(labels, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set(title=f"`{fmt}`: {unit} (medians over the rounds)", ylabel=unit)
+        ax.set_ylim(0, max(bottom, default=1.0) * 1.5)  # room for the legend above the bars
     return fig

@@ -129,11 +129,18 @@ def input_level(client: Any, streams: Sequence[str]) -> tuple[int, int]:
 def count_metric_total(client: Any, metric: str) -> int:
     """A count metric summed over every key and slice of its base resolution (each slice field
     holds `<writer token>:<count>`): the events the store holds, independent of the counters."""
+    keys = [
+        k
+        for k in client.scan_iter(match=f"{SLICE_PREFIX}{{{metric}|*", count=5000)
+        if b":r" not in k.rsplit(b"}", 1)[1]
+    ]  # not a coarser resolution of the metric
     total = 0
-    for key in client.scan_iter(match=f"{SLICE_PREFIX}{{{metric}|*", count=1000):
-        if b":r" not in key.rsplit(b"}", 1)[1]:  # not a coarser resolution of the same metric
-            fields = client.hgetall(key).items()
-            total += sum(int(v.split(b":")[1]) for f, v in fields if f != b"_m")
+    for i in range(0, len(keys), 1000):  # many keys (one per card): pipelined
+        pipe = client.pipeline(transaction=False)
+        for key in keys[i : i + 1000]:
+            pipe.hgetall(key)
+        for fields in pipe.execute():
+            total += sum(int(v.split(b":")[1]) for f, v in fields.items() if f != b"_m")
     return total
 
 

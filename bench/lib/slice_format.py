@@ -16,8 +16,8 @@ from typing import Any
 import redis
 
 from lib.load import RespWriter, resp_command
+from sluice.pipeline.slice_writes import expire_at_ms, run_write_script
 from sluice.redis.keys import encode_key, slice_hash_key
-from sluice.redis.scripts import WRITE_SLICES, script_source
 from sluice.slices.state import encode_state, format_number
 from sluice.slices.window import slice_start
 
@@ -44,14 +44,15 @@ def _hset_command(key: bytes, fields_enc: Sequence[bytes], values_enc: Iterable[
 def slice_commands(metric: str, key: str, starts: range, packed_values: Sequence[bytes],
                    resolution_ms: int | None = None) -> list[bytes]:  # fmt: skip
     """The commands that store one (metric, key)'s slices as the writer does: HSET of
-    `<start>` -> packed value (bulk-encoded) plus `_m`, then PEXPIREAT newest + slice + retention.
-    `resolution_ms` None: the metric's own (finest) slices, else a coarser resolution's hash.
+    `<start>` -> packed value (bulk-encoded) plus `_m`, then PEXPIREAT at the writer's expiry
+    (`expire_at_ms`: newest + slice + retention, rounded up to the expiry step). `resolution_ms`
+    None: the metric's own (finest) slices, else a coarser resolution's hash.
     """
     hkey = slice_hash_key(metric, encode_key([key]), resolution_ms).encode()
     fields_enc = [_bulk(str(s).encode()) for s in starts] + [_bulk(b"_m")]
     meta = _bulk(f"{format_number(starts[-1])}:{format_number(starts[0])}".encode())
     hset = _hset_command(hkey, fields_enc, itertools.chain(packed_values, (meta,)))
-    expire_at = starts[-1] + starts.step + RETENTION_MS
+    expire_at = expire_at_ms(starts[-1], starts.step, RETENTION_MS)
     return [hset, resp_command(b"PEXPIREAT", hkey, str(expire_at).encode())]
 
 
@@ -79,21 +80,16 @@ def pack(metric: str, values: Sequence[Any], cache: _PackedCache) -> list[bytes]
     return [cache.number(v) for v in values]
 
 
-def _writer_args(agg: str, starts: range, vals: Sequence[float]) -> list[Any]:
-    """write_slices.lua's ARGV for one key: `agg, slice_ms, retention_ms, n, width` (1), then
-    per slice `start, v`."""
-    head: list[Any] = [agg, SLICE_MS, RETENTION_MS, len(vals), 1]
-    for s, a in zip(starts, vals, strict=True):
-        head += [s, format_number(a)]
-    return head
-
-
 def _writer_hash(client: redis.Redis, name: str, agg: str, starts: range, vals: Any) -> Any:
-    """The hash and PTTL write_slices.lua leaves for these slices."""
-    write = client.register_script(script_source(WRITE_SLICES))
+    """The hash and PTTL the writer's own call of write_slices.lua (`run_write_script`) leaves
+    for these slices."""
     theirs = slice_hash_key(name, encode_key(["fmt-check-writer"]))
     client.delete(theirs)
-    write(keys=[theirs], args=[WRITER_TOKEN, *_writer_args(agg, starts, vals)])
+    flat: list[Any] = []
+    for s, a in zip(starts, vals, strict=True):
+        flat += [str(s), encode_state(WRITER_TOKEN, (a,)).split(":", 1)[1]]
+    args = [agg, str(SLICE_MS), str(RETENTION_MS), str(len(vals)), "1", *flat]
+    run_write_script(client, WRITER_TOKEN, [(theirs, args, ())], set())
     got = client.hgetall(theirs), client.pttl(theirs)
     client.delete(theirs)
     return got

@@ -18,7 +18,7 @@ import pytest
 
 from sluice.config import Config
 from sluice.pipeline.fold import FoldQuery
-from sluice.pipeline.writer import WriterContext, run_write_script
+from sluice.pipeline.slice_writes import run_write_script
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.cluster import node_clients
 from sluice.redis.connection import RedisHandle, client_for
@@ -235,18 +235,13 @@ def test_a_script_call_keeps_its_keys_in_one_slot(rc: Any, tmp_path: Path) -> No
     assert len({key_slot(k) for k in keys}) > 1
     s = str(time.time_ns() // 1_000_000 // 1000 * 1000)  # a slice of now (older ones expire)
     calls = [(k, ["count", "1000", "86400000", "1", "1", s, "1"], ("l", 0, k)) for k in keys]
-    ctx = WriterContext(
-        url="unused", token=1, specs=(), source_stream="events",
-        dead_letter_maxlen=100, cluster=True,
-    )  # fmt: skip
     failed: set[Any] = set()
-    assert run_write_script(rc, ctx, calls, failed) == [40, 0, 0] and not failed
-    assert run_write_script(rc, ctx, calls, failed) == [0, 40, 0]  # same token: duplicates
+    assert run_write_script(rc, 1, calls, failed, cluster=True) == [40, 0, 0] and not failed
+    assert run_write_script(rc, 1, calls, failed, cluster=True) == [0, 40, 0]  # duplicates
     from redis.exceptions import RedisClusterException
 
-    plain = WriterContext(**{**ctx.__dict__, "cluster": False, "token": 2})
     with pytest.raises(RedisClusterException, match=r"same (key )?slot"):
-        run_write_script(rc, plain, calls, failed)
+        run_write_script(rc, 2, calls, failed)
 
 
 def test_the_stats_scripts_and_the_board_run_on_the_cluster(rc: Any) -> None:

@@ -78,6 +78,7 @@ def test_no_rows() -> None:
         "started_ms": 100,
         "done_ms": 250,
         "write_ms": None,
+        "write_updates": 0,
         "dead_by_reason": {},
     }
 
@@ -158,6 +159,11 @@ def test_summarize_matches_a_direct_fold(rows: list[dict[str, Any]]) -> None:
 
 def test_write_ms_is_the_slowest_partition() -> None:
     """The store's latency signal (flow.stages.store_level) is the slowest partition's write."""
-    rows = [stats(5, 1, 2, write_ms=12.25), stats(3, 1, 2, write_ms=480.04), stats(0, None, None)]
+    rows = [
+        stats(5, 1, 2, applied=900, write_ms=12.25),
+        stats(3, 1, 2, applied=40, dups=2, expired=1, write_ms=480.04),
+        stats(0, None, None),
+    ]
     rec = summarize(as_writer_rows(rows), batch_id=1, token=1, started_ms=0, done_ms=1)
     assert rec["write_ms"] == 480.0
+    assert rec["write_updates"] == 43  # that partition's, for its time per update

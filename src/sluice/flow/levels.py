@@ -1,12 +1,20 @@
 """Queue levels: one measurement of a stage's input queue against its watermarks.
 
 A stream-fed stage's queue is its log's backlog (`source.log.Log.level`); the slice store's is
-the slowest partition's write time in the newest batch, and Redis `used_memory` against
-`maxmemory`.
+the slowest partition's write time in the newest batch, judged by the work it did, and Redis
+`used_memory` against `maxmemory`.
+
+A batch's write time grows with its size by nature, so a long write alone does not mean the
+store is overloaded: a backlog drained in large batches on a healthy Redis writes for seconds.
+The write time is therefore also taken per slice update, against the store's healthy time per
+update (`UpdateCost`): it counts as over `latency_high` only when each update also took
+SLOWDOWN_HIGH times the healthy time, and as under `latency_low` when each took at most
+SLOWDOWN_LOW times it.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,18 +75,64 @@ def memory_fraction(client: Any) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def store_level(client: Any, write_ms: float | None, bp: BackpressureConfig) -> QueueLevel:
+SLOWDOWN_HIGH = 3.0
+SLOWDOWN_LOW = 1.5
+# Whatever was measured, a healthy store applies a slice update in less than this (µs): a Redis
+# takes a few µs each, so a store slow from its first batch is still seen as slow.
+BASELINE_CAP_US = 50.0
+BASELINE_MIN_UPDATES = 1_000  # a batch with fewer updates says little about the cost of one
+BASELINE_BATCHES = 64
+
+
+class UpdateCost:
+    """The store's healthy time per slice update (µs): the lower quartile of the per-update
+    write times of the newest BASELINE_BATCHES batches that wrote at least
+    BASELINE_MIN_UPDATES updates, and at most BASELINE_CAP_US. A store slow for longer than
+    that window becomes its own baseline, up to the cap."""
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=BASELINE_BATCHES)
+
+    def add(self, us_per_update: float | None, updates: int) -> None:
+        if us_per_update is not None and updates >= BASELINE_MIN_UPDATES:
+            self.samples.append(us_per_update)
+
+    def baseline_us(self) -> float:
+        if not self.samples:
+            return BASELINE_CAP_US
+        return min(BASELINE_CAP_US, sorted(self.samples)[len(self.samples) // 4])
+
+
+def store_level(
+    client: Any,
+    write_ms: float | None,
+    bp: BackpressureConfig,
+    us_per_update: float | None = None,
+    baseline_us: float | None = None,
+) -> QueueLevel:
+    """The store's level: the slowest partition's write time (`write_ms`), judged per update
+    when its time per update and the healthy one are known (see the module docstring), and
+    Redis' memory."""
     used, cap = memory_fraction(client)
     frac = used / cap if cap else 0.0
     w = bp.store
     lat = write_ms or 0.0
+    slow, fast = lat >= w.latency_high, lat <= w.latency_low
+    slowdown = None
+    if us_per_update is not None and baseline_us:
+        slowdown = us_per_update / baseline_us
+        slow = slow and slowdown >= SLOWDOWN_HIGH
+        fast = fast or slowdown <= SLOWDOWN_LOW
     return QueueLevel(
         0,
         used,
-        overloaded=lat >= w.latency_high or (cap > 0 and frac >= w.memory_high),
-        quiet=lat <= w.latency_low and (cap == 0 or frac <= w.memory_low),
+        overloaded=slow or (cap > 0 and frac >= w.memory_high),
+        quiet=fast and (cap == 0 or frac <= w.memory_low),
         detail={
             "write_ms": write_ms,
+            "us_per_update": None if us_per_update is None else round(us_per_update, 2),
+            "baseline_us_per_update": None if baseline_us is None else round(baseline_us, 2),
+            "slowdown": None if slowdown is None else round(slowdown, 2),
             "used_memory": used,
             "maxmemory": cap,
             "memory_fraction": round(frac, 4),

@@ -10,8 +10,9 @@
   per micro-batch, so a batch that overran its trigger does not lower the admitted rate. It
   also watches its own input queue and signals the ingest tasks, and turns the newest batch
   record into the controllers' batch feedback.
-- `StoreMonitor` (the driver, after every batch and every tick): the store's write time and
-  memory against its watermarks; signals the Spark task.
+- `StoreMonitor` (the driver, after every batch and every tick): the store's write time, per
+  update against its healthy time per update, and its memory against the watermarks; signals
+  the Spark task.
 
 Under `controller: none` nothing throttles and no gate shuts. Under `pid`, `aimd` and `fixed`
 the law sets Spark's admission; ingest tasks keep only the high-watermark gate. Under
@@ -37,7 +38,7 @@ from sluice.config import BackpressureConfig
 from sluice.errors import BackpressureError
 from sluice.flow.board import Board, task_id
 from sluice.flow.controllers import BatchSample, make_controller
-from sluice.flow.levels import QueueLevel, store_level
+from sluice.flow.levels import QueueLevel, UpdateCost, store_level
 from sluice.flow.meters import TokenBucket, batch_interval_ms
 from sluice.flow.task import QueueWatch, StageTask, notify_upstreams
 from sluice.graph import INGEST, FlowStage
@@ -278,7 +279,8 @@ class AdmissionValve:
 
 
 class StoreMonitor:
-    """The slice store's watch: runs in the driver, fed by each batch's write time."""
+    """The slice store's watch: runs in the driver, fed by each batch's write time and, when
+    known, its time per slice update (see `flow.levels`)."""
 
     def __init__(
         self,
@@ -296,16 +298,25 @@ class StoreMonitor:
         self.id = f"{stage.name}/{stage.upstreams[0]}" if stage.upstreams else stage.name
         self.watch = QueueWatch(bp.sensitivity, clock)
         self.write_ms: float | None = None
+        self.us_per_update: float | None = None
+        self.cost = UpdateCost()
         self.last_observed_s: float | None = None
         self._overloaded = False
         self._changed_ms = clock.now_ms()
         self._lock = threading.Lock()
 
-    def observe(self, write_ms: float | None) -> None:
+    def observe(
+        self, write_ms: float | None, us_per_update: float | None = None, updates: int = 0
+    ) -> None:
+        """A batch's write time: that of its slowest partition, and that partition's time per
+        slice update over its `updates` (None: judged by the write time alone)."""
         with self._lock:
             self.write_ms = write_ms
+            self.us_per_update = us_per_update
             self.last_observed_s = time.monotonic()
         self.tick()
+        with self._lock:  # judged against the baseline before, not after, joining it
+            self.cost.add(us_per_update, updates)
 
     def tick(self) -> QueueLevel:
         with self._lock:
@@ -313,7 +324,9 @@ class StoreMonitor:
             seen = self.last_observed_s
             if seen is not None and time.monotonic() - seen > self.bp.sensitivity / 1000:
                 self.write_ms = None  # no batch for a while: nothing is waiting on the store
-            level = store_level(self.client, self.write_ms, self.bp)
+                self.us_per_update = None
+            baseline = self.cost.baseline_us() if self.us_per_update is not None else None
+            level = store_level(self.client, self.write_ms, self.bp, self.us_per_update, baseline)
             verdict = self.watch.update(level)
             notify_upstreams(self.board, self.stages, self.stage.name, verdict, level, self.id, now)
             changed = level.overloaded != self._overloaded

@@ -2,8 +2,9 @@
 
 Per micro-batch: the exploded updates (`pipeline.plan`) are folded by (group, key, slice),
 written by the executors (`pipeline.writer`, idempotent per writer token), and audited
-(`pipeline.audit`): the events the batch admitted, read again from the log itself, against the
-updates the plan fanned out and those the store acknowledged. A batch that does not balance is
+(`pipeline.audit`): the events the batch admitted, read again from the log itself (on a thread
+of its own, while Spark folds and writes the batch), against the updates the plan fanned out
+and those the store acknowledged. A batch that does not balance is
 written again in place; after `audit.retries` replays it raises AuditError, so Spark neither
 commits nor releases it and replays it after the restart.
 
@@ -18,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -42,6 +44,7 @@ from sluice.status.ledger import AuditResult, Ledger
 log = logging.getLogger(__name__)
 
 Writer = Callable[[WriterContext, Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
 
 
 def summarize(
@@ -61,19 +64,21 @@ def summarize(
         "started_ms": started_ms,
         "done_ms": done_ms,
         "write_ms": None,
+        "write_updates": 0,
         "dead_by_reason": {},
     }
     for r in rows:
         if r["kind"] == "stats":
             rec["events"] += r["events"]
             w = r.get("write_ms")
-            if w is not None:
-                rec["write_ms"] = round(max(w, rec["write_ms"] or 0.0), 1)
+            if w is not None and w >= (rec["write_ms"] or 0.0):
+                rec["write_ms"] = round(w, 1)  # the slowest partition's, and its updates
+                rec["write_updates"] = sum(r[k] or 0 for k in UPDATE_COUNTS)
             for key, pick in (("min_ems", min), ("max_ems", max)):
                 v = r[key]
                 if v is not None:
                     rec[key] = v if rec[key] is None else pick(rec[key], v)
-            for name in ("updates_applied", "updates_duplicate", "updates_expired"):
+            for name in UPDATE_COUNTS:
                 rec[name] += r[name]
         elif r["kind"] == "dead":
             rec["dead"] += r["events"]
@@ -110,6 +115,8 @@ class FoldQuery(StreamQuery):
         self._folds: list[Any] = []
         self._flow_thread: threading.Thread | None = None
         self._flow_stop = threading.Event()
+        # The audit's source side reads the log again while Spark folds and writes the batch.
+        self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit-source")
 
     def base_options(self) -> SourceOptions:
         return SourceOptions.from_config(self.cfg, self.redis.url)
@@ -138,14 +145,14 @@ class FoldQuery(StreamQuery):
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             cluster=is_cluster_url(self.redis.url),
         )
-        source = self._audit_source(batch_id)
+        pending = self._auditor.submit(self._audit_source, batch_id)
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
         for attempt in range(1, attempts + 1):
             updates = fold_updates(exploded, self._folds)
             write = functools.partial(self.writer, ctx)
             rows = [r.asDict() for r in updates.mapInArrow(write, RESULT_DDL).collect()]
-            audit = self._audit(batch_id, attempt, source, rows)
+            audit = self._audit(batch_id, attempt, pending.result(), rows)
             if audit is None or audit.ok:
                 break
             log.warning(
@@ -185,7 +192,7 @@ class FoldQuery(StreamQuery):
                     "attempts": attempt,
                 },
             )  # fmt: skip
-        self._observe_store(rec["write_ms"])
+        self._observe_store(rec["write_ms"], rec["write_updates"])
         if self.on_batch is not None:
             self.on_batch(rec)
         return rec
@@ -203,7 +210,8 @@ class FoldQuery(StreamQuery):
             # Only a batch handed in directly (not by the streaming query) has no offset log.
             log.warning("batch not audited: no offset log entry", extra={"batch": batch_id})
             return None
-        admitted = self.log.admitted(self.log.spans(start, end))
+        spans = self.log.spans(start, end)
+        admitted = self.log.planned_source(spans, end) or self.log.admitted(spans)
         return admitted, (time.perf_counter() - t0) * 1000
 
     def _audit(
@@ -223,9 +231,11 @@ class FoldQuery(StreamQuery):
 
     # -- the store's flow stage ---------------------------------------------------------------
 
-    def _observe_store(self, write_ms: float | None) -> None:
+    def _observe_store(self, write_ms: float | None, updates: int) -> None:
+        """The slowest partition's write time, and per slice update it wrote (`flow.levels`)."""
+        per_update = 1000 * write_ms / updates if write_ms is not None and updates else None
         try:
-            self.store.observe(write_ms)
+            self.store.observe(write_ms, per_update, updates)
         except Exception as e:  # noqa: BLE001 - flow control must never fail a batch
             log.warning("store monitor failed", extra={"error": str(e)})
 

@@ -18,26 +18,27 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sluice.pipeline.plan import DEAD_G, MetricSpec
+from sluice.pipeline.slice_writes import build_calls, run_write_script, send_calls
 from sluice.redis.connection import client_for
 from sluice.redis.keys import (
     dead_letter_marker_key,
     dead_letter_stream_key,
-    key_slot,
     slice_hash_key,
     slice_hll_key,
 )
-from sluice.redis.scripts import DEAD_LETTERS, WRITE_SLICES, evalsha_on, script_source
-from sluice.slices.aggs import AGGS, HLL
+from sluice.redis.scripts import DEAD_LETTERS, script_source
+from sluice.slices.aggs import AGGS, BLOB, HLL
 
 PIPELINE_CHUNK = 50
-KEYS_PER_CALL = 100
 DEAD_MARKER_TTL_S = 7 * 86400
 MASK64 = (1 << 64) - 1
 
@@ -74,72 +75,47 @@ class WriterContext:
     cluster: bool = False  # Redis Cluster: a script call carries keys of one slot only
 
 
-@dataclass
-class PartitionUpdates:
-    """Everything one writer partition has to apply, gathered from its Arrow batches."""
+class PartitionRows:
+    """One writer partition's folded rows, as columns (see `plan.fold_updates`), and which of
+    them the store failed to take (`failed`, for the audit's applied side)."""
 
-    lua: dict[tuple[int, str], list[str]] = field(default_factory=dict)  # -> [s, v.., s, v..]
-    hll: dict[tuple[int, str, int], list[str]] = field(default_factory=dict)  # -> values
-    blob: dict[tuple[int, str], list[tuple[int, bytes]]] = field(default_factory=dict)
-    good: int = 0
-    min_ems: int | None = None
-    max_ems: int | None = None
-    dead: list[str] = field(default_factory=list)
-    # The audit's view (see pipeline.audit): XOR of the rows' fan-out ids, and per row the XOR
-    # of its update ids with the writes it depends on; a row is applied when all of them are.
-    audited: bool = False
-    fan_x: int = 0
-    rows: list[tuple[int, list[tuple[Any, ...]]]] = field(default_factory=list)
+    def __init__(self, batches: Iterator[pa.RecordBatch]) -> None:
+        got = [b for b in batches if b.num_rows]
+        self.table = pa.Table.from_batches(got).combine_chunks() if got else None
+        self.n = 0 if self.table is None else self.table.num_rows
+        self.failed = np.zeros(self.n, dtype=bool)
+        self.g = np.zeros(0, np.int32) if self.table is None else self.col("g").to_numpy()
+        self.k_valid = (
+            np.zeros(0, bool)
+            if self.table is None
+            else self.col("k").is_valid().to_numpy(zero_copy_only=False)
+        )
 
-    def add_batch(self, batch: pa.RecordBatch, by_group: dict[int, list[MetricSpec]]) -> None:
-        cols = {name: batch.column(name).to_pylist() for name in batch.schema.names}
-        gs, ks, ss = cols["g"], cols["k"], cols["s"]
-        self.audited = "ux" in cols
-        deps: list[list[tuple[Any, ...]]] = [[] for _ in gs]
-        lo = [v for v in cols["min_ems"] if v is not None]
-        hi = [v for v in cols["max_ems"] if v is not None]
-        if lo:
-            self.min_ems = min(lo) if self.min_ems is None else min(self.min_ems, *lo)
-            self.max_ems = max(hi) if self.max_ems is None else max(self.max_ems, *hi)
-        for row, g in enumerate(gs):
-            if g == DEAD_G:
-                self.dead.append(ks[row])
-                deps[row].append(("d",))
-            elif g == 0:
-                self.good += cols["cnt"][row]
-        for g, members in by_group.items():
-            rows = [r for r, grp in enumerate(gs) if grp == g and ks[r] is not None]
-            for sp in members:
-                n = cols[f"n{sp.index}"]
-                agg = AGGS[sp.agg]
-                encode = agg.encode if agg.lua else None
-                # The folded columns, in the order `agg.encode` takes them (see plan.fold_columns).
-                folded = [cols[f"{f.column}{sp.index}"] for f in agg.folds]
-                for row in rows:
-                    if not n[row]:
-                        continue
-                    k, s = ks[row], ss[row]
-                    if encode is not None:
-                        state = encode(n[row], *(col[row] for col in folded))
-                        self.lua.setdefault((sp.index, k), []).extend((str(s), *state))
-                        deps[row].append(("l", sp.index, k))
-                    elif agg.state == HLL:
-                        self.hll[(sp.index, k, s)] = folded[0][row]
-                        deps[row].append(("h", sp.index, k, s))
-                    else:  # BLOB
-                        self.blob.setdefault((sp.index, k), []).append((s, folded[0][row]))
-                        deps[row].append(("l", sp.index, k))
-        if self.audited:
-            for row, (ux, fx) in enumerate(zip(cols["ux"], cols["fx"], strict=True)):
-                self.fan_x ^= fx & MASK64
-                self.rows.append((ux & MASK64, deps[row]))
+    def col(self, name: str) -> Any:
+        assert self.table is not None
+        return self.table.column(name).chunk(0) if self.table.column(name).num_chunks else None
 
-    def applied_x(self, failed: set[tuple[Any, ...]]) -> int:
-        """XOR of the update ids of the rows whose every write was acknowledged."""
-        out = 0
-        for ux, deps in self.rows:
-            if not failed or not any(d in failed for d in deps):
-                out ^= ux
+    def rows_of(self, sp: MetricSpec) -> np.ndarray:
+        """The rows that carry an update of `sp`: its group's, with a key and a value."""
+        n = np.nan_to_num(self.col(f"n{sp.index}").to_numpy(zero_copy_only=False))
+        return np.flatnonzero((self.g == sp.group) & self.k_valid & (n > 0))
+
+    def stats(self) -> dict[str, Any]:
+        """Good events, event-time range, and the audit's fan-out and applied XORs."""
+        out: dict[str, Any] = {"events": 0, "min_ems": None, "max_ems": None,
+                               "fan_x": None, "applied_x": None}  # fmt: skip
+        if self.table is None:
+            return out
+        cnt = self.col("cnt").to_numpy(zero_copy_only=False)
+        out["events"] = int(cnt[self.g == 0].sum())
+        out["min_ems"] = pc.min(self.col("min_ems")).as_py()
+        out["max_ems"] = pc.max(self.col("max_ems")).as_py()
+        if "ux" in self.table.column_names:
+            fx = self.col("fx").to_numpy(zero_copy_only=False).view(np.uint64)
+            ux = self.col("ux").to_numpy(zero_copy_only=False).view(np.uint64)
+            out["fan_x"] = _signed(int(np.bitwise_xor.reduce(fx)) if len(fx) else 0)
+            ok = ux[~self.failed]
+            out["applied_x"] = _signed(int(np.bitwise_xor.reduce(ok)) if len(ok) else 0)
         return out
 
 
@@ -147,21 +123,24 @@ def write_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: apply every slice update of this partition, yield counters."""
-    by_group: dict[int, list[MetricSpec]] = {}
-    for sp in ctx.specs:
-        by_group.setdefault(sp.group, []).append(sp)
-    updates = PartitionUpdates()
-    for batch in batches:
-        updates.add_batch(batch, by_group)
+    rows = PartitionRows(batches)
     client = client_for(ctx.url, timeout_s=60, connect_timeout_s=10)
     t0 = time.perf_counter()
-    failed: set[tuple[Any, ...]] = set()
     try:
-        totals = _apply_lua(client, ctx, updates, failed)
-        totals[0] += _apply_hll(client, ctx, updates.hll)
-        blob = _apply_blob(client, ctx, updates.blob, failed)
-        totals = [a + b for a, b in zip(totals, blob, strict=True)]
-        reasons = write_dead_letters(client, ctx, updates.dead) if updates.dead else {}
+        totals = [0, 0, 0]
+        dead: list[str] = []
+        if rows.table is not None:
+            for sp in ctx.specs:
+                agg = AGGS[sp.agg]
+                if agg.lua:
+                    part = _apply_lua(client, ctx, rows, sp)
+                elif agg.state == HLL:
+                    part = [_apply_hll(client, rows, sp), 0, 0]
+                else:
+                    part = _apply_blob(client, ctx, rows, sp)
+                totals = [a + b for a, b in zip(totals, part, strict=True)]
+            dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
+        reasons = write_dead_letters(client, ctx, dead) if dead else {}
     finally:
         client.close()
     write_ms = (time.perf_counter() - t0) * 1000
@@ -169,14 +148,10 @@ def write_partition(
         {
             "kind": "stats",
             "write_ms": write_ms,
-            "events": updates.good,
-            "min_ems": updates.min_ems,
-            "max_ems": updates.max_ems,
             "updates_applied": totals[0],
             "updates_duplicate": totals[1],
             "updates_expired": totals[2],
-            "fan_x": _signed(updates.fan_x) if updates.audited else None,
-            "applied_x": _signed(updates.applied_x(failed)) if updates.audited else None,
+            **rows.stats(),
         }
     ]
     out += [{"kind": "dead", "reason": r, "events": n} for r, n in reasons.items()]
@@ -188,79 +163,37 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def run_write_script(
-    client: Any,
-    ctx: WriterContext,
-    calls: list[tuple[str, list[Any], tuple[Any, ...]]],
-    failed: set[tuple[Any, ...]],
-) -> list[int]:
-    """Run write_slices.lua over (key, args, dep) triples: KEYS_PER_CALL keys a call, pipelined.
-
-    Each call's reply counts the slices it applied, skipped as duplicates and dropped as expired;
-    a call whose counts do not add up to the slices sent (or that was never sent) puts the deps
-    of its keys in `failed`, so the audit sees those updates as not applied.
-    On Redis Cluster the keys of one call must share a slot, so they are grouped by slot.
-    """
-    client.script_load(script_source(WRITE_SLICES))  # once per partition; then EVALSHA only
-    by_slot: dict[int, list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
-    for item in calls:
-        by_slot.setdefault(key_slot(item[0]) if ctx.cluster else 0, []).append(item)
-    totals = [0, 0, 0]
-    pipe = client.pipeline(transaction=False)
-    queued: list[tuple[int, list[tuple[Any, ...]]]] = []  # (slices sent, deps) per call
-
-    def drain() -> None:
-        for res, (expected, deps) in zip(pipe.execute(), queued, strict=True):
-            for j in range(3):
-                totals[j] += int(res[j])
-            if sum(int(x) for x in res[:3]) != expected:
-                failed.update(deps)
-        queued.clear()
-
-    for items in by_slot.values():
-        for j in range(0, len(items), KEYS_PER_CALL):
-            chunk = items[j : j + KEYS_PER_CALL]
-            deps = [dep for _, _, dep in chunk]
-            flat: list[Any] = [str(ctx.token)]
-            keys: list[str] = []
-            expected = 0
-            for key, args, _ in chunk:
-                expected += int(args[3])
-                keys.append(key)
-                flat.extend(args)
-            evalsha_on(pipe, WRITE_SLICES, keys, flat)
-            queued.append((expected, deps))
-            if len(queued) >= PIPELINE_CHUNK:
-                drain()
-    if queued:
-        drain()
+def _apply_lua(client: Any, ctx: WriterContext, rows: PartitionRows, sp: MetricSpec) -> list[int]:
+    """A Lua-merged state: every update of `sp` in this partition, built and sent on columns
+    (`slice_writes`); the rows of a call that failed are marked in `rows.failed`."""
+    idx = rows.rows_of(sp)
+    if not len(idx):
+        return [0, 0, 0]
+    agg = AGGS[sp.agg]
+    assert agg.encode is not None
+    take = pa.array(idx)
+    prefix = slice_hash_key(sp.name, "\x00", sp.resolution_ms).split("\x00")
+    keys = pc.binary_join_element_wise(prefix[0], rows.col("k").take(take), prefix[1], "")
+    folded = [rows.col(f"{f.column}{sp.index}").take(take) for f in agg.folds]
+    states = agg.encode(rows.col(f"n{sp.index}").take(take), *folded)
+    starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
+    head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
+    calls = build_calls(ctx.token, head, keys, starts, states, ctx.cluster)
+    totals, failed = send_calls(client, calls)
+    rows.failed[idx[failed[calls.row_call]]] = True
     return totals
 
 
-def _slice_call(sp: MetricSpec, k: str, flat: list[Any]) -> tuple[str, list[Any], tuple[Any, ...]]:
-    """write_slices.lua's (key, args, dep) for one (metric, key): `flat` is (start, state...)
-    per slice, the state being the agg's `width` values."""
-    agg = AGGS[sp.agg]
-    n = len(flat) // (agg.width + 1)
-    head = [agg.state, str(sp.slice_ms), str(sp.retention_ms), str(n), str(agg.width)]
-    return slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], ("l", sp.index, k)
-
-
-def _apply_lua(
-    client: Any, ctx: WriterContext, updates: PartitionUpdates, failed: set[tuple[Any, ...]]
-) -> list[int]:
-    specs = {sp.index: sp for sp in ctx.specs}
-    calls = [_slice_call(specs[i], k, flat) for (i, k), flat in updates.lua.items()]
-    return run_write_script(client, ctx, calls, failed)
-
-
-def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], list[str]]) -> int:
+def _apply_hll(client: Any, rows: PartitionRows, sp: MetricSpec) -> int:
     """distinct: PFADD each slice's values into its HyperLogLog. PFADD is idempotent, so a re-run
     batch adds nothing twice and needs no token."""
-    specs = {sp.index: sp for sp in ctx.specs}
+    idx = rows.rows_of(sp)
+    take = pa.array(idx)
+    ks = rows.col("k").take(take).to_pylist()
+    ss = rows.col("s").take(take).to_pylist()
+    sets = rows.col(f"set{sp.index}").take(take).to_pylist()
     pipe = client.pipeline(transaction=False)
-    for n, ((i, k, s), values) in enumerate(hll.items(), start=1):
-        sp = specs[i]
+    for n, (k, s, values) in enumerate(zip(ks, ss, sets, strict=True), start=1):
         key = slice_hll_key(sp.name, k, s, sp.resolution_ms)
         for j in range(0, len(values), 10_000):
             pipe.pfadd(key, *values[j : j + 10_000])
@@ -268,37 +201,37 @@ def _apply_hll(client: Any, ctx: WriterContext, hll: dict[tuple[int, str, int], 
         if n % PIPELINE_CHUNK == 0:
             pipe.execute()
     pipe.execute()
-    return len(hll)
+    return len(ks)
 
 
-def _apply_blob(
-    client: Any,
-    ctx: WriterContext,
-    blob: dict[tuple[int, str], list[tuple[int, bytes]]],
-    failed: set[tuple[Any, ...]],
-) -> list[int]:
+def _apply_blob(client: Any, ctx: WriterContext, rows: PartitionRows, sp: MetricSpec) -> list[int]:
     """Blob states (quantile's sketches): merge each slice's blob into the stored one with the
     agg's `union`, then write it back guarded by the writer token (a slice already holding this
     batch's token is left alone)."""
-    if not blob:
+    idx = rows.rows_of(sp)
+    if not len(idx):
         return [0, 0, 0]
-    specs = {sp.index: sp for sp in ctx.specs}
-    items = list(blob.items())
+    union = AGGS[sp.agg].union
+    if union is None:
+        raise ValueError(f"agg {sp.agg!r} has no blob union")
+    take = pa.array(idx)
+    cells: dict[str, list[tuple[int, bytes, int]]] = {}
+    folded = rows.col(f"{AGGS[sp.agg].folds[0].column}{sp.index}").take(take).to_pylist()
+    for row, k, s, value in zip(
+        idx.tolist(), rows.col("k").take(take).to_pylist(),
+        rows.col("s").take(take).to_pylist(), folded, strict=True,
+    ):  # fmt: skip
+        cells.setdefault(k, []).append((s, bytes(value), row))
+    items = list(cells.items())
     pipe = client.pipeline(transaction=False)
-    for (i, k), cells in items:
-        pipe.hmget(
-            slice_hash_key(specs[i].name, k, specs[i].resolution_ms), [str(s) for s, _ in cells]
-        )
-    stored = pipe.execute()
+    for k, kc in items:
+        pipe.hmget(slice_hash_key(sp.name, k, sp.resolution_ms), [str(s) for s, _, _ in kc])
     calls = []
     dups = 0
-    for ((i, k), cells), olds in zip(items, stored, strict=True):
-        union = AGGS[specs[i].agg].union
-        if union is None:
-            raise ValueError(f"agg {specs[i].agg!r} has no blob union")
+    row_of: dict[tuple[Any, ...], list[int]] = {}
+    for (k, kc), olds in zip(items, pipe.execute(), strict=True):
         flat: list[Any] = []
-        for (s, value), old in zip(cells, olds, strict=True):
-            value = bytes(value)
+        for (s, value, row), old in zip(kc, olds, strict=True):
             if old is not None:
                 token, _, old_value = old.partition(b":")
                 if int(token) >= ctx.token:
@@ -306,9 +239,15 @@ def _apply_blob(
                     continue
                 value = union([old_value, value]) or value  # never None: two blobs in
             flat += [str(s), value]
+            row_of.setdefault(("l", sp.index, k), []).append(row)
         if flat:
-            calls.append(_slice_call(specs[i], k, flat))
-    totals = run_write_script(client, ctx, calls, failed)
+            head = [BLOB, str(sp.slice_ms), str(sp.retention_ms), str(len(flat) // 2), "1"]
+            key = slice_hash_key(sp.name, k, sp.resolution_ms)
+            calls.append((key, [*head, *flat], ("l", sp.index, k)))
+    failed: set[tuple[Any, ...]] = set()
+    totals = run_write_script(client, ctx.token, calls, failed, ctx.cluster)
+    for dep in failed:
+        rows.failed[row_of[dep]] = True
     totals[1] += dups
     return totals
 

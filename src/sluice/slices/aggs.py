@@ -2,7 +2,8 @@
 
 Every step of a metric's life asks its `Agg`:
 
-    fold (Spark, per batch) ─▶ encode (writer) ─▶ merge into the stored slice (write_slices.lua)
+    fold (Spark, per batch) ─▶ encode (writer, on columns) ─▶ merge into the stored slice
+    (write_slices.lua)
     query: merge the window's slices (read_slices.lua, or `Agg.merge` here) ─▶ finalize
 
 The stored state is one of three kinds, named by `Agg.state`:
@@ -30,7 +31,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sluice.slices.state import (
     Columns,
-    arg_number,
     merge_add,
     merge_avg,
     merge_first,
@@ -38,6 +38,7 @@ from sluice.slices.state import (
     merge_max,
     merge_min,
     merge_var,
+    number_text,
     state_columns,
 )
 
@@ -55,7 +56,7 @@ MergeColumns = Callable[[Columns], list[float]]
 
 class Fold(NamedTuple):
     """One aggregate column a metric needs besides its count `n{i}`; the plan names it
-    `{column}{i}`, and the writer hands the folded values to `Agg.encode` in `folds` order."""
+    `{column}{i}`, and the writer hands the folded columns to `Agg.encode` in `folds` order."""
 
     column: str
     build: Callable[[Any, Column, Column], Column]  # (pyspark.sql.functions, value, event time)
@@ -76,8 +77,9 @@ class Agg:
     finalize: Finalize
     folds: tuple[Fold, ...] = ()
     width: int = 1  # numbers in a stored state after its token
-    # The Lua args of one folded row: (n, *folded values in `folds` order) -> `width` numbers.
-    encode: Callable[..., tuple[str, ...]] | None = None
+    # The Lua args of folded rows, on Arrow columns: (n, *folded columns in `folds` order) ->
+    # `width` string columns, each number as exact text (see `slices.state.number_text`).
+    encode: Callable[..., list[Any]] | None = None
     merge_columns: MergeColumns | None = None  # Lua-merged states
     union: Callable[[Sequence[bytes]], bytes | None] | None = None  # BLOB: serialized union
     # The value column's Spark type: long, double, string, or `number` (long for an integral
@@ -143,27 +145,29 @@ SET = Fold("set", lambda F, v, t: F.collect_set(v))
 KLL = Fold("kll", lambda F, v, t: F.kll_sketch_agg_double(v))
 
 
-# -- encoders: one folded row -> the Lua args of its state --------------------------------------
+# -- encoders: folded columns -> the Lua args of their states ------------------------------------
 
 
-def _encode_count(n: int) -> tuple[str, ...]:
-    return (str(n),)
+def _encode_count(n: Any) -> list[Any]:
+    return [number_text(n)]
 
 
-def _encode_value(n: int, x: Any) -> tuple[str, ...]:
-    return (arg_number(x),)
+def _encode_value(n: Any, x: Any) -> list[Any]:
+    return [number_text(x)]
 
 
-def _encode_avg(n: int, total: Any) -> tuple[str, ...]:
-    return (str(n), arg_number(total))
+def _encode_avg(n: Any, total: Any) -> list[Any]:
+    return [number_text(n), number_text(total)]
 
 
-def _encode_var(n: int, mean: Any, m2: Any) -> tuple[str, ...]:
-    return (str(n), arg_number(mean), arg_number(m2))
+def _encode_var(n: Any, mean: Any, m2: Any) -> list[Any]:
+    return [number_text(n), number_text(mean), number_text(m2)]
 
 
-def _encode_timed(n: int, timed: dict[str, Any]) -> tuple[str, ...]:
-    return (str(timed["t"]), arg_number(timed["v"]))
+def _encode_timed(n: Any, timed: Any) -> list[Any]:
+    import pyarrow.compute as pc
+
+    return [number_text(pc.struct_field(timed, "t")), number_text(pc.struct_field(timed, "v"))]
 
 
 # -- finalizers: merged state -> answer ----------------------------------------------------------

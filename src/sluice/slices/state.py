@@ -1,10 +1,13 @@
 """The stored slice state, in Python: its text, and the merges of the numeric states.
 
 A slice of a Lua-merged agg is stored in its (metric, key) hash as `token:v1:...:v_width`, the
-writer token then the state's numbers as `_merge.lua`'s `fmt` writes them (`format_number`).
-The writer sends the numbers to `write_slices.lua` as `arg_number` text, which Lua's `tonumber`
-reads back to the same double; the script merges and stores them. Which numbers a state holds
-is per agg (`sluice.slices.aggs`), and so is its merge.
+writer token then the state's numbers as exact decimal text. The writer sends the numbers to
+`write_slices.lua` as `number_text` (integers in decimal, doubles in their shortest exact
+form); a slice that had no state stores that text as it is, and a merged one the numbers as
+`_merge.lua`'s `fmt` writes them (`format_number`: 17 significant digits). Either text reads
+back (Lua's `tonumber`, Python's `float`) to the same double, so a reader never needs to know
+which wrote it. Which numbers a state holds is per agg (`sluice.slices.aggs`), and so is its
+merge.
 
 The merges here are the query server's side of `read_slices.lua` (see `QueryEngine`): a lookup
 over a bounded number of slices reads them with HMGET and merges them in the server, so Redis
@@ -36,16 +39,28 @@ def format_number(x: float) -> str:
     return f"{x:.17g}"
 
 
-def arg_number(x: Any) -> str:
-    """Shortest exact text for a number, as the writer passes it to `write_slices.lua`; Lua's
-    `tonumber` reads it back to the same double."""
-    return repr(x) if isinstance(x, float) else str(x)
+def number_text(column: Any) -> Any:
+    """A column of numbers (Arrow integers or doubles) as the text the writer passes to
+    `write_slices.lua`: integers in decimal, doubles in Arrow's shortest form that reads back
+    to the same double (`1e+20`, `0.1`, `5` for 5.0), which Lua's `tonumber` and Python's
+    `float` both read exactly. A slice that had no state stores this text as it is."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.cast(column, pa.string())
 
 
 def encode_state(token: int, values: Sequence[float]) -> str:
     """A slice state as `write_slices.lua` stores it when the slice had none before: the writer
-    token, then each number of the state as `format_number` writes it."""
-    return ":".join([str(token), *map(format_number, values)])
+    token, then each number of the state as the writer sends it (`number_text`; an int as an
+    integer, anything else as a double)."""
+    import pyarrow as pa
+
+    texts = [
+        str(v) if isinstance(v, int) else number_text(pa.array([float(v)]))[0].as_py()
+        for v in values
+    ]
+    return ":".join([str(token), *texts])
 
 
 def state_columns(states: Sequence[bytes], width: int) -> Columns:

@@ -55,15 +55,17 @@ from __future__ import annotations
 import io
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from sluice.source.ids import event_ids, parse_id
+from sluice.source.columns import EntryIds, reply_entry_ids, stream_entry_ids, typed_columns
+from sluice.source.ids import event_ids
 from sluice.source.options import SourceOptions
+from sluice.source.resp import StreamReply
 from sluice.source.values import (
     ARROW_TYPES,
     DECODE_REASONS,
@@ -77,7 +79,6 @@ from sluice.source.values import (
     entry_event_count,
     event_lines,
     event_payload,
-    has_x,
     loads_json,
     object_lines,
     orjson_fields,
@@ -101,26 +102,6 @@ __all__ = [
 
 CHUNK_ENTRIES = 4096
 Err = tuple[str, str | None]
-
-
-class EntryIds(NamedTuple):
-    """Per entry of a chunk: the two halves of its position (for event ids), its log time, and
-    its name for dead letters (asked only for entries that have one)."""
-
-    hi: np.ndarray  # uint64: a stream entry id's ms; a Kafka offset
-    lo: np.ndarray  # uint64: a stream entry id's sequence; 0 for Kafka
-    ems: np.ndarray  # int64
-    name: Callable[[int], str]
-
-
-def stream_entry_ids(chunk: Sequence[Sequence[Any]]) -> EntryIds:
-    parts = np.array([parse_id(e[0]) for e in chunk], dtype=np.uint64).reshape(-1, 2)
-
-    def name(k: int) -> str:
-        eid = chunk[k][0]
-        return eid.decode() if isinstance(eid, bytes) else str(eid)
-
-    return EntryIds(parts[:, 0], parts[:, 1], parts[:, 0].astype(np.int64), name)
 
 
 class Decoder:
@@ -147,6 +128,18 @@ class Decoder:
                 yield self._jsonl_entries(chunk)
             else:
                 yield self._fields(chunk)
+
+    def decode_reply(self, reply: StreamReply) -> Iterator[pa.RecordBatch]:
+        """A columnar XRANGE reply (`source.resp`), with the rows `decode` would give for its
+        entries. `fields` entries go straight from the reply's bytes to Arrow when the whole
+        reply is clean (no entry empty or over `max_entry_bytes`, every cast good); anything
+        else is decoded by `decode`, chunk by chunk, from the entries as Python objects."""
+        if self.opts.format == "fields" and len(reply):
+            batch = self._fields_reply(reply)
+            if batch is not None:
+                yield batch
+                return
+        yield from self.decode(reply.entries())
 
     def decode_records(
         self,
@@ -280,24 +273,26 @@ class Decoder:
         }
 
     def _fast_fields(self, maps: list[dict[bytes, bytes]]) -> dict[str, pa.Array] | None:
-        cols: dict[str, pa.Array] = {}
-        try:
-            for (name, typ, _), bname in zip(self.opts.fields, self.bnames, strict=True):
-                raw = pa.array([m.get(bname) for m in maps], type=pa.binary())
-                text = pc.cast(raw, pa.string())
-                if typ == "string":
-                    cols[name] = text
-                elif typ == "boolean":
-                    cols[name] = pc.cast(pc.utf8_lower(pc.utf8_trim_whitespace(text)), pa.bool_())
-                elif typ in ("long", "int") and pc.any(has_x(text)).as_py():
-                    return None  # Arrow's cast reads hex, "0xFFFFFFFFFFFFFFFF" as -1; int() not
-                else:
-                    cols[name] = pc.cast(text, ARROW_TYPES[typ])
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, UnicodeDecodeError):
-            return None
         if any(not m for m in maps):
             return None
-        return cols
+        return typed_columns(
+            self.opts.fields, lambda name: pa.array([m.get(name) for m in maps], type=pa.binary())
+        )
+
+    def _fields_reply(self, reply: StreamReply) -> pa.RecordBatch | None:
+        """`fields` entries of a columnar reply, or None when `_fields` must decide."""
+        if (reply.n_pairs == 0).any() or (reply.pair_bytes() > self.opts.max_entry_bytes).any():
+            return None  # empty or (perhaps) oversize entries: the event-by-event path says
+        cols = typed_columns(self.opts.fields, reply.values)
+        if cols is None:
+            return None
+
+        def raw_of(k: int) -> str:
+            fl = reply.entries(k, k + 1)[0][1]
+            return orjson_fields(dict(zip(fl[0::2], fl[1::2], strict=False)))
+
+        counts = np.ones(len(reply), dtype=np.int64)
+        return self._finish(reply_entry_ids(reply), counts, cols, None, raw_of)
 
     # -- jsonl: many events per entry, newline-separated JSON objects ----------------------
 

@@ -6,6 +6,8 @@ import hashlib
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 MAX_SEQ = 2**64 - 1
 ZERO_ID = "0-0"
@@ -15,6 +17,19 @@ def parse_id(entry_id: str | bytes) -> tuple[int, int]:
     s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = s.partition("-")
     return int(ms), int(seq or 0)
+
+
+def entry_id_columns(entry_ids: list[bytes]) -> tuple[Any, Any]:
+    """(ms, seq) of stream entry ids (`b"<ms>-<seq>"`) as two uint64 arrays, parsed by Arrow's
+    kernels rather than one Python call per id."""
+    if not entry_ids:
+        return np.zeros(0, np.uint64), np.zeros(0, np.uint64)
+    text = pc.cast(pa.array(entry_ids, pa.binary()), pa.string())
+    parts = pc.list_flatten(pc.split_pattern(text, "-", max_splits=1))
+    both = pc.cast(parts, pa.uint64()).to_numpy()
+    if len(both) != 2 * len(entry_ids):
+        raise ValueError("a stream entry id is not <ms>-<seq>")
+    return both[0::2], both[1::2]
 
 
 def format_id(ms: int, seq: int) -> str:

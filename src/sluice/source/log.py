@@ -12,9 +12,10 @@ is the beginning), Kafka by the offset of the entry after it (0 is the beginning
 batch that Spark re-runs after a crash, with the same logged offsets, sees the same entries.
 
 Offsets. The Spark source logs a batch's end as `{<field>: {shard: position}, "ref": ms}` plus,
-optionally, `"entries"` (entries per shard, which sizes the batch's partitions) and `"from"`
+optionally, `"entries"` (entries per shard, which sizes the batch's partitions), `"from"`
 (shards whose span does not start where the previous batch ended: a Kafka partition that is
-new, or whose offsets went back because its topic was recreated). `<field>` is the log's
+new, or whose offsets went back because its topic was recreated) and `"admitted"` (the audit's
+source side, when planning computed it: `Plan.admitted`). `<field>` is the log's
 `OFFSETS_FIELD`. `ref` is the batch's reference time, fixed when it is planned.
 
 Entries and events. An entry (a stream entry, a Kafka record) holds one event or, in `jsonl`,
@@ -64,7 +65,9 @@ class Span:
 @dataclass(frozen=True)
 class Plan:
     """How far a batch may go: the end positions, the spans that start elsewhere than the
-    previous end (`first`), entries and events admitted, and whether a budget held data back."""
+    previous end (`first`), entries and events admitted, and whether a budget held data back.
+    `admitted`: the audit's source side per shard, when planning read it (see
+    `Log.planned_source`); logged with the end positions."""
 
     end: dict[str, Position]
     first: dict[str, Position]
@@ -72,6 +75,7 @@ class Plan:
     events: int
     more: bool
     ref_ms: int
+    admitted: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,12 @@ class Log(ABC):
     def count_entries(self, span: Span) -> int:
         """An upper bound on the entries in `span`, for sizing partitions when the plan did
         not record it (a batch re-planned from the offset log)."""
+
+    def planned_source(self, spans: list[Span], end: Mapping[str, Any]) -> Admitted | None:
+        """The audit's source side of `spans` as planning computed it from the log, logged with
+        the batch's end offsets `end` (a log that reads a batch's entries to plan its budget
+        computes it then); None if it did not: `admitted` reads the log."""
+        return None
 
     @abstractmethod
     def admitted(self, spans: list[Span]) -> Admitted:

@@ -122,6 +122,8 @@ class LogStreamReader(DataSourceStreamReader):
             out["entries"] = plan.entries  # sizes the partitions of this batch
         if plan.first:
             out["from"] = plan.first
+        if plan.admitted:
+            out["admitted"] = plan.admitted  # the audit's source side (Log.planned_source)
         return out
 
     def reportLatestOffset(self) -> dict[str, Any] | None:

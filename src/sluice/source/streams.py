@@ -19,8 +19,6 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow as pa
 
-from sluice.redis.cluster import node_clients
-from sluice.redis.connection import client_for
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import (
     ADVANCE,
@@ -31,65 +29,34 @@ from sluice.redis.scripts import (
     script_source,
 )
 from sluice.source.decode import Decoder
-from sluice.source.ids import ZERO_ID, event_ids, id_ms, parse_id, split_range, xor_all
+from sluice.source.ids import (
+    ZERO_ID,
+    entry_id_columns,
+    event_ids,
+    id_ms,
+    parse_id,
+    split_range,
+    xor_all,
+)
 from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
 from sluice.source.options import SourceOptions
+from sluice.source.resp import StreamReply
+from sluice.source.xrange import (
+    forget_client,
+    raw_client,
+    read_range,
+    read_replies,
+    xrange_chunk,
+)
 
-XRANGE_COUNT = 2000
+# Entries per XRANGE call when reading a batch: a `fields` reply is read in columnar form
+# (`source.xrange.read_replies`), and larger replies cost fewer round trips; a jsonl entry holds
+# hundreds of events, so its replies are already large.
+XRANGE_COUNT = {"fields": 10_000, "jsonl": 2000}
 # Entries per audit script call: a jsonl entry holds hundreds of events and tens of KB, so fewer
 # of them keep each call short (Redis serves no one else meanwhile) and its memory small.
 AUDIT_CHUNK = {"fields": 5000, "jsonl": 20}
-
-_clients: dict[str, Any] = {}
-
-
-def _unparsed(reply: Any, **kw: Any) -> Any:
-    return reply
-
-
-def raw_client(url: str) -> Any:
-    """A per-process client whose XRANGE replies are left unparsed (nested lists of bytes).
-
-    Python workers are reused across tasks, so the client (and its pool) is kept per URL. On a
-    cluster the replies are parsed by the client of the node that served them, so the callback
-    is set on each node's client; `read_range` copes with a node added later (a failover).
-    """
-    client = _clients.get(url)
-    if client is None:
-        client = client_for(url, timeout_s=30, connect_timeout_s=10)
-        for c in {id(n): n for n in [client, *node_clients(client)]}.values():
-            c.set_response_callback("XRANGE", _unparsed)
-            c.set_response_callback("XREVRANGE", _unparsed)
-        _clients[url] = client
-    return client
-
-
-def forget_client(url: str) -> None:
-    _clients.pop(url, None)
-
-
-def _raw_entries(chunk: Any) -> Any:
-    """Entries as XRANGE sends them, [[id, [k, v, ...]], ...], also from a client that parsed
-    them into (id, {k: v}) pairs (a cluster node whose client was made after `raw_client`)."""
-    if chunk and isinstance(chunk[0], tuple):
-        return [[eid, [x for kv in fields.items() for x in kv]] for eid, fields in chunk]
-    return chunk
-
-
-def read_range(client: Any, shard: str, lo: str, hi: str) -> Iterator[list[Any]]:
-    """Yield raw XRANGE chunks covering (lo, hi]."""
-    cursor = lo
-    while True:
-        chunk = _raw_entries(
-            client.execute_command("XRANGE", shard, f"({cursor}", hi, "COUNT", XRANGE_COUNT)
-        )
-        if not chunk:
-            return
-        yield chunk
-        if len(chunk) < XRANGE_COUNT:
-            return
-        last = chunk[-1][0]
-        cursor = last.decode() if isinstance(last, bytes) else str(last)
+AUDIT_XRANGE_COUNT = 10_000  # `fields` entries per XRANGE of the audit's own read
 
 
 def _text(x: Any) -> str:
@@ -148,12 +115,13 @@ class RedisStreamsLog(Log):
 
     def plan(self, start: Mapping[str, Position], budget: int | None, ref_ms: int) -> Plan:
         ids = {s: start.get(s, ZERO_ID) for s in self.shards}
+        admitted: dict[str, list[Any]] = {}
         if budget is None:
             end, entries, events, more = self._newest(ids), None, 0, False
         else:
-            end, entries, events, more = self._advance(ids, budget)
+            end, entries, events, more = self._advance(ids, budget, admitted)
         ref = max(id_ms(v) for v in end.values()) if end else 0
-        return Plan(end, {}, entries, events, more, ref)
+        return Plan(end, {}, entries, events, more, ref, admitted or None)
 
     def _newest(self, ids: dict[str, str]) -> dict[str, str]:
         pipe = self._client().pipeline(transaction=False)
@@ -166,15 +134,25 @@ class RedisStreamsLog(Log):
         return out
 
     def _advance(
-        self, ids: dict[str, str], budget: int
+        self, ids: dict[str, str], budget: int, admitted: dict[str, list[Any]]
     ) -> tuple[dict[str, str], dict[str, int], int, bool]:
-        """Spread `budget` events over the shards (`log.spread_budget`), counted in Redis by
-        advance.lua: only the end ids travel back."""
+        """Spread `budget` events over the shards (`log.spread_budget`). `jsonl` is counted in
+        Redis by advance.lua: only the end ids travel back. `fields` entries are one event each
+        and are walked here (`_walk_fields`), which also gives the audit's source side of each
+        shard's span: put in `admitted` as [lo, hi, xor (hex), events]."""
         script = self._client().register_script(script_source(ADVANCE))
         new_ids = dict(ids)
         entries = dict.fromkeys(self.shards, 0)
+        walked: dict[str, tuple[int, int]] = {}
 
         def take(shard: str, share: int, first_round: bool) -> tuple[int, bool]:
+            if self.opts.format == "fields":
+                end, n, more, x = self._walk_fields(shard, new_ids[shard], share)
+                acc, total = walked.get(shard, (0, 0))
+                walked[shard] = (acc ^ x, total + n)
+                new_ids[shard] = end
+                entries[shard] += n
+                return n, more
             end, n_entries, n_events, more = script(
                 keys=[shard], args=[new_ids[shard], share, self.opts.format, int(first_round)]
             )
@@ -185,7 +163,31 @@ class RedisStreamsLog(Log):
             return int(n_events), bool(int(more))
 
         events, wanting = spread_budget(budget, self.shards, take)
+        for s, (x, n) in walked.items():
+            if n:
+                admitted[s] = [ids[s], new_ids[s], f"{x:016x}", n]
         return new_ids, entries, events, bool(wanting)
+
+    def _walk_fields(self, shard: str, after: str, share: int) -> tuple[str, int, bool, int]:
+        """Up to `share` `fields` entries after `after`: (end id, entries, whether more wait,
+        the XOR of their event ids). Read as plain XRANGE replies parsed by hiredis, not by the
+        columnar reader the batch itself will use, so the XOR is the audit's source side,
+        computed independently of the batch's read (see `planned_source`)."""
+        client = raw_client(self.opts.url)
+        acc = n = 0
+        end = after
+        while n < share:
+            want = min(AUDIT_XRANGE_COUNT, share - n)
+            chunk = xrange_chunk(client, shard, end, "+", want)
+            if chunk:
+                ms, seq = entry_id_columns([e[0] for e in chunk])
+                acc ^= xor_all(event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard))
+                n += len(chunk)
+                end = _text(chunk[-1][0])
+            if len(chunk) < want:
+                return end, n, False, acc
+        more = bool(xrange_chunk(client, shard, end, "+", 1))
+        return end, n, more, acc
 
     def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
         return [Span(span.shard, a, b) for a, b in split_range(span.lo, span.hi, parts)]
@@ -200,6 +202,17 @@ class RedisStreamsLog(Log):
     # -- the audit's source side --------------------------------------------------------------
 
     def admitted(self, spans: list[Span]) -> Admitted:
+        """The XOR of the ids of the events in `spans`, read from the stream again.
+
+        `fields`: every entry is one event (`entry_event_count`), so only the entry ids count.
+        They come from plain XRANGE replies parsed by hiredis, in AUDIT_XRANGE_COUNT entries a
+        call, so Redis only sends entries (no script turns every field into a Lua string), and
+        the parsing is not the columnar reader's that the batch itself used (`read`).
+        `jsonl`: the event counts come from `lua/audit_source.lua`, which counts each entry's
+        lines where the entries are.
+        """
+        if self.opts.format == "fields":
+            return self._admitted_fields(spans)
         client = self._client()
         script = client.register_script(script_source(AUDIT_SOURCE))
         fmt = self.opts.format
@@ -213,30 +226,45 @@ class RedisStreamsLog(Log):
                 )
                 pairs = reply[1:]
                 if pairs:
-                    ids = [parse_id(x) for x in (pairs[0::2] if fmt == "jsonl" else pairs)]
-                    counts = (
-                        np.asarray(pairs[1::2], dtype=np.int64)
-                        if fmt == "jsonl"
-                        else np.ones(len(ids), dtype=np.int64)
-                    )
-                    parts = np.asarray(ids, dtype=np.uint64).reshape(-1, 2)
+                    counts = np.asarray(pairs[1::2], dtype=np.int64)
+                    parts = np.asarray([parse_id(x) for x in pairs[0::2]], dtype=np.uint64)
+                    ms, seq = parts.reshape(-1, 2).T
                     n = int(counts.sum())
                     starts = np.cumsum(counts) - counts
                     idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
-                    acc ^= xor_all(
-                        event_ids(
-                            np.repeat(parts[:, 0], counts).astype(np.int64),
-                            np.repeat(parts[:, 1], counts),
-                            idx,
-                            span.shard,
-                        )
-                    )
+                    ids = event_ids(np.repeat(ms, counts).astype(np.int64),
+                                    np.repeat(seq, counts), idx, span.shard)  # fmt: skip
+                    acc ^= xor_all(ids)
                     events += n
-                    entries += len(ids)
+                    entries += len(counts)
                 if not reply[0]:
                     break
                 cursor = _text(reply[0])
         return Admitted(acc, events, entries)
+
+    def planned_source(self, spans: list[Span], end: Mapping[str, Any]) -> Admitted | None:
+        """The source side the planner computed for a `fields` batch (`_walk_fields`), logged
+        with its end offsets: used when it covers exactly the batch's spans, which a batch
+        re-planned from the offset log after a crash does too."""
+        planned = end.get("admitted") or {}
+        acc = n = 0
+        for span in spans:
+            got = planned.get(span.shard)
+            if got is None or (got[0], got[1]) != (span.lo, span.hi):
+                return None
+            acc ^= int(got[2], 16)
+            n += int(got[3])
+        return Admitted(acc, n, n) if spans else None
+
+    def _admitted_fields(self, spans: list[Span]) -> Admitted:
+        client = raw_client(self.opts.url)
+        acc = n = 0
+        for span in spans:
+            for chunk in read_range(client, span.shard, span.lo, span.hi, AUDIT_XRANGE_COUNT):
+                ms, seq = entry_id_columns([e[0] for e in chunk])
+                acc ^= xor_all(event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), span.shard))
+                n += len(chunk)
+        return Admitted(acc, n, n)
 
     # -- backlog ------------------------------------------------------------------------------
 
@@ -305,8 +333,17 @@ class RedisStreamsLog(Log):
         self, span: Span, ref_ms: int, on_wait: Callable[[str, str], None] | None = None
     ) -> Iterator[pa.RecordBatch]:
         decoder = Decoder(self.opts, ref_ms, span.shard)
-        for chunk in read_range(raw_client(self.opts.url), span.shard, span.lo, span.hi):
-            yield from decoder.decode(chunk)
+        fmt, url = self.opts.format, self.opts.url
+        count = XRANGE_COUNT[fmt]
+        if fmt != "fields":
+            for chunk in read_range(raw_client(url), span.shard, span.lo, span.hi, count):
+                yield from decoder.decode(chunk)
+            return
+        for part in read_replies(url, span.shard, span.lo, span.hi, count):
+            if isinstance(part, StreamReply):
+                yield from decoder.decode_reply(part)
+            else:
+                yield from decoder.decode(part)
 
     def close(self) -> None:
         forget_client(self.opts.url)

@@ -1,109 +1,158 @@
--- Merge one batch's slice updates into the slice hashes of several (metric, key)s. Atomic.
+-- Merge one batch's slice updates into the slice hashes of several keys of one metric
+-- resolution. Atomic.
 --
 -- KEYS[1..K]  slice hashes (on Redis Cluster the caller groups keys by slot)
 -- ARGV[1]     writer token (epoch * 1e12 + batch id). A slice whose stored token is >= this one
 --             already holds this batch's update, which is then skipped: replays are idempotent.
--- then, for each key in order:
---   state, slice_ms, retention_ms, n, width, and n times (slice_start, v1 .. v_width)
--- A slice is stored as "token:v1:...:v_width". The states (`Agg.state` in sluice/slices/aggs.py)
--- are the numeric ones listed in _merge.lua, and
+-- ARGV[2..6]  state, slice_ms, retention_ms, width, expiry step (ms)
+-- then per key k, two args: n_k, the slices it carries; and the key's expiry (ms, as text) for
+--             its newest slice here (see below);
+-- then, per key in order, n_k times: slice_start, v1 .. v_width (numbers as exact text).
+-- A slice is stored as "token:v1:...:v_width". A slice that had no state stores the writer's
+-- text as it is; a merged one the numbers as `fmt` writes them. The states (`Agg.state` in
+-- sluice/slices/aggs.py) are the numeric ones listed in _merge.lua, and
 --   blob: an opaque value (a sketch merged by the caller), replaced, never parsed
 -- (Merging and number formatting come from _merge.lua, prepended.)
 -- Field `_m` holds "hi:lo": the newest slice start and a lower bound of the oldest, for retention.
+-- The hash expires once its newest slice is past retention: at hi + slice_ms + retention_ms,
+-- rounded up to a multiple of the expiry step, so that a key whose newest slice moves on needs a
+-- new PEXPIREAT only once per step. The writer sends that time for its own newest slice.
 -- Returns {applied, duplicates, expired} summed over the keys.
-local token = tonumber(ARGV[1])
-
+--
+-- The work per key is kept to HMGET, HSET and, when its expiry moves, PEXPIREAT: a key with one
+-- slice (most of them when keys are many) goes through a path without tables.
+local token_s = ARGV[1]
+local token = tonumber(token_s)
+local agg = ARGV[2]
+local slice_ms = tonumber(ARGV[3])
+local retention_ms = tonumber(ARGV[4])
+local width = tonumber(ARGV[5])
+local step = tonumber(ARGV[6])
+local stride = width + 1
+local call, ceil = redis.call, math.ceil
 local applied, dups, expired = 0, 0, 0
-local p = 2
+
+-- The stored text of one slice update at ARGV[at] over `prev` (nil: none), or nil if `prev`
+-- already holds this batch's update.
+local function packed_of(at, prev)
+  if not prev then
+    if width == 1 then return token_s .. ':' .. ARGV[at + 1] end
+    local packed = token_s
+    for j = 1, width do packed = packed .. ':' .. ARGV[at + j] end
+    return packed
+  end
+  local c = find(prev, ':', 1, true)
+  if tonumber(sub(prev, 1, c - 1)) >= token then return nil end
+  if agg == 'blob' then return token_s .. ':' .. ARGV[at + 1] end
+  local u = {}
+  for j = 1, width do u[j] = tonumber(ARGV[at + j]) end
+  local _, old_state = parse_state(prev)
+  u = merge_state(agg, u, old_state)
+  local packed = token_s
+  for j = 1, width do packed = packed .. ':' .. fmt(u[j]) end
+  return packed
+end
+
+local function expiry_step(hi)
+  return ceil((hi + slice_ms + retention_ms) / step)
+end
+
+-- Drop the slices in [lo, keep_from) (retention); returns the new lower bound.
+local function trim(key, lo, keep_from)
+  if (keep_from - lo) / slice_ms <= 4096 then
+    local gone = {}
+    local s = lo
+    while s < keep_from do
+      gone[#gone + 1] = fmt(s)
+      if #gone == 1000 then
+        call('HDEL', key, unpack(gone))
+        gone = {}
+      end
+      s = s + slice_ms
+    end
+    if #gone > 0 then call('HDEL', key, unpack(gone)) end
+  else
+    for _, f in ipairs(call('HKEYS', key)) do
+      local s = tonumber(f)
+      if s and s < keep_from then call('HDEL', key, f) end
+    end
+  end
+  return keep_from
+end
+
+local p = 7 + 2 * #KEYS
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local agg = ARGV[p]
-  local slice_ms = tonumber(ARGV[p + 1])
-  local retention_ms = tonumber(ARGV[p + 2])
-  local n = tonumber(ARGV[p + 3])
-  local width = tonumber(ARGV[p + 4])
-  local stride = width + 1
-  local base = p + 5
+  local n = tonumber(ARGV[5 + 2 * k])
+  local expire_at = ARGV[6 + 2 * k]
+  local base = p
   p = base + stride * n
-
-  local fields = {'_m'}
-  for i = 0, n - 1 do fields[#fields + 1] = ARGV[base + stride * i] end
-  local old = redis.call('HMGET', key, unpack(fields))
-
-  local hi, lo = -1e300, 1e300
-  if old[1] then
-    local h, l = string.match(old[1], '^([^:]+):(.+)$')
-    hi, lo = tonumber(h), tonumber(l)
+  local old, hi
+  if n == 1 then
+    old = call('HMGET', key, '_m', ARGV[base])
+    hi = tonumber(ARGV[base])
+  else
+    local fields = {'_m'}
+    hi = -1e300
+    for i = 1, n do
+      local f = ARGV[base + stride * (i - 1)]
+      fields[i + 1] = f
+      local s = tonumber(f)
+      if s > hi then hi = s end
+    end
+    old = call('HMGET', key, unpack(fields))
   end
-  local old_hi = hi
-  for i = 0, n - 1 do
-    local s = tonumber(ARGV[base + stride * i])
-    if s > hi then hi = s end
-  end
-  local keep_from = hi - retention_ms + slice_ms
-
-  local out = {}
-  for i = 0, n - 1 do
-    local at = base + stride * i
-    local field = ARGV[at]
-    local s = tonumber(field)
-    local prev = old[i + 2]
-    if s < keep_from then
-      expired = expired + 1
+  local m = old[1]
+  if not m and n == 1 then
+    -- A new hash with one slice: no retention to apply, and `_m` is that slice twice.
+    local f = ARGV[base]
+    local packed = packed_of(base, old[2])
+    if packed then
+      call('HSET', key, f, packed, '_m', f .. ':' .. f)
+      applied = applied + 1
     else
-      local prev_token = prev and tonumber(string.match(prev, '^([^:]+)'))
-      if prev_token and prev_token >= token then
-        dups = dups + 1
+      call('HSET', key, '_m', f .. ':' .. f)
+      dups = dups + 1
+    end
+    call('PEXPIREAT', key, expire_at)
+  else
+    local old_hi, old_lo
+    if m then
+      local c = find(m, ':', 1, true)
+      old_hi, old_lo = tonumber(sub(m, 1, c - 1)), tonumber(sub(m, c + 1))
+      if old_hi > hi then hi = old_hi end
+    end
+    local lo = old_lo or 1e300
+    local keep_from = hi - retention_ms + slice_ms
+    local out, o = {}, 0
+    for i = 1, n do
+      local at = base + stride * (i - 1)
+      local s = tonumber(ARGV[at])
+      if s < keep_from then
+        expired = expired + 1
       else
-        local packed
-        if agg == 'blob' then
-          packed = ARGV[1] .. ':' .. ARGV[at + 1]
+        local packed = packed_of(at, old[i + 1])
+        if packed then
+          out[o + 1] = ARGV[at]
+          out[o + 2] = packed
+          o = o + 2
+          if s < lo then lo = s end
+          applied = applied + 1
         else
-          local u = {}
-          for j = 1, width do u[j] = tonumber(ARGV[at + j]) end
-          if prev then
-            local _, old_state = parse_state(prev)
-            u = merge_state(agg, u, old_state)
-          end
-          packed = ARGV[1]
-          for j = 1, width do packed = packed .. ':' .. fmt(u[j]) end
+          dups = dups + 1
         end
-        out[#out + 1] = field
-        out[#out + 1] = packed
-        if s < lo then lo = s end
-        applied = applied + 1
       end
     end
-  end
-
-  -- Retention: drop the slices that fell behind the newest one by more than retention_ms.
-  if lo < keep_from then
-    local count = (keep_from - lo) / slice_ms
-    if count <= 4096 then
-      local gone = {}
-      local s = lo
-      while s < keep_from do
-        gone[#gone + 1] = fmt(s)
-        if #gone == 1000 then
-          redis.call('HDEL', key, unpack(gone))
-          gone = {}
-        end
-        s = s + slice_ms
-      end
-      if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
-    else
-      for _, f in ipairs(redis.call('HKEYS', key)) do
-        local s = tonumber(f)
-        if s and s < keep_from then redis.call('HDEL', key, f) end
-      end
+    if lo < keep_from then lo = trim(key, lo, keep_from) end
+    if hi ~= old_hi or lo ~= old_lo then
+      out[o + 1] = '_m'
+      out[o + 2] = fmt(hi) .. ':' .. fmt(lo)
+      o = o + 2
     end
-    lo = keep_from
-  end
-  out[#out + 1] = '_m'
-  out[#out + 1] = fmt(hi) .. ':' .. fmt(lo)
-  redis.call('HSET', key, unpack(out))
-  if hi ~= old_hi then
-    redis.call('PEXPIREAT', key, fmt(hi + slice_ms + retention_ms))
+    if o > 0 then call('HSET', key, unpack(out)) end
+    if hi ~= old_hi and (not old_hi or expiry_step(hi) ~= expiry_step(old_hi)) then
+      call('PEXPIREAT', key, expire_at)
+    end
   end
 end
 return {applied, dups, expired}

@@ -1,0 +1,461 @@
+"""Ingest against the bare engine, before and after a change, in one run (issue 15's targets).
+
+    .venv/bin/python bench/ingest.py                    # 3 rounds, about 25 minutes on 2 cores
+    .venv/bin/python bench/ingest.py --quick            # 1 round, small sizes, about 8 minutes
+    .venv/bin/python bench/ingest.py --before db2d2f0   # the revision to compare with
+    .venv/bin/python bench/ingest.py --bare-audit       # the bare engine, audit columns or not
+
+Two revisions of src/ are measured: `--before` (exported with `git archive` into a temporary
+directory) and the working tree (`after`). Each round starts one worker process per revision,
+in alternating order (before first in odd rounds, after first in even ones), so both see the
+same machine; the load average is recorded around every worker. A worker holds one Spark
+session and, per format (Redis Streams `fields` and `jsonl`) and workload (`zipf`, the
+throughput benchmark's events; `highcard`, `lib.load.highcard_frame` with the six metrics of
+`lib.load.HIGHCARD_METRICS`), drains a pre-filled backlog on a fresh embedded Redis. The `after`
+worker also runs a short rate ladder (sustained), the same drain with the audit off (`zipf`),
+and the bare engine (`throughput.bare_run`, the same Spark plan fed from in-memory Arrow with a
+no-op write; the plan is the same in both revisions, so both are divided by it).
+
+Per drain: events/s, slice updates per event, store updates/s, exact counts (events counted,
+and the `txn_count` metric summed in the store, against the events written; every batch
+audited), the per-batch time breakdown (Spark's own durations, the write's time, Redis's time
+per command) and the cores each component used. Writes bench/results/ingest[.quick].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lib.load import (
+    HIGHCARD_METRICS,
+    WORKLOADS,
+    PacedProducer,
+    bench_config,
+    build_pool,
+    now_ms,  # fmt: skip
+    prefill,
+)
+from lib.procs import (
+    CpuSnapshot,
+    Workspace,
+    count_metric_total,
+    pipeline_run,
+    stat_counter,
+    wait_idle,  # fmt: skip
+)
+from lib.results import ROOT, Run, log, parser
+from lib.stats import batch_rate, judge_step, median
+from sluice.status.snapshot import backlog, recent_batches
+
+FORMATS = ("fields", "jsonl")
+REVISIONS = ("before", "after")
+# (quick, format, workload): (source.max_events_per_batch, events drained)
+SIZES = {
+    (False, "fields", "zipf"): (100_000, 500_000), (False, "jsonl", "zipf"): (500_000, 2_500_000),
+    (False, "fields", "highcard"): (50_000, 200_000),
+    (False, "jsonl", "highcard"): (50_000, 250_000),
+    (True, "fields", "zipf"): (20_000, 100_000), (True, "jsonl", "zipf"): (100_000, 500_000),
+    (True, "fields", "highcard"): (10_000, 40_000), (True, "jsonl", "highcard"): (10_000, 40_000),
+}  # fmt: skip
+POOL_EVENTS = 100_000  # zipf entries are cycled; highcard ones are drawn afresh, up to
+MAX_POOL_EVENTS = 300_000  # ... this many
+STEP_S, MAX_STEPS, MAX_LAG_S = 10.0, 2, 15.0
+LUA = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall")
+READS = ("xrange", "xrevrange", "xread")
+SPARK_PLAN = ("latestOffset", "getBatch", "queryPlanning")
+SPARK_COMMIT = ("walCommit", "commitOffsets")
+
+
+# -- the worker: one revision, one Spark session ---------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except OSError:
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], children(pid)
+    while todo:
+        out.append(p := todo.pop())
+        todo += children(p)
+    return out
+
+
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def parties(redis_pid: int | None) -> dict[str, list[int]]:
+    """Pids per component: Redis, the JVM (a `java` child of this process), the Python workers
+    (the JVM's descendants: the pyspark daemon and the workers it forks), the driver (this
+    process). A worker that exits between two snapshots takes its CPU with it (an undercount)."""
+    jvms = [p for p in children(os.getpid()) if "java" in command_of(p).split(" ")[0]]
+    workers = [w for j in jvms for w in descendants(j)]
+    out = {"redis": [redis_pid] if redis_pid else [], "jvm": jvms, "python_workers": workers}
+    return out | {"driver": [os.getpid()]}
+
+
+def command_usec(client: Any) -> dict[str, int]:
+    """Redis's own time per command (INFO commandstats), microseconds since it started."""
+    stats = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in stats.items()}
+
+
+def progress_durations(query: Any, batches: set[int]) -> list[dict[str, Any]]:
+    """Spark's per-batch durations (ms) of `batches` (those that recorded a batch)."""
+    out = {}
+    for p in query.recentProgress if query is not None else []:
+        if p.batchId in batches and "addBatch" in p.durationMs:
+            out[p.batchId] = {"batch": p.batchId, **dict(p.durationMs)}
+    return list(out.values())
+
+
+def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
+              usec: dict[str, int]) -> dict[str, Any]:  # fmt: skip
+    """Mean ms per batch (without the first, the warm-up), by part: planning (Spark's
+    latestOffset, getBatch, queryPlanning), the Redis side of the reads (XRANGE), the rest of the
+    Spark tasks (decode, explode, fold, shuffle, collect, and the batch record), the write
+    (the slowest partition's) split into Lua (Redis's script time, at most the write) and Python,
+    commit (walCommit, commitOffsets), and the audit's source side (concurrent with the batch)."""
+    recs = sorted(records, key=lambda r: r["batch"])[1:]
+    durs = sorted(durations, key=lambda d: d["batch"])[1:]
+    n_all = max(1, len(records))
+    if not recs or not durs:
+        return {}
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    write = mean([r.get("write_ms") or 0.0 for r in recs])
+    lua = min(write, sum(usec.get(c, 0) for c in LUA) / 1000 / n_all)
+    read = sum(usec.get(c, 0) for c in READS) / 1000 / n_all
+    add = mean([d.get("addBatch", 0) for d in durs])
+    plan = mean([sum(d.get(k, 0) for k in SPARK_PLAN) for d in durs])
+    commit = mean([sum(d.get(k, 0) for k in SPARK_COMMIT) for d in durs])
+    total = mean([d.get("triggerExecution", 0) for d in durs])
+    audit = mean([(r.get("audit") or {}).get("audit_ms") or 0.0 for r in recs])
+    return {
+        "plan": plan, "read_redis": read, "spark_tasks": max(0.0, add - write - read),
+        "write_python": write - lua, "write_lua": lua, "commit": commit,
+        "other": max(0.0, total - plan - add - commit), "audit_source": audit,
+        "batch_ms": total, "events_per_batch": mean([r["events"] for r in recs]),
+        "redis_usec_by_command": {k: v for k, v in sorted(usec.items()) if v},
+    }  # fmt: skip
+
+
+def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
+               audit: bool = True, sustained: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Pre-fill, start the fold, wait until idle: the drain's numbers (and the ladder's)."""
+    cap, n_events = SIZES[(a.quick, fmt, workload)]
+    label = f"{fmt}-{workload}{'' if audit else '-noaudit'}"
+    extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
+    if not audit:
+        extra["audit"] = {"enabled": False}
+    cfg = bench_config(fmt, ws.state_dir(label), cap, **extra)
+    out: dict[str, Any] = {"format": fmt, "workload": workload, "audit": audit,
+                           "batch_events": cap}  # fmt: skip
+    with pipeline_run(spark, cfg) as (pipeline, handle):
+        pool_n = n_events if workload == "highcard" else POOL_EVENTS
+        pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload)
+        sent = prefill(handle.url, pool, n_events)
+        redis_pid = handle.embedded.pid if handle.embedded else None
+        usec0, cpu0 = command_usec(handle.client), CpuSnapshot.take(parties(redis_pid))
+        pipeline.start()
+        idle, _ = wait_idle(pipeline, handle.client, cfg, a.timeout_s, f"{a.worker} {label}")
+        cpu = CpuSnapshot.take(parties(redis_pid)).cores_since(cpu0)
+        usec1 = command_usec(handle.client)
+        usec = {k: v - usec0.get(k, 0) for k, v in usec1.items()}
+        records = sorted(recent_batches(handle.client, 600), key=lambda r: r["batch"])
+        durations = progress_durations(pipeline.query, {r["batch"] for r in records})
+        rate = batch_rate(records) or {}
+        counted = stat_counter(handle.client, "events_in")
+        stored = count_metric_total(handle.client, "txn_count")
+        updates = sum(r["updates_applied"] for r in records)
+        write_s = sum((r.get("write_ms") or 0.0) for r in records) / 1000
+        audited = [r for r in records if r.get("events")]
+        out |= {
+            "events": sent, "idle": idle, "batches": len(records), "per_s": rate.get("per_s"),
+            "cores": cpu, "exact": idle and counted == sent and stored == sent,
+            "counted": counted, "stored_txn_count": stored,
+            "audit_ok": all((r.get("audit") or {}).get("ok") for r in audited) if audit else None,
+            "updates": updates, "updates_per_event": updates / sent if sent else None,
+            "pipeline_updates_per_s": (rate.get("per_s") or 0) * updates / sent if sent else None,
+            "store_updates_per_s": updates / write_s if write_s else None,
+            "batch_sizes": [r["events"] for r in records],
+            "breakdown": breakdown(records, durations, usec),
+        }  # fmt: skip
+        log(f"{a.worker} {label}: {rate.get('per_s') or 0:,.0f} events/s, exact {out['exact']},"
+            f" {out['updates_per_event'] or 0:.2f} updates/event")  # fmt: skip
+        if sustained and idle and out["per_s"]:
+            out["steps"] = ladder(pipeline, handle, cfg, a, workload, out["per_s"])
+            bounded = [s["achieved_per_s"] for s in out["steps"] if s["bounded"]]
+            out["sustained_per_s"] = max(bounded) if bounded else None
+    return out
+
+
+def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
+           drain_per_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """Produce for STEP_S at 0.9 x the drain rate, then 1.25 x after a bounded step or 0.7 x
+    after an unbounded one, at most MAX_STEPS (`lib.stats.judge_step` judges each)."""
+    steps: list[dict[str, Any]] = []
+    factor, cap = 0.9, SIZES[(a.quick, cfg.source.format, workload)][0]
+    for i in range(MAX_STEPS):
+        rate = factor * drain_per_s
+        n = POOL_EVENTS if workload == "zipf" else min(MAX_POOL_EVENTS, int(rate * STEP_S) + 1)
+        pool = build_pool(cfg, n, a.seed + 10 + i, now_ms(), workload)
+        per = pool.events_per_entry()
+        producer = PacedProducer(handle.url, pool, rate, STEP_S)
+        t0, start_ms = time.monotonic(), now_ms()
+        producer.start()
+        samples: list[tuple[float, int]] = []
+        while producer.is_alive():
+            producer.join(0.5)
+            samples.append((time.monotonic() - t0, round(backlog(handle.client, cfg)[0] * per)))
+        end_ms = now_ms()
+        drained, deadline = False, time.monotonic() + 60.0
+        while not drained and time.monotonic() < deadline:
+            drained = pipeline.wait_idle(timeout_s=0.5)
+        judged_from = start_ms + (end_ms - start_ms) / 3
+        admitted = [r["events"] for r in recent_batches(handle.client, 600)
+                    if judged_from <= r["started_ms"] <= end_ms]  # fmt: skip
+        achieved = producer.achieved_per_s()
+        bounded, reason = judge_step(samples, achieved, MAX_LAG_S, admitted, cap)
+        steps.append({"target_per_s": rate, "achieved_per_s": achieved, "bounded": bounded,
+                      "reason": reason, "drained": drained})  # fmt: skip
+        log(f"{a.worker} sustained {cfg.source.format}-{workload}: {steps[-1]}")
+        if not drained:
+            break
+        factor *= 1.25 if bounded else 0.7
+    return steps
+
+
+def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
+              audit: bool = True) -> dict[str, Any]:  # fmt: skip
+    """The bare engine on batches of the cell's cap (`throughput.bare_run`); its plan carries
+    the audit's columns unless `audit` is False, as the fold's does."""
+    from throughput import bare_run
+
+    cap = SIZES[(a.quick, fmt, workload)][0]
+    extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
+    if not audit:
+        extra["audit"] = {"enabled": False}
+    cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap, **extra)
+    bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload)
+    log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}: {bare}")
+    return {"format": fmt, "workload": workload, "bare": bare, "audit": audit}
+
+
+def bare_audit(a: Any) -> None:
+    """`--bare-audit`: the bare engine (zipf) with the audit's columns and without, per format,
+    `rounds` times in alternating order, in this process (the working tree's src/); writes
+    bench/results/ingest-bare-audit[.quick].json."""
+    from sluice.pipeline.spark import build_spark
+    from sluice.testing.arrow_source import ArrowFileSource
+
+    run, ws, cells, spark = Run("ingest-bare-audit", a), Workspace(), [], None
+    try:
+        spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
+        spark.dataSource.register(ArrowFileSource)
+        bare_cell(spark, ws, "fields", "zipf", a)  # warm-up, not counted
+        for rnd in range(a.rounds or 3):
+            for fmt in FORMATS:
+                for audit in (True, False) if rnd % 2 == 0 else (False, True):
+                    cells.append(bare_cell(spark, ws, fmt, "zipf", a, audit) | {"round": rnd + 1})
+    finally:
+        if spark is not None:
+            spark.stop()
+        ws.cleanup()
+    rows = []
+    for fmt in FORMATS:
+        on, off = ([c["bare"]["per_s"] for c in cells if c["format"] == fmt and c["audit"] == x
+                    and c["bare"].get("per_s")] for x in (True, False))  # fmt: skip
+        m_on, m_off = median(on), median(off)
+        cost = 1 - m_on / m_off if m_on and m_off else None
+        rows.append({"format": fmt, "on_per_s": m_on, "off_per_s": m_off, "on_each": on,
+                     "off_each": off, "cost": cost})  # fmt: skip
+    run.write({"bare_batches": a.bare_batches, "sizes": {f: SIZES[(a.quick, f, "zipf")][0]
+               for f in FORMATS}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
+
+
+def worker(a: Any) -> None:
+    """Measure every cell of one revision; write the cells as JSON to `a.result`."""
+    from sluice.pipeline.spark import build_spark
+    from sluice.testing.arrow_source import ArrowFileSource
+
+    after = a.worker == "after"
+    ws, cells, spark = Workspace(), [], None
+    try:
+        spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
+        spark.dataSource.register(ArrowFileSource)
+        for fmt in FORMATS:
+            for workload in WORKLOADS:
+                runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, after))]
+                if after and workload == "zipf":
+                    runs.append((drain_cell, (spark, ws, fmt, workload, a, False)))
+                if after:
+                    runs.append((bare_cell, (spark, ws, fmt, workload, a)))
+                for fn, args in runs:
+                    try:
+                        cells.append(fn(*args))
+                    except Exception as e:  # noqa: BLE001 - recorded; the other cells go on
+                        log(f"{a.worker} {fmt}-{workload} {fn.__name__}: failed: {e!r}")
+                        cells.append({"format": fmt, "workload": workload, "error": repr(e),
+                                      "audit": fn is drain_cell and args[5]})  # fmt: skip
+                    Path(a.result).write_text(json.dumps(cells, default=str))  # so far
+    finally:
+        if spark is not None:
+            spark.stop()
+        ws.cleanup()
+
+
+# -- the driver: rounds of workers, then the medians -----------------------------------------
+
+
+def export(revision: str, into: Path) -> Path:
+    """`revision`'s src/ under `into` (git archive); returns that src directory."""
+    archive = subprocess.run(["git", "archive", revision, "src"], cwd=ROOT, check=True,
+                             capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "src"
+
+
+def run_worker(label: str, src: Path, tmp: Path, a: Any, rnd: int) -> dict[str, Any]:
+    result = tmp / f"{label}-{rnd}.json"
+    args = [sys.executable, __file__, "--worker", label, "--result", str(result),
+            "--seed", str(a.seed + rnd)] + (["--quick"] if a.quick else [])  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'bench'}"}
+    load0, t0 = os.getloadavg(), time.monotonic()
+    log(f"round {rnd + 1}: {label} ({src})")
+    proc = subprocess.run(args, env=env, timeout=a.worker_timeout_s, check=False)
+    took = time.monotonic() - t0
+    cells = json.loads(result.read_text()) if result.exists() else []
+    return {"round": rnd + 1, "revision": label, "exit": proc.returncode, "took_s": round(took),
+            "load_before": list(load0), "load_after": list(os.getloadavg()),
+            "cells": cells}  # fmt: skip
+
+
+def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds, per revision, format and workload; ratios against the bare
+    engine's median (measured by the `after` workers; the plan is the same in both)."""
+    rows = []
+    for fmt in FORMATS:
+        for wl in WORKLOADS:
+
+            def cells(rev: str, audit: bool = True, f: str = fmt, w: str = wl) -> list[Any]:
+                return [c for x in workers if x["revision"] == rev for c in x["cells"]
+                        if c["format"] == f and c["workload"] == w and "bare" not in c
+                        and "error" not in c and c["audit"] == audit]  # fmt: skip
+
+            bare = median([c["bare"]["per_s"] for x in workers for c in x["cells"]
+                           if c["format"] == fmt and c["workload"] == wl and "bare" in c
+                           and c["bare"].get("per_s")])  # fmt: skip
+            for rev in REVISIONS:
+                cs = cells(rev)
+
+                def med(key: str, cs: list[Any] = cs) -> float | None:
+                    return median([c[key] for c in cs if c.get(key) is not None])
+
+                drain, sus = med("per_s"), med("sustained_per_s")
+                row = {
+                    "format": fmt, "workload": wl, "revision": rev, "runs": len(cs),
+                    "errors": [c["error"] for x in workers if x["revision"] == rev
+                               for c in x["cells"] if c["format"] == fmt
+                               and c["workload"] == wl and "error" in c],
+                    "drain_per_s": drain, "drain_each": [c.get("per_s") for c in cs],
+                    "sustained_per_s": sus,
+                    "sustained_each": [c.get("sustained_per_s") for c in cs if "steps" in c],
+                    "bare_per_s": bare,
+                    "drain_vs_bare": drain / bare if drain and bare else None,
+                    "sustained_vs_bare": sus / bare if sus and bare else None,
+                    "updates_per_event": med("updates_per_event"),
+                    "pipeline_updates_per_s": med("pipeline_updates_per_s"),
+                    "store_updates_per_s": med("store_updates_per_s"),
+                    "exact": all(c.get("exact") for c in cs) if cs else None,
+                    "audit_ok": all(c.get("audit_ok") for c in cs) if cs else None,
+                    "breakdown": {k: median([c["breakdown"][k] for c in cs if c.get("breakdown")])
+                                  for k in (*BREAKDOWN, "audit_source", "batch_ms",
+                                            "events_per_batch")},
+                    "cores": {k: median([c["cores"][k] for c in cs if c.get("cores")])
+                              for k in CORES},
+                }  # fmt: skip
+                off = cells(rev, audit=False)
+                if off:
+                    on_off = median([c["per_s"] for c in off if c.get("per_s")])
+                    row["drain_audit_off_per_s"] = on_off
+                    row["audit_cost"] = 1 - drain / on_off if drain and on_off else None
+                    row["drain_audit_off_each"] = [c.get("per_s") for c in off]
+                rows.append(row)
+    loads = [x["load_before"][0] for x in workers] + [x["load_after"][0] for x in workers]
+    return {"rows": rows, "load_1m": {"min": min(loads, default=None),
+                                      "max": max(loads, default=None),
+                                      "median": median(loads)},
+            "workers": [{k: v for k, v in x.items() if k != "cells"} for x in workers]}  # fmt: skip
+
+
+BREAKDOWN = ("plan", "read_redis", "spark_tasks", "write_python", "write_lua", "commit", "other")
+CORES = ("redis", "jvm", "python_workers", "driver", "loadgen", "other", "idle")
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--before", default="db2d2f0", help="the revision to compare with")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 3, quick 1)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--worker", choices=REVISIONS, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--bare-audit", action="store_true",
+                   help="only the bare engine with and without the audit's columns")  # fmt: skip
+    a = p.parse_args()
+    a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
+    if a.worker:
+        worker(a)
+        return
+    if a.bare_audit:
+        bare_audit(a)
+        return
+    rounds = a.rounds or (1 if a.quick else 3)
+    a.worker_timeout_s = 900 if a.quick else 1200
+    run = Run("ingest", a)
+    workers: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-ingest-") as t:
+        tmp = Path(t)
+        (tmp / "before").mkdir()
+        srcs = {"before": export(a.before, tmp / "before"), "after": ROOT / "src"}
+        for rnd in range(rounds):
+            order = REVISIONS if rnd % 2 == 0 else REVISIONS[::-1]
+            for rev in order:
+                workers.append(run_worker(rev, srcs[rev], tmp, a, rnd))
+                run.write(params(a, rounds), summarize(workers), series(workers))  # so far
+
+
+def params(a: Any, rounds: int) -> dict[str, Any]:
+    return {"before": a.before, "rounds": rounds, "sizes": {"|".join(map(str, k)): v
+            for k, v in SIZES.items() if k[0] == a.quick}, "step_s": STEP_S,
+            "max_steps": MAX_STEPS, "max_lag_s": MAX_LAG_S, "metrics": HIGHCARD_METRICS,
+            "bare_batches": a.bare_batches}  # fmt: skip
+
+
+def series(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"workers": [{"round": x["round"], "revision": x["revision"], "cells": x["cells"]}
+                        for x in workers]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The calls of `write_slices.lua`: built from Arrow columns, sent as raw commands.
+
+One call carries up to KEYS_PER_CALL slice hashes of one metric resolution (on Redis Cluster,
+of one slot): per key how many slices it carries and its expiry, then the slices (start and the
+state's numbers as text). `SliceWrites` builds every call of a partition's updates with Arrow
+kernels: rows sorted by key, the RESP encoding of every argument done on whole columns, and a
+call's bytes cut out of those buffers; nothing runs per row in Python. The calls go out
+pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, and each reply must account for
+every slice its call carried (applied + duplicate + expired), or the call counts as failed and
+the audit sees its rows as not applied.
+
+`run_write_script` takes the same calls as Python lists, one item per key, for the few writes
+that are not made from columns (sketch blobs) and for tools that write slices directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from redis.exceptions import ResponseError
+
+from sluice.redis.keys import key_slot
+from sluice.redis.scripts import WRITE_SLICES, evalsha_on, script_sha, script_source
+
+KEYS_PER_CALL = 500
+CALLS_PER_ROUND_TRIP = 8
+
+
+def expiry_step_ms(slice_ms: int, retention_ms: int) -> int:
+    """How finely a slice hash's expiry moves (see write_slices.lua): a sixteenth of the
+    retention, at least a slice, so that a key lives at most that much past its retention."""
+    return max(slice_ms, retention_ms // 16)
+
+
+def expire_at_ms(newest_ms: Any, slice_ms: int, retention_ms: int) -> Any:
+    """When a slice hash whose newest slice starts at `newest_ms` expires (ints or an int64
+    array): newest + slice + retention, rounded up to a multiple of `expiry_step_ms`."""
+    step = expiry_step_ms(slice_ms, retention_ms)
+    return -(-(newest_ms + slice_ms + retention_ms) // step) * step
+
+
+def _text(values: np.ndarray) -> pa.Array:
+    return pc.cast(pa.array(values), pa.string())
+
+
+def _interleave(columns: Sequence[pa.Array]) -> pa.Array:
+    """[a0, b0, .., a1, b1, ..]: the columns' values row by row."""
+    if len(columns) == 1:
+        return columns[0]
+    n = len(columns[0])
+    order = (np.arange(len(columns))[None, :] * n + np.arange(n)[:, None]).ravel()
+    return pa.concat_arrays([c.cast(pa.string()) for c in columns]).take(pa.array(order))
+
+
+class _Encoded:
+    """A string column with every value RESP-encoded (`$<len>\\r\\n<value>\\r\\n`), whose runs of
+    values are cut out as bytes without a copy per value."""
+
+    def __init__(self, values: pa.Array) -> None:
+        lens = pc.cast(pc.binary_length(values), pa.string())
+        enc = pc.binary_join_element_wise("$", lens, "\r\n", values, "\r\n", "")
+        if isinstance(enc, pa.ChunkedArray):
+            enc = enc.combine_chunks()
+        self.data = enc.buffers()[2]
+        self.offsets = np.frombuffer(enc.buffers()[1], dtype=np.int32)[
+            enc.offset : enc.offset + len(enc) + 1
+        ]
+
+    def bytes(self, a: int, b: int) -> bytes:
+        start, end = int(self.offsets[a]), int(self.offsets[b])
+        return self.data[start:end].to_pybytes()
+
+
+def _bulk(*values: str) -> bytes:
+    return b"".join(b"$%d\r\n%s\r\n" % (len(v.encode()), v.encode()) for v in values)
+
+
+@dataclass
+class Calls:
+    """The calls of one metric resolution. `payloads` holds each call's RESP command (None on
+    a cluster), `argv` its (keys, args) as Python lists (on a cluster only), `slices` how many
+    slices it carries, and `row_call` the call that writes each input row."""
+
+    payloads: list[bytes | None]
+    argv: list[tuple[list[Any], list[Any]]]
+    slices: list[int]
+    row_call: np.ndarray
+
+
+def _key_runs(keys: pa.Array, cluster: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, run_start, key_call): the rows sorted by key (by slot, then key, on a cluster),
+    where each key's run of rows starts in that order, and the call of each key: a new call
+    every KEYS_PER_CALL keys and wherever the slot changes."""
+    n = len(keys)
+    row_slot = None
+    if cluster:
+        coded = keys.dictionary_encode()
+        slots = np.array([key_slot(k) for k in coded.dictionary.to_pylist()], dtype=np.int64)
+        row_slot = slots[coded.indices.to_numpy()]
+        by = pa.table({"slot": row_slot, "key": keys})
+        order = pc.sort_indices(by, sort_keys=[("slot", "ascending"), ("key", "ascending")])
+    else:
+        order = pc.sort_indices(keys)
+    order = order.to_numpy()
+    keys_s = keys.take(pa.array(order))
+    new_key = np.ones(n, dtype=bool)
+    if n > 1:
+        same = pc.equal(keys_s.slice(1), keys_s.slice(0, n - 1))
+        new_key[1:] = ~same.to_numpy(zero_copy_only=False)
+    run_start = np.flatnonzero(new_key)
+    new_group = np.zeros(len(run_start), dtype=bool)
+    new_group[0] = True
+    if row_slot is not None:
+        run_slot = row_slot[order][run_start]
+        new_group[1:] = run_slot[1:] != run_slot[:-1]
+    local = np.arange(len(run_start)) - np.flatnonzero(new_group)[np.cumsum(new_group) - 1]
+    key_call = np.cumsum(new_group | (local % KEYS_PER_CALL == 0)) - 1
+    return order, run_start, key_call
+
+
+def build_calls(
+    token: int,
+    head: tuple[str, int, int, int],
+    keys: pa.Array,
+    starts: np.ndarray,
+    states: Sequence[pa.Array],
+    cluster: bool = False,
+) -> Calls:
+    """The write_slices.lua calls for slice updates of one metric resolution: per row its slice
+    hash `keys`, its slice `starts` (ms) and its state's numbers as text (`states`, one column
+    per number). `head` is (state, slice_ms, retention_ms, width); a (key, slice) pair appears
+    once (the fold's rows are unique per (group, key, slice))."""
+    state, slice_ms, retention_ms, width = head
+    n = len(keys)
+    if not n:
+        return Calls([], [], [], np.zeros(0, dtype=np.int64))
+    order, run_start, key_call = _key_runs(keys, cluster)
+    take = pa.array(order)
+    uniq = keys.take(take).take(pa.array(run_start))
+    starts_s = starts[order]
+    counts = np.diff(np.append(run_start, n))
+    expire = expire_at_ms(np.maximum.reduceat(starts_s, run_start), slice_ms, retention_ms)
+    per_key = _interleave([_text(counts), _text(expire)])
+    slice_args = _interleave([_text(starts_s), *[st.take(take) for st in states]])
+    step = expiry_step_ms(slice_ms, retention_ms)
+    head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
+    call_keys = np.append(np.flatnonzero(np.diff(key_call, prepend=-1)), len(uniq))
+    call_rows = np.append(run_start, n)[call_keys]
+    calls = Calls([], [], [], np.repeat(key_call, counts)[np.argsort(order)])
+    stride = width + 1
+    enc = None if cluster else [_Encoded(uniq), _Encoded(per_key), _Encoded(slice_args)]
+    head_bytes = _bulk(*head_args)
+    for c in range(len(call_keys) - 1):
+        ka, kb = int(call_keys[c]), int(call_keys[c + 1])
+        ra, rb = int(call_rows[c]), int(call_rows[c + 1])
+        calls.slices.append(rb - ra)
+        if enc is None:
+            args = [*head_args, *per_key.slice(2 * ka, 2 * (kb - ka)).to_pylist(),
+                    *slice_args.slice(stride * ra, stride * (rb - ra)).to_pylist()]  # fmt: skip
+            calls.argv.append((uniq.slice(ka, kb - ka).to_pylist(), args))
+            calls.payloads.append(None)
+            continue
+        nk = kb - ka
+        size = 3 + nk + len(head_args) + 2 * nk + stride * (rb - ra)
+        calls.payloads.append(
+            b"*%d\r\n" % size
+            + _bulk("EVALSHA", script_sha(WRITE_SLICES), str(nk))
+            + enc[0].bytes(ka, kb)
+            + head_bytes
+            + enc[1].bytes(2 * ka, 2 * kb)
+            + enc[2].bytes(stride * ra, stride * rb)
+        )
+    return calls
+
+
+def send_calls(client: Any, calls: Calls) -> tuple[list[int], np.ndarray]:
+    """Run `calls`: ([applied, duplicate, expired] summed, and per call whether it failed, i.e.
+    its reply did not account for every slice it carried). Raises on an error reply (after
+    reading every reply sent) or a lost connection, as the pipeline would."""
+    totals = [0, 0, 0]
+    failed = np.zeros(len(calls.slices), dtype=bool)
+    if not calls.slices:
+        return totals, failed
+    client.script_load(script_source(WRITE_SLICES))  # then EVALSHA only
+    if calls.payloads[0] is None:
+        replies = _run_pipelined(client, calls.argv)
+    else:
+        replies = _run_raw(client, [p for p in calls.payloads if p is not None])
+    for c, res in enumerate(replies):
+        for j in range(3):
+            totals[j] += int(res[j])
+        failed[c] = sum(int(x) for x in res[:3]) != calls.slices[c]
+    return totals, failed
+
+
+def _run_raw(client: Any, payloads: list[bytes]) -> list[Any]:
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    replies: list[Any] = []
+    error: Exception | None = None
+    try:
+        for i in range(0, len(payloads), CALLS_PER_ROUND_TRIP):
+            part = payloads[i : i + CALLS_PER_ROUND_TRIP]
+            conn.send_packed_command(part)
+            for _ in part:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as e:
+                    error = error or e
+                    replies.append([0, 0, 0])
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    if error is not None:
+        raise error
+    return replies
+
+
+def _run_pipelined(client: Any, argv: list[tuple[list[Any], list[Any]]]) -> list[Any]:
+    pipe = client.pipeline(transaction=False)
+    for keys, args in argv:
+        evalsha_on(pipe, WRITE_SLICES, keys, args)
+    return list(pipe.execute())
+
+
+def run_write_script(
+    client: Any,
+    token: int,
+    calls: list[tuple[str, list[Any], tuple[Any, ...]]],
+    failed: set[tuple[Any, ...]],
+    cluster: bool = False,
+) -> list[int]:
+    """Run write_slices.lua over (key, args, dep) items, one per slice hash: `args` is
+    `state, slice_ms, retention_ms, n, width` then n times `slice_start, v1 .. v_width`. Items
+    with the same head share calls (of one slot on a cluster), KEYS_PER_CALL keys a call,
+    pipelined. A call whose reply does not account for every slice it carried puts the deps of
+    its keys in `failed`. Returns [applied, duplicate, expired]."""
+    client.script_load(script_source(WRITE_SLICES))
+    groups: dict[tuple[Any, ...], list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
+    for item in calls:
+        state, slice_ms, retention_ms, _, width = item[1][:5]
+        slot = key_slot(item[0]) if cluster else 0
+        groups.setdefault((state, int(slice_ms), int(retention_ms), int(width), slot), []).append(
+            item
+        )
+    argv: list[tuple[list[Any], list[Any]]] = []
+    deps: list[tuple[int, list[tuple[Any, ...]]]] = []
+    for (state, slice_ms, retention_ms, width, _), items in groups.items():
+        step = expiry_step_ms(slice_ms, retention_ms)
+        for j in range(0, len(items), KEYS_PER_CALL):
+            chunk = items[j : j + KEYS_PER_CALL]
+            per_key: list[Any] = []
+            flat: list[Any] = []
+            for _, args, _ in chunk:
+                body = args[5:]
+                newest = max(int(s) for s in body[0 :: width + 1])
+                per_key += [str(args[3]), str(expire_at_ms(newest, slice_ms, retention_ms))]
+                flat += body
+            head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
+            argv.append(([key for key, _, _ in chunk], [*head, *per_key, *flat]))
+            deps.append((sum(int(a[3]) for _, a, _ in chunk), [d for _, _, d in chunk]))
+    totals = [0, 0, 0]
+    for res, (expected, call_deps) in zip(_run_pipelined(client, argv), deps, strict=True):
+        for j in range(3):
+            totals[j] += int(res[j])
+        if sum(int(x) for x in res[:3]) != expected:
+            failed.update(call_deps)
+    return totals

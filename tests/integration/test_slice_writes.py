@@ -1,0 +1,111 @@
+"""write_slices.lua through the columnar writer (`pipeline.slice_writes`), on a real Redis and a
+real Redis Cluster: merges, replays, retention, expiry, slices stored by the writer before this
+layout, and a call whose reply does not add up."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import redis
+
+from sluice.pipeline import slice_writes
+from sluice.pipeline.slice_writes import Calls, build_calls, expire_at_ms, send_calls
+from sluice.redis.keys import slice_hash_key
+from sluice.redis.scripts import READ_SLICES, script_source
+from sluice.slices.aggs import AGGS
+
+SLICE_MS, RETENTION_MS = 10_000, 3_600_000
+NOW = time.time_ns() // 1_000_000 // SLICE_MS * SLICE_MS
+
+
+def _write(client: Any, token: int, agg: str, rows: list[tuple[str, int, list[Any]]],
+           cluster: bool = False) -> tuple[list[int], np.ndarray]:  # fmt: skip
+    """Slices (key, start, numbers) of `agg` through build_calls + send_calls."""
+    a = AGGS[agg]
+    keys = pa.array([k for k, _, _ in rows], pa.string())
+    starts = np.array([s for _, s, _ in rows], dtype=np.int64)
+    cols = [pa.array([v[j] for _, _, v in rows]) for j in range(a.width)]
+    states = [pc.cast(c, pa.string()) for c in cols]
+    calls = build_calls(token, (a.state, SLICE_MS, RETENTION_MS, a.width), keys, starts, states,
+                        cluster)  # fmt: skip
+    return send_calls(client, calls)
+
+
+def _read(client: Any, key: str, agg: str, first: int, last: int) -> list[float]:
+    script = client.register_script(script_source(READ_SLICES))
+    got = script(keys=[key], args=[AGGS[agg].state, first, last, SLICE_MS])
+    return [float(x) for x in got]
+
+
+def test_merges_replays_and_many_calls(r: redis.Redis, monkeypatch: Any) -> None:
+    monkeypatch.setattr(slice_writes, "KEYS_PER_CALL", 7)
+    keys = [slice_hash_key("m", f"k{i}") for i in range(30)]
+    rows = [
+        (k, NOW - j * SLICE_MS, [i + j + 0.1]) for i, k in enumerate(keys) for j in range(i % 3 + 1)
+    ]
+    totals, failed = _write(r, 10, "sum", rows)
+    assert totals == [len(rows), 0, 0] and not failed.any()
+    assert _write(r, 10, "sum", rows)[0] == [0, len(rows), 0]  # a replay: all duplicates
+    assert _write(r, 11, "sum", rows)[0] == [len(rows), 0, 0]
+    for i, k in enumerate(keys):
+        n = i % 3 + 1
+        want = sum(2 * (i + j + 0.1) for j in range(n))
+        got = _read(r, k, "sum", NOW - 5 * SLICE_MS, NOW)
+        assert got[0] == n and got[1] == pytest.approx(want, rel=1e-12)
+        assert r.hget(k, "_m") == f"{NOW}:{NOW - (n - 1) * SLICE_MS}".encode()
+        left_ms = expire_at_ms(NOW, SLICE_MS, RETENTION_MS) - time.time() * 1000
+        assert abs(r.pttl(k) - left_ms) < 5000
+
+
+@pytest.mark.parametrize("agg", ["count", "sum", "min", "max", "avg", "variance", "last", "first"])
+def test_every_state_merges_over_what_was_stored(r: redis.Redis, agg: str) -> None:
+    width = AGGS[agg].width
+    first = [[3] * width, [1.5, 2.0, 0.25][:width] if width > 1 else [1.5]]
+    key = slice_hash_key("m", f"{agg}")
+    for token, vals in enumerate(first, start=1):
+        numbers = [int(v) if agg == "count" else v for v in vals]
+        assert _write(r, token, agg, [(key, NOW, numbers)])[0] == [1, 0, 0]
+    stored = r.hget(key, str(NOW)).split(b":")
+    assert stored[0] == b"2" and len(stored) == width + 1
+
+
+def test_slices_stored_in_the_old_text_are_merged(r: redis.Redis) -> None:
+    """A hash written by the writer before number_text (17 digits, its own `_m`) is read and
+    merged as any other: the stored text is only ever read as numbers."""
+    key = slice_hash_key("m", "old")
+    r.hset(key, mapping={str(NOW - SLICE_MS): "5:0.10000000000000001", str(NOW): "5:2.5",
+                         "_m": f"{NOW}:{NOW - SLICE_MS}"})  # fmt: skip
+    assert _write(r, 6, "sum", [(key, NOW, [0.2])])[0] == [1, 0, 0]
+    assert _read(r, key, "sum", NOW - SLICE_MS, NOW) == [2.0, 0.1 + 2.5 + 0.2]
+    assert AGGS["sum"].merge(r.hmget(key, [str(NOW - SLICE_MS), str(NOW)])) == [2.0, 0.1 + 2.7]
+
+
+def test_retention_drops_what_fell_behind(r: redis.Redis) -> None:
+    key = slice_hash_key("m", "ret")
+    old = NOW - RETENTION_MS
+    assert _write(r, 1, "count", [(key, old, [1]), (key, old + SLICE_MS, [1])])[0] == [2, 0, 0]
+    # The newest slice moves on by a retention: the two old ones go, an older update expires.
+    assert _write(r, 2, "count", [(key, NOW + SLICE_MS, [1]), (key, old, [4])])[0] == [1, 0, 1]
+    assert set(r.hkeys(key)) == {str(NOW + SLICE_MS).encode(), b"_m"}
+
+
+def test_a_reply_that_does_not_add_up_fails_its_call(r: redis.Redis) -> None:
+    key = slice_hash_key("m", "short")
+    calls = build_calls(1, ("count", SLICE_MS, RETENTION_MS, 1), pa.array([key]),
+                        np.array([NOW]), [pa.array(["1"])])  # fmt: skip
+    lying = Calls(calls.payloads, calls.argv, [2], calls.row_call)  # claims two slices
+    totals, failed = send_calls(r, lying)
+    assert totals == [1, 0, 0] and failed.tolist() == [True]
+
+
+def test_calls_keep_to_one_slot_on_a_cluster(rc: Any) -> None:
+    keys = [slice_hash_key("m", f"c{i}") for i in range(200)]
+    rows = [(k, NOW, [1]) for k in keys]
+    assert _write(rc, 1, "count", rows, cluster=True)[0] == [200, 0, 0]
+    assert _write(rc, 1, "count", rows, cluster=True)[0] == [0, 200, 0]
+    assert all(rc.hget(k, str(NOW)) == b"1:1" for k in keys)
