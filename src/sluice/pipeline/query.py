@@ -218,6 +218,9 @@ class StreamQuery(ABC):
         """foreachBatch: under a lease, fix the batch's epoch first and check the lease last,
         so a process that lost it neither writes a batch it had not started nor commits one
         (LeaseLost fails the batch; Spark then commits nothing)."""
+        q = self.query
+        if q is not None:  # the previous batch's time breakdown, now that Spark reported it
+            self.timings.publish_last(q)
         lease = self.lease
         if lease is not None:
             self._epochs[batch_id] = lease.batch_epoch(self.claim, batch_id)
@@ -238,7 +241,6 @@ class StreamQuery(ABC):
             self.lease.begin(self.claim)
         self._stop.clear()
         frame = self._frame if self._frame is not None else self.frame()
-        timing.watch(frame.sparkSession, query_name(self.name), self.timings)
         self.query = (
             frame.writeStream.queryName(query_name(self.name))
             .foreachBatch(self._on_batch)

@@ -18,8 +18,11 @@ Whatever `addBatch` and the whole trigger spent beyond the named phases is `othe
 run in parallel, so `decode` and `write` are the longest partition, not a sum, and `fold` is
 what is left of the job's wall time.
 
-An entry goes to `sluice:{stats[:<stage>]}:timings` (newest first, TIMINGS_KEEP kept) when
-Spark reports the batch's progress, after it committed: `{batch, events, done_ms, phases}`.
+An entry goes to `sluice:{stats[:<stage>]}:timings` (newest first, TIMINGS_KEEP kept) once Spark
+reported the batch's progress, after it committed: the next batch publishes it from the query's
+`lastProgress` (`publish_last`), so the newest batch shows one batch late. No listener on Spark's
+listener bus: one would call back into the JVM while it shuts down (a signal to the process
+group) and log py4j's errors. Entries: `{batch, events, total_ms, done_ms, phases}`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import threading
 from typing import Any
 
 import orjson
-from pyspark.sql.streaming import StreamingQueryListener
 
 from sluice.redis.keys import decode_times_key, timings_key
 from sluice.status.timings import SLUICE_PHASES, SPARK_PHASES
@@ -50,6 +52,7 @@ class BatchTimings:
         self.key = timings_key(stage)
         self.decode_key = decode_times_key(stage)
         self._pending: dict[int, dict[str, float]] = {}
+        self._published = -1
         self._lock = threading.Lock()
 
     def add(self, batch: int, **ms: float | None) -> None:
@@ -82,10 +85,27 @@ class BatchTimings:
             return None
         return None if ms is None else float(ms)
 
-    def publish(self, progress: dict[str, Any]) -> None:
-        """Spark reported batch `progress["batchId"]`: publish its entry. Never raises."""
+    def publish_last(self, query: Any) -> None:
+        """Publish the newest batch Spark reported for streaming query `query` (its
+        `lastProgress`). Called from the query's next batch; never raises."""
+        try:
+            last = query.lastProgress
+            progress = orjson.loads(last.json) if last else None
+        except Exception as e:  # noqa: BLE001 - a measurement only
+            log.debug("progress not read", extra={"error": str(e)})
+            return
+        self.publish(progress)
+
+    def publish(self, progress: dict[str, Any] | None) -> None:
+        """Spark reported batch `progress["batchId"]` (a query's `lastProgress`, or None):
+        publish its entry, once. Never raises."""
+        if not progress:
+            return
         batch = int(progress.get("batchId", -1))
         with self._lock:
+            if batch <= self._published:
+                return
+            self._published = batch
             own = self._pending.pop(batch, {})
         entry = breakdown(progress, own)
         if entry is None:
@@ -126,42 +146,3 @@ def _done_ms(progress: dict[str, Any]) -> int | None:
     start = dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
     total = float((progress.get("durationMs") or {}).get("triggerExecution", 0))
     return int(start.timestamp() * 1000 + total)
-
-
-class _Listener(StreamingQueryListener):
-    """One per Spark session: hands each query's progress to its `BatchTimings`."""
-
-    def __init__(self) -> None:
-        self.by_name: dict[str, BatchTimings] = {}
-
-    def onQueryStarted(self, event: Any) -> None:
-        pass
-
-    def onQueryProgress(self, event: Any) -> None:
-        try:
-            timings = self.by_name.get(event.progress.name or "")
-            if timings is not None:
-                timings.publish(orjson.loads(event.progress.json))
-        except Exception as e:  # noqa: BLE001 - never disturb Spark's listener bus
-            log.debug("progress not handled", extra={"error": str(e)})
-
-    def onQueryIdle(self, event: Any) -> None:
-        pass
-
-    def onQueryTerminated(self, event: Any) -> None:
-        pass
-
-
-_listeners: dict[int, _Listener] = {}
-_listeners_lock = threading.Lock()
-
-
-def watch(spark: Any, query_name: str, timings: BatchTimings) -> None:
-    """Publish the batches of the query named `query_name` (in `spark`'s session) to
-    `timings`. Registers one Spark listener per session, on the first call."""
-    with _listeners_lock:
-        listener = _listeners.get(id(spark))
-        if listener is None:
-            listener = _listeners[id(spark)] = _Listener()
-            spark.streams.addListener(listener)
-    listener.by_name[query_name] = timings
