@@ -23,7 +23,7 @@ from lib.results import RESULTS_DIR, ROOT
 # The sections in order: the template's name, then the result files (the first one is the
 # section's run, any others follow it). A template's first line is its `## ` heading.
 SECTIONS = [["throughput"], ["query"], ["durability"], ["burst", "burst-stepwise"], ["audit"],
-            ["cluster"], ["spark_cluster"], ["branches"]]  # fmt: skip
+            ["cluster"], ["spark_cluster"], ["branches"], ["failover"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
 
