@@ -32,4 +32,5 @@ bench: $(STAMP)
 	$(PY) bench/audit.py
 	$(PY) bench/durability.py
 	$(PY) bench/cluster.py
+	$(PY) bench/failover.py
 	$(PY) bench/render.py

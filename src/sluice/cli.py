@@ -157,10 +157,11 @@ def main(
 def run(config_path: str, stages: tuple[str, ...]) -> None:
     """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
     signals = _StopSignals()
-    from sluice.pipeline.run import Pipeline
+    from sluice.pipeline.run import Pipeline, refuse_other_checkpoint
     from sluice.pipeline.spark import build_spark
 
     with _opened(config_path) as (cfg, handle):
+        refuse_other_checkpoint(cfg, handle.client, stages)
         spark = build_spark(cfg)
         try:
             pipeline = Pipeline(cfg, handle, spark, only=stages)

@@ -8,7 +8,9 @@
      │    └── BadQuery          malformed window, end or key (HTTP 400 / 422)
      ├── BackpressureError      the input is over its high watermark; carries `retry_after_s`
      └── PipelineError          the streaming job failed to start or stopped with an error
-          └── AuditError        a batch's completeness audit stayed non-zero after its replays
+          ├── AuditError        a batch's completeness audit stayed non-zero after its replays
+          ├── LeaseLost         this process no longer leads: it must not commit another batch
+          └── LeaderConflict    another pipeline, with another checkpoint, leads these streams
 
 Messages say what was wrong, which value caused it, and what to do.
 """
@@ -83,3 +85,18 @@ class AuditError(PipelineError):
             f"batch {batch_id} failed its completeness audit {attempts} times"
             f" (residual {residual:#018x}); it will be replayed from the offset log"
         )
+
+
+class LeaseLost(PipelineError):
+    """This process no longer holds the leadership lease of a streaming query (another process
+    took it, or it could not be renewed in time). Raised before a batch commits, so Spark does
+    not commit it; the process stops its queries and stands by."""
+
+    def __init__(self, query: str, reason: str) -> None:
+        self.query = query
+        super().__init__(f"query `{query}` lost its leadership lease ({reason}); standing by")
+
+
+class LeaderConflict(PipelineError):
+    """Another `sluice run` leads the same streams and store from a different checkpoint. Two
+    checkpoints over one input would count its events twice, so this process refuses to run."""

@@ -149,7 +149,12 @@ def test_bearer_token(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
 def test_status_health_and_prometheus(api: TestClient) -> None:
     status = api.get("/v1/status").json()
     assert status["backlog"]["entries"] == 0
-    assert api.get("/healthz").json() == {"status": "ok", "redis": "ok", "pipeline": "not_running"}
+    assert api.get("/healthz").json() == {
+        "status": "ok",
+        "redis": "ok",
+        "pipeline": "not_running",
+        "processes": [],
+    }
     text = api.get("/metrics").text
     assert "sluice_backlog_entries 0.0" in text
     assert "<title>Sluice</title>" in api.get("/").text

@@ -8,7 +8,7 @@ Two levels of checking:
   pipeline starts (`sluice.pipeline.plan.check_expressions`), because only Spark can parse them.
 
 One module per section: `source`, `metrics` (and `derived`), `stages`, `runtime` (Spark,
-backpressure, server, audit); `load` holds the root `Config` and reads files.
+backpressure, server, audit, lease); `load` holds the root `Config` and reads files.
 """
 
 from sluice.config.base import FIELD_TYPES, NAME_RE, DurationMs, FieldType, SizeBytes
@@ -18,6 +18,7 @@ from sluice.config.runtime import (
     AimdConfig,
     AuditConfig,
     BackpressureConfig,
+    LeaseConfig,
     PidConfig,
     ServerConfig,
     SparkConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "DurationMs",
     "FieldType",
     "KafkaConfig",
+    "LeaseConfig",
     "MetricConfig",
     "PidConfig",
     "ServerConfig",

@@ -13,6 +13,7 @@ from sluice.config.metrics import DerivedConfig, MetricConfig
 from sluice.config.runtime import (
     AuditConfig,
     BackpressureConfig,
+    LeaseConfig,
     ServerConfig,
     SparkConfig,
 )
@@ -38,6 +39,7 @@ class Config(_Model):
     spark: SparkConfig = Field(default_factory=SparkConfig)
     backpressure: BackpressureConfig = Field(default_factory=BackpressureConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    lease: LeaseConfig = Field(default_factory=LeaseConfig)
 
     @field_validator("redis", mode="before")
     @classmethod

@@ -105,3 +105,20 @@ class AuditConfig(_Model):
     enabled: bool = True
     ledger_shards: int = Field(16, ge=1, le=1024, description="ledger keys, spread by slot")
     retries: int = Field(2, ge=0, le=10, description="in-place replays before the batch fails")
+
+
+class LeaseConfig(_Model):
+    """The leadership lease a `sluice run` process holds while it runs the queries; a second
+    process on the same config stands by and takes over when the lease lapses (see
+    docs/spark.md). A shorter ttl fails over faster, and a leader paused longer than it (a
+    long GC, an overloaded host) loses its lease and stands by."""
+
+    ttl: DurationMs = Field(
+        2000, description="how long a lease lasts unless renewed (every quarter of it)"
+    )
+
+    @model_validator(mode="after")
+    def _ttl(self) -> LeaseConfig:
+        if self.ttl < 400:
+            raise _FieldError("ttl", f"`ttl` must be at least 400ms, got {self.ttl}ms")
+        return self

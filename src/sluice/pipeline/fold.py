@@ -2,11 +2,12 @@
 
 Per micro-batch: the exploded updates (`pipeline.plan`) are folded by (group, key, slice),
 written by the executors (`pipeline.writer`, idempotent per writer token), and audited
-(`pipeline.audit`): the events the batch admitted, read again from the log itself (on a thread
-of its own, while Spark folds and writes the batch), against the updates the plan fanned out
-and those the store acknowledged. A batch that does not balance is
-written again in place; after `audit.retries` replays it raises AuditError, so Spark neither
-commits nor releases it and replays it after the restart.
+(`pipeline.audit`): the events the batch admitted, read again from the log itself, against the
+updates the plan fanned out and those the store acknowledged. The audit's source side runs in a
+thread beside the Spark job (it needs only the batch's logged offsets), so the batch waits for
+it only when it is the slower of the two; the batch still commits only once it balanced. A
+batch that does not balance is written again in place; after `audit.retries` replays it raises
+AuditError, so Spark neither commits nor releases it and replays it after the restart.
 
 The store's write time feeds its monitor (the `store` flow stage), after every batch and, from
 a thread, between batches, so quiet periods count (seed 000).
@@ -19,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -39,12 +40,30 @@ from sluice.redis.connection import RedisHandle
 from sluice.source.log import Admitted, Log
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
+from sluice.source.values import META_FIELDS, spark_schema_ddl
 from sluice.status.ledger import AuditResult, Ledger
 
 log = logging.getLogger(__name__)
 
 Writer = Callable[[WriterContext, Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
+Offsets = tuple[dict[str, Any], dict[str, Any]]
+WARM_UP_EVENTS = 64
+
+
+def _sample(kind: str, i: int, now_ms: int) -> Any:
+    """A made-up value of field type `kind` for the warm-up batch (longs are times: a time
+    field must fall inside every metric's retention)."""
+    samples = {"long": now_ms, "int": i, "double": 1.0 + i, "float": 1.0 + i, "boolean": True}
+    return samples.get(kind, f"warm-up-{i % 8}")
+
+
+def warm_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body of the warm-up batch (`FoldQuery.warm_up`): takes its input as a write
+    would, in a Python worker that has imported what a write imports, and writes nothing."""
+    for _ in batches:
+        pass
+    yield from ()
 
 
 def summarize(
@@ -113,10 +132,10 @@ class FoldQuery(StreamQuery):
         assert self.role.store is not None, "a fold feeds a store"
         self.store = StoreMonitor(redis.client, cfg.backpressure, self.role.store, clock)
         self._folds: list[Any] = []
+        # The audit's source side reads the log again while Spark folds and writes the batch.
+        self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit")
         self._flow_thread: threading.Thread | None = None
         self._flow_stop = threading.Event()
-        # The audit's source side reads the log again while Spark folds and writes the batch.
-        self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit-source")
 
     def base_options(self) -> SourceOptions:
         return SourceOptions.from_config(self.cfg, self.redis.url)
@@ -131,12 +150,33 @@ class FoldQuery(StreamQuery):
     def frame(self) -> DataFrame:
         return explode_updates(self.read_stream(), self.cfg, list(self.specs))
 
+    def warm_up(self) -> None:
+        """Run the batch plan (explode, fold, a Python writer stage) on a small static frame of
+        made-up events, writing nothing: Spark generates and caches the plan's code, and starts
+        and fills its Python workers, before a real batch needs them."""
+        super().warm_up()
+        opts = self.base_options()
+        now = self.clock.now_ms()
+        meta = {"_ts": now, "_ems": now, "_ref": now, "_idx": 0}
+        rows = []
+        for i in range(WARM_UP_EVENTS):
+            values = {n: _sample(t, i, now) for n, t, _ in opts.fields}
+            err = "bad_type" if i == 0 else None  # one dead letter: its branch runs too
+            rows.append({**values, **meta, "_e": i, "_err": err})
+        names = [n for n, _, _ in opts.fields] + [n for n, _ in META_FIELDS]
+        data = [tuple(r.get(n) for n in names) for r in rows]
+        static = self.spark.createDataFrame(data, spark_schema_ddl(opts))
+        updates = fold_updates(explode_updates(static, self.cfg, list(self.specs)), self._folds)
+        updates.mapInArrow(warm_partition, RESULT_DDL).collect()
+
     def process_batch(self, exploded: DataFrame, batch_id: int) -> dict[str, Any]:
         """Fold and write one micro-batch of exploded updates, then audit it (see the module
         docstring). Safe to re-run with the same batch id."""
         self.prepare()
         started = self.clock.now_ms()
         token = self.token(batch_id)
+        offsets = self._offsets(batch_id)
+        audit_source = self._auditor.submit(self._audit_source, batch_id, offsets)
         ctx = WriterContext(
             url=self.redis.url,
             token=token,
@@ -145,14 +185,17 @@ class FoldQuery(StreamQuery):
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             cluster=is_cluster_url(self.redis.url),
         )
-        pending = self._auditor.submit(self._audit_source, batch_id)
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
         for attempt in range(1, attempts + 1):
+            t0 = time.perf_counter()
             updates = fold_updates(exploded, self._folds)
             write = functools.partial(self.writer, ctx)
             rows = [r.asDict() for r in updates.mapInArrow(write, RESULT_DDL).collect()]
-            audit = self._audit(batch_id, attempt, pending.result(), rows)
+            t1 = time.perf_counter()
+            audit = self._audit(batch_id, attempt, audit_source, rows)
+            self.timings.add(batch_id, job=(t1 - t0) * 1000,
+                             audit=(time.perf_counter() - t1) * 1000)  # fmt: skip
             if audit is None or audit.ok:
                 break
             log.warning(
@@ -163,6 +206,7 @@ class FoldQuery(StreamQuery):
         else:
             assert audit is not None
             raise AuditError(batch_id, audit.residual, attempts)
+        t_done = time.perf_counter()
         rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
         counters: list[Any] = [
             "batches", 1,
@@ -193,34 +237,55 @@ class FoldQuery(StreamQuery):
                 },
             )  # fmt: skip
         self._observe_store(rec["write_ms"], rec["write_updates"])
+        self._time_batch(batch_id, offsets, rec, (time.perf_counter() - t_done) * 1000)
         if self.on_batch is not None:
             self.on_batch(rec)
         return rec
 
+    def _time_batch(
+        self, batch_id: int, offsets: Offsets | None, rec: dict[str, Any], record_ms: float
+    ) -> None:
+        """Split the batch's Spark job into decode, write and the rest (`pipeline.timing`)."""
+        ref = offsets[1].get("ref") if offsets is not None else None
+        decode = self.timings.decode_ms(None if ref is None else int(ref))
+        write = rec["write_ms"]
+        job = self.timings.take(batch_id, "job")
+        fold = None if job is None else max(0.0, job - (decode or 0.0) - (write or 0.0))
+        self.timings.add(batch_id, decode=decode, write=write, fold=fold, record=record_ms)
+
     # -- the audit ----------------------------------------------------------------------------
 
-    def _audit_source(self, batch_id: int) -> tuple[Admitted, float] | None:
-        """The audit's source side and how long it took (ms), or None when it is off."""
+    def _offsets(self, batch_id: int) -> Offsets | None:
+        """The batch's (start, end) offsets from Spark's offset log; None for a batch handed in
+        directly (not by the streaming query), which has no entry there."""
+        try:
+            return batch_offsets(self.ckpt, batch_id)
+        except FileNotFoundError:
+            return None
+
+    def _audit_source(
+        self, batch_id: int, offsets: Offsets | None
+    ) -> tuple[Admitted, float] | None:
+        """The audit's source side and how long it took (ms), or None when it is off. Runs in
+        the audit thread, beside the batch's Spark job."""
         if not self.cfg.audit.enabled:
             return None
-        t0 = time.perf_counter()
-        try:
-            start, end = batch_offsets(self.ckpt, batch_id)
-        except FileNotFoundError:
-            # Only a batch handed in directly (not by the streaming query) has no offset log.
+        if offsets is None:
             log.warning("batch not audited: no offset log entry", extra={"batch": batch_id})
             return None
-        spans = self.log.spans(start, end)
-        admitted = self.log.planned_source(spans, end) or self.log.admitted(spans)
+        t0 = time.perf_counter()
+        spans = self.log.spans(*offsets)
+        admitted = self.log.planned_source(spans, offsets[1]) or self.log.admitted(spans)
         return admitted, (time.perf_counter() - t0) * 1000
 
     def _audit(
         self,
         batch_id: int,
         attempt: int,
-        source: tuple[Admitted, float] | None,
+        pending: Future[tuple[Admitted, float] | None],
         rows: list[dict[str, Any]],
     ) -> AuditResult | None:
+        source = pending.result()
         if source is None:
             return None
         fan, applied = writer_xors(rows)

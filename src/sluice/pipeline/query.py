@@ -5,15 +5,20 @@ and per stream-to-stream stage (`pipeline.stage`). Each has:
 
 - its **checkpoint** (`state_dir/checkpoint` for the source's fold, as a pipeline without stages
   always had; `state_dir/checkpoints/<stage>` for the others);
-- its **writer epoch**, taken from Redis once per fresh checkpoint and kept beside it, so that
-  a batch re-run after a crash writes with the same token (`writer_token`) and stays idempotent;
+- its **writer epochs**: under a leadership lease (`sluice run`), each batch's epoch is the
+  epoch of the term that first ran it (`pipeline.lease`), so a batch re-run after a crash or a
+  failover writes with the same token (`writer_token`) and stays idempotent, while the new
+  leader's own batches outrank anything the old one may still write; without a lease (tests,
+  benchmarks, the demo) every batch uses the checkpoint's own epoch (`writer_epoch`);
 - its **batch records**: counters, the newest batch and the freshness histogram, written once
   per token by `lua/record_batch.lua` (`sluice:{stats[:<stage>]}`);
 - its **role** in the graph: its flow stage, its reader name and the readers of its input.
 
 Construction has no side effects; `prepare()` (called by `start()`) talks to Spark and Redis.
-`start()` returns once the query runs; batches run on Spark's threads. `stop()` stops after the
-batch in flight: the checkpoint makes a batch cut short re-run on the next start.
+`warm_up()` exercises the plan on a static frame, so that a standby's first real batch finds
+the JVM's generated code and the Python workers ready. `start()` returns once the query runs;
+batches run on Spark's threads. `stop()` stops after the batch in flight: the checkpoint makes
+a batch cut short re-run on the next start.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from pyspark.sql.streaming import StreamingQuery
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.graph import SPARK, FlowStage, Graph, graph_topology, reader_name
+from sluice.pipeline import timing
+from sluice.pipeline.lease import Claim, Lease, checkpoint_id
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import EPOCH_KEY, StatsKeys, stats_keys
+from sluice.redis.keys import StatsKeys, lease_key, stats_keys
 from sluice.redis.scripts import RECORD_BATCH, script_source
 from sluice.source.options import FlowOptions, SourceOptions
 from sluice.source.reader import FORMAT
@@ -64,20 +71,10 @@ def query_name(stage: str) -> str:
 
 
 def writer_epoch(ckpt: Path, client: Any) -> int:
-    """The epoch of this checkpoint: taken from Redis once, when the checkpoint is new.
-
-    Kept in a file beside Spark's own checkpoint files, so a restart from the same checkpoint
-    re-runs its batches with the same writer tokens (and so stays idempotent).
-    """
-    ckpt.mkdir(parents=True, exist_ok=True)
-    path = ckpt / "sluice-epoch"
-    if path.exists():
-        return int(path.read_text().strip())
-    epoch = int(client.incr(EPOCH_KEY))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(str(epoch))
-    tmp.replace(path)
-    return epoch
+    """The epoch of every batch of a query run without a lease: the checkpoint's own, taken
+    from Redis once, when the checkpoint is new (`lease.checkpoint_id`), and kept beside it, so
+    a restart from the same checkpoint re-runs its batches with the same writer tokens."""
+    return checkpoint_id(ckpt, client)
 
 
 def stop_query(q: StreamingQuery | None, grace_s: float) -> None:
@@ -159,20 +156,41 @@ class StreamQuery(ABC):
         self.name = role.stage.name
         self.ckpt = checkpoint_dir(cfg, self.name)
         self.query: StreamingQuery | None = None
-        self.epoch: int | None = None
+        self.lease: Lease | None = None  # set by `pipeline.standby` while this process leads
+        self.lease_owner: str | None = None  # set by `pipeline.run`: fences the source
+        self.epoch: int | None = None  # the checkpoint's, for batches run without a lease
+        self.timings = timing.BatchTimings(redis.client, self.name)
+        self._epochs: dict[int, int] = {}
+        self._frame: DataFrame | None = None
         self._record: Any = None
         self._stop = threading.Event()
 
+    @property
+    def claim(self) -> Claim:
+        return Claim(self.name, self.ckpt)
+
     def prepare(self) -> None:
-        """Check what needs Spark, and take the writer epoch. Idempotent; raises ConfigError
-        for a config that Spark refuses."""
-        if self.epoch is None:
-            self.epoch = writer_epoch(self.ckpt, self.redis.client)
+        """Check what needs Spark. Idempotent; raises ConfigError for a config that Spark
+        refuses."""
+        if self._record is None:
             self._record = self.redis.client.register_script(script_source(RECORD_BATCH))
 
+    def warm_up(self) -> None:
+        """Build the streaming frame (Spark resolves the source's schema in a Python worker)
+        and keep it for `start`. Subclasses also run their plan on a static frame. Writes
+        nothing; safe to call again (a standby repeats it to keep its Python workers)."""
+        self.prepare()
+        if self._frame is None:
+            self._frame = self.frame()
+
     def token(self, batch_id: int) -> int:
-        assert self.epoch is not None, "prepare() first"
-        return writer_token(self.epoch, batch_id)
+        """The writer token of batch `batch_id` (see the module docstring)."""
+        epoch = self._epochs.get(batch_id)
+        if epoch is None:
+            if self.epoch is None:
+                self.epoch = writer_epoch(self.ckpt, self.redis.client)
+            epoch = self.epoch
+        return writer_token(epoch, batch_id)
 
     @abstractmethod
     def base_options(self) -> SourceOptions:
@@ -182,8 +200,11 @@ class StreamQuery(ABC):
         return self.role.source_options(self.base_options(), self.cfg, self.ckpt)
 
     def read_stream(self, session: SparkSession | None = None) -> DataFrame:
-        opts = self.source_options().to_spark()
-        return (session or self.spark).readStream.format(FORMAT).options(**opts).load()
+        opts = self.source_options()
+        if self.lease_owner is not None:
+            opts = dataclasses.replace(opts, lease=(lease_key(self.name), self.lease_owner))
+        spark_opts = opts.to_spark()
+        return (session or self.spark).readStream.format(FORMAT).options(**spark_opts).load()
 
     @abstractmethod
     def frame(self) -> DataFrame:
@@ -194,15 +215,34 @@ class StreamQuery(ABC):
         """foreachBatch body; returns the batch record. Safe to re-run with the same id."""
 
     def _on_batch(self, df: DataFrame, batch_id: int) -> None:
+        """foreachBatch: under a lease, fix the batch's epoch first and check the lease last,
+        so a process that lost it neither writes a batch it had not started nor commits one
+        (LeaseLost fails the batch; Spark then commits nothing)."""
+        q = self.query
+        if q is not None:  # the previous batch's time breakdown, now that Spark reported it
+            self.timings.publish_last(q)
+        lease = self.lease
+        if lease is not None:
+            self._epochs[batch_id] = lease.batch_epoch(self.claim, batch_id)
+            while len(self._epochs) > 16:
+                del self._epochs[min(self._epochs)]
         self.process_batch(df, batch_id)
+        if lease is not None:
+            t0 = time.perf_counter()
+            lease.check(self.name)
+            self.timings.add(batch_id, lease=(time.perf_counter() - t0) * 1000)
 
     def start(self) -> StreamingQuery:
         """Start the streaming query (non-blocking)."""
         self.prepare()
+        if self.lease is None:
+            self.token(0)  # take the checkpoint's epoch now, not in the first batch
+        else:
+            self.lease.begin(self.claim)
         self._stop.clear()
+        frame = self._frame if self._frame is not None else self.frame()
         self.query = (
-            self.frame()
-            .writeStream.queryName(query_name(self.name))
+            frame.writeStream.queryName(query_name(self.name))
             .foreachBatch(self._on_batch)
             .option("checkpointLocation", str(self.ckpt))
             .trigger(processingTime=f"{self.cfg.spark.trigger} milliseconds")

@@ -4,11 +4,17 @@ A config without `stages:` is one query, the source's fold, exactly as before st
 With stages, every stream-to-stream stage and every stream folded by metrics is its own query in
 the same Spark application (each with its own checkpoint, reader offsets, writer tokens and
 batch records), and one supervisor restarts whichever fails.
+
+Only the process that holds the leases of its queries runs them; a second `sluice run` on the
+same config stands by with a warm Spark session and takes over when the leases lapse (see
+`pipeline.standby` and `pipeline.lease`).
 """
 
 from __future__ import annotations
 
 import re
+import threading
+from typing import Any
 
 from pyspark.sql import SparkSession
 
@@ -17,11 +23,16 @@ from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.graph import Graph, fold_stage, graph_topology, store_stage
 from sluice.pipeline.fold import FoldQuery
-from sluice.pipeline.query import Role, StreamQuery
+from sluice.pipeline.lease import Claim, Lease
+from sluice.pipeline.query import Role, StreamQuery, checkpoint_dir
 from sluice.pipeline.schemas import resolve_schemas
 from sluice.pipeline.stage import StageQuery
-from sluice.pipeline.supervisor import Supervisor
+from sluice.pipeline.standby import Roles
 from sluice.redis.connection import RedisHandle
+from sluice.status.roles import query_names
+
+POLL_SHARE = 0.125  # a standby looks at the lease every eighth of its ttl ...
+MAX_POLL_S = 0.25  # ... and at least this often
 
 
 def build_queries(
@@ -61,6 +72,15 @@ def build_queries(
     return graph, queries
 
 
+def refuse_other_checkpoint(cfg: Config, client: Any, only: tuple[str, ...] = ()) -> None:
+    """Raise LeaderConflict when another process leads these queries from another checkpoint
+    (another `state_dir` over the same streams and store). Needs no Spark: `sluice run` checks
+    it first, so a refused process says so in a second."""
+    claims = [Claim(n, checkpoint_dir(cfg, n)) for n in query_names(cfg) if not only or n in only]
+    if claims:
+        Lease(client, claims, cfg.lease.ttl).probe()
+
+
 def _config_path(cfg: Config, graph: Graph, q: StreamQuery, e: ConfigError) -> ConfigError:
     """A fold's config lists only its own metrics: name the metric as the user's file does."""
     m = re.match(r"metrics\[(\d+)\](.*)", e.path)
@@ -74,7 +94,9 @@ def _config_path(cfg: Config, graph: Graph, q: StreamQuery, e: ConfigError) -> C
 
 class Pipeline:
     """The running graph. `prepare()` builds its queries (talks to Spark and Redis; raises
-    ConfigError); `run_forever()` runs them until `request_stop()`, then every query stops."""
+    ConfigError); `run_forever()` stands by or leads (`pipeline.standby`) until
+    `request_stop()`, then every query stops and the lease is released. It raises
+    LeaderConflict when another checkpoint leads the same queries."""
 
     def __init__(
         self,
@@ -91,24 +113,27 @@ class Pipeline:
         self.only = only
         self.graph: Graph | None = None
         self.queries: list[StreamQuery] = []
-        self.supervisor: Supervisor | None = None
-        self._stop_requested = False
+        self.lease: Lease | None = None
+        self.roles: Roles | None = None
+        self._stop = threading.Event()
 
     def prepare(self) -> None:
-        if self.supervisor is None:
+        if self.lease is None:
             self.graph, self.queries = build_queries(
                 self.cfg, self.redis, self.spark, self.clock, self.only
             )
-            self.supervisor = Supervisor(self.queries, self.redis.client, self.clock)
-            if self._stop_requested:
-                self.supervisor.request_stop()
+            claims = [q.claim for q in self.queries]
+            self.lease = Lease(self.redis.client, claims, self.cfg.lease.ttl, self.clock)
+            for q in self.queries:
+                q.lease_owner = self.lease.owner
 
     def run_forever(self) -> None:
         self.prepare()
-        assert self.supervisor is not None
-        self.supervisor.run_forever()
+        assert self.lease is not None
+        poll_s = min(MAX_POLL_S, self.cfg.lease.ttl * POLL_SHARE / 1000)
+        self.roles = Roles(self.queries, self.lease, self.redis.client, self.clock, self._stop,
+                           poll_s)  # fmt: skip
+        self.roles.run()
 
     def request_stop(self) -> None:
-        self._stop_requested = True
-        if self.supervisor is not None:
-            self.supervisor.request_stop()
+        self._stop.set()

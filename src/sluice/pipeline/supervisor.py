@@ -6,6 +6,10 @@ is started; everything starts again as soon as it answers. The state is publishe
 `/healthz` and `sluice status`: `running`, `restarting`, `waiting_for_redis`, `failing`
 (FAILING_AFTER or more failures in a row) or `stopped`; a batch with input resets the failure
 count.
+
+Under a leadership lease (`pipeline.lease`) the supervisor runs only while its process leads:
+once the lease is lost it stops every query at once (a batch in flight fails its lease check
+and is not committed) and returns, leaving the published state to the new leader.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Protocol
 
 from sluice.clock import Clock
 from sluice.pipeline.health import Health, Progress
+from sluice.pipeline.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +46,12 @@ class Supervisor:
         client: Any,
         clock: Clock,
         stop: threading.Event | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.parts = list(parts)
         self.client = client
         self.clock = clock
+        self.lease = lease
         self._stop = stop or threading.Event()
         self._backoff = {p.name: 1.0 for p in self.parts}
         self._start_at = {p.name: 0.0 for p in self.parts}
@@ -52,18 +59,22 @@ class Supervisor:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def leading(self) -> bool:
+        return self.lease is None or not self.lease.lost.is_set()
+
     def run_forever(self, max_backoff_s: float = 15.0) -> None:
+        """Run every query until `request_stop()` (or the lease is lost); then stop them."""
         health = Health(self.client, self.clock)
         health.set("starting")
         progress = Progress(self.client)
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.leading():
             progress.maybe_log()
             if any(p.query is None for p in self.parts) and not self._redis_up():
                 health.set("waiting_for_redis", "redis is unreachable")
                 self._stop.wait(1.0)
                 continue
             for part in self.parts:
-                if self._stop.is_set():
+                if self._stop.is_set() or not self.leading():
                     break
                 if part.query is None:
                     self._start(part, health, max_backoff_s)
@@ -76,6 +87,10 @@ class Supervisor:
                 self._await(running[0])
             else:
                 self._stop.wait(0.5)
+        if not self.leading():
+            for part in reversed(self.parts):
+                part.stop(grace_s=0.0)
+            return
         for part in reversed(self.parts):
             part.stop()
         health.set("stopped")
@@ -104,7 +119,7 @@ class Supervisor:
             return
         err = q.exception()
         part.query = None
-        if self._stop.is_set():
+        if self._stop.is_set() or not self.leading():
             return
         self._failed(part, health, str(err).splitlines()[0] if err else "query stopped",
                      max_backoff_s)  # fmt: skip

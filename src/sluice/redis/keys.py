@@ -16,7 +16,15 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats}:history:t       string: the second of the newest sample
     sluice:{stats:<stage>}[:batches|:freshness]  the same three for each other stage
     sluice:{stats[:<stage>]}:log   hash: whether a stage's log can be read (state, reason, since)
-    sluice:epoch                   counter: one per fresh checkpoint (see pipeline.writer)
+    sluice:{stats[:<stage>]}:timings  list: each batch's time breakdown (JSON, newest first)
+    sluice:{stats[:<stage>]}:decode   sorted set: per batch (its reference ms), the longest read
+                                   and decode of one partition, in ms (written by the executors)
+    sluice:epoch                   counter: writer epochs: one per fresh checkpoint, one per
+                                   leadership term (see pipeline.lease)
+    sluice:{lease}:q:<query>       hash: the leadership lease of one streaming query (owner,
+                                   epoch, expiry, the holder's host, pid and checkpoint)
+    sluice:{lease}:terms:<query>   hash: which epoch each batch of its checkpoint writes with
+    sluice:{lease}:processes       hash: process id -> its role and heartbeat (JSON)
     sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
     sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
     sluice:{flow}:timeline         list: the newest stage-state changes (JSON)
@@ -52,6 +60,8 @@ EPOCH_KEY = f"{PREFIX}:epoch"
 FLOW_STATE_KEY = f"{PREFIX}:{{flow}}:state"
 FLOW_SIGNALS_KEY = f"{PREFIX}:{{flow}}:signals"
 FLOW_TIMELINE_KEY = f"{PREFIX}:{{flow}}:timeline"
+LEASE_PREFIX = f"{PREFIX}:{{lease}}"
+PROCESSES_KEY = f"{LEASE_PREFIX}:processes"
 KEY_SEP = "|"
 
 
@@ -70,6 +80,27 @@ def stats_keys(stage: str = "spark") -> StatsKeys:
         return StatsKeys(STATS_KEY, BATCHES_KEY, FRESHNESS_KEY)
     base = f"{PREFIX}:{{stats:{stage}}}"
     return StatsKeys(base, f"{base}:batches", f"{base}:freshness")
+
+
+def timings_key(stage: str = "spark") -> str:
+    """Each batch's time breakdown, newest first (see `pipeline.timing`)."""
+    return f"{stats_keys(stage).stats}:timings"
+
+
+def decode_times_key(stage: str = "spark") -> str:
+    """Per batch, the longest read-and-decode of one of its partitions (see `pipeline.timing`)."""
+    return f"{stats_keys(stage).stats}:decode"
+
+
+def lease_key(query: str) -> str:
+    """The leadership lease of one streaming query (`pipeline.lease`). Every lease key shares
+    the tag `{lease}`, so one script can take the leases of all of a process's queries."""
+    return f"{LEASE_PREFIX}:q:{query}"
+
+
+def terms_key(query: str) -> str:
+    """The epochs a query's batches write with, per leadership term (`pipeline.lease`)."""
+    return f"{LEASE_PREFIX}:terms:{query}"
 
 
 def log_state_key(stage: str = "spark") -> str:

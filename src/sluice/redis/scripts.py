@@ -20,6 +20,7 @@ RECORD_SAMPLE = "record_sample"
 EMIT = "emit"
 RELEASE = "release"
 RELEASE_OFFSET = "release_offset"
+LEASE = "lease"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)

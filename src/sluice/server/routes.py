@@ -26,6 +26,7 @@ from sluice.status.dead_letters import read_dead_letters
 from sluice.status.freshness import read_histogram
 from sluice.status.history import read_history
 from sluice.status.prometheus import RequestTimer, exposition, redis_health
+from sluice.status.roles import read_roles
 from sluice.status.snapshot import pipeline_health, read_status
 from sluice.web.page import dashboard_html
 
@@ -163,7 +164,9 @@ def healthz(request: Request) -> Response:
     api = _api(request)
     try:
         api.client.ping()
-        pipeline = pipeline_health(api.client, api.clock.now_ms())
+        now_ms = api.clock.now_ms()
+        pipeline = pipeline_health(api.client, now_ms)
+        roles = read_roles(api.client, api.cfg, now_ms)
     except redis.RedisError as e:
         return error(503, "unavailable", f"redis: {e}")
     if pipeline["state"] == "failing":
@@ -173,7 +176,17 @@ def healthz(request: Request) -> Response:
             f"the pipeline failed {pipeline['consecutive_failures']} times in a row;"
             f" last error: {pipeline['last_error']}",
         )
-    return ORJSONResponse({"status": "ok", "redis": "ok", "pipeline": pipeline["state"]})
+    return ORJSONResponse(
+        {
+            "status": "ok",
+            "redis": "ok",
+            "pipeline": pipeline["state"],
+            "processes": [
+                {k: p[k] for k in ("role", "host", "pid", "lease_age_ms")}
+                for p in roles["processes"]
+            ],
+        }
+    )
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -60,6 +60,10 @@ class SourceOptions:
     # positions a fresh checkpoint started from there, so that a re-run first batch reads the
     # same records.
     checkpoint: str | None = None
+    # Under a leadership lease (`pipeline.lease`): (the lease's key, this process's owner id).
+    # The source plans no batch while another process holds that lease, so a leader that was
+    # paused and lost it does not add to the shared offset log once it runs again.
+    lease: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         for shard, names in self.readers.items():
@@ -113,6 +117,8 @@ class SourceOptions:
             data["flow"] = FlowOptions(**flow)
         data["fields"] = tuple(tuple(f) for f in data["fields"])
         data["readers"] = {k: tuple(v) for k, v in data.get("readers", {}).items()}
+        if data.get("lease") is not None:
+            data["lease"] = tuple(data["lease"])
         return cls(**data)
 
     @classmethod

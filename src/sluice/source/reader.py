@@ -10,6 +10,9 @@ Admission control: `latestOffset(start, limit)` honours `ReadMaxRows(n)` with n 
 
 A log that cannot be read (Kafka unreachable, its topic gone) plans no new data and is shown as
 waiting (`source.waiting`); the query keeps running and picks up when the log is back.
+
+Each read reports how long it spent reading and decoding (`note_read_ms`): the batch's longest
+partition, kept per batch for its time breakdown (`pipeline.timing`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from sluice.clock import SYSTEM_CLOCK
+from sluice.redis.connection import client_for
+from sluice.redis.keys import decode_times_key
 from sluice.source.admission import Admission
 from sluice.source.decode import spark_schema_ddl
 from sluice.source.log import LogUnavailable, Span
@@ -38,7 +43,26 @@ FORMAT = "sluice"
 START_FILE = "sluice-start-positions.json"
 WAIT_S = 1.0  # how long a fresh query waits between tries for its log's start positions
 JSONL_PART_ENTRIES = 500  # a jsonl entry carries many events: fewer entries per partition
+READ_TIMES_TTL_S = 3600  # read times a driver never collected (it crashed) go with the key
 log = logging.getLogger(__name__)
+_note_clients: dict[str, Any] = {}  # per Python worker: one client per URL
+
+
+def note_read_ms(url: str, stage: str, ref_ms: int, ms: float) -> None:
+    """Record that a partition of the batch planned at `ref_ms` spent `ms` reading and
+    decoding; the batch keeps its longest (a sorted set scored by time, `ZADD GT`). Executor
+    side; never raises: a measurement only."""
+    try:
+        client = _note_clients.get(url)
+        if client is None:
+            client = _note_clients[url] = client_for(url, timeout_s=5, connect_timeout_s=5)
+        key = decode_times_key(stage)
+        pipe = client.pipeline(transaction=False)
+        pipe.zadd(key, {str(ref_ms): round(ms, 1)}, gt=True)
+        pipe.expire(key, READ_TIMES_TTL_S)
+        pipe.execute()
+    except Exception as e:  # noqa: BLE001 - a measurement only
+        log.debug("read time not noted", extra={"error": str(e)})
 
 
 class ShardRange(InputPartition):
@@ -61,6 +85,7 @@ class LogStreamReader(DataSourceStreamReader):
         stage = opts.flow.stage if opts.flow is not None else "spark"
         self.state = LogState(opts.url, stage)
         self._released: dict[str, Any] | None = None
+        self._lease_client: Any = None
 
     # -- driver side ------------------------------------------------------------------------
 
@@ -99,6 +124,8 @@ class LogStreamReader(DataSourceStreamReader):
         # log (a batch re-run after a crash is re-planned from the offset log, not from here), so
         # everything up to `start` is done: release it, even when no new data arrives to trigger
         # `commit()`.
+        if not self._leading():
+            return start
         self._release(start)
         budget = getattr(limit, "max_rows", None) if isinstance(limit, ReadMaxRows) else None
         cap = self.admission.budget() if self.admission is not None else None
@@ -125,6 +152,22 @@ class LogStreamReader(DataSourceStreamReader):
         if plan.admitted:
             out["admitted"] = plan.admitted  # the audit's source side (Log.planned_source)
         return out
+
+    def _leading(self) -> bool:
+        """False while another process holds this query's lease (see SourceOptions.lease);
+        True when there is no lease, or Redis cannot tell (the batch's own lease check, before
+        its commit, still decides)."""
+        if self.opts.lease is None:
+            return True
+        key, owner = self.opts.lease
+        try:
+            if self._lease_client is None:
+                self._lease_client = client_for(self.opts.url, timeout_s=5, connect_timeout_s=5)
+            holder = self._lease_client.hget(key, "owner")
+        except Exception as e:  # noqa: BLE001 - cannot tell: the commit check decides
+            log.debug("lease not read", extra={"error": str(e)})
+            return True
+        return holder is None or holder.decode() == owner
 
     def reportLatestOffset(self) -> dict[str, Any] | None:
         return None
@@ -162,7 +205,18 @@ class LogStreamReader(DataSourceStreamReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         shard, lo, hi, ref_ms = partition.value
-        yield from self.log.read(Span(shard, lo, hi), ref_ms, self.state.waiting)
+        batches = iter(self.log.read(Span(shard, lo, hi), ref_ms, self.state.waiting))
+        spent = 0.0  # in the log's reads and the decoder, not in Spark taking the batches
+        while True:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            spent += time.perf_counter() - t0
+            if batch is None:
+                break
+            yield batch
+        if ref_ms:
+            stage = self.opts.flow.stage if self.opts.flow is not None else "spark"
+            note_read_ms(self.opts.url, stage, ref_ms, spent * 1000)
 
 
 class LogDataSource(DataSource):

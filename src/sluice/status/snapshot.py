@@ -22,6 +22,8 @@ from sluice.source.options import SourceOptions
 from sluice.source.waiting import read_log_state
 from sluice.status.flow import flow_status
 from sluice.status.ledger import Ledger
+from sluice.status.roles import read_roles
+from sluice.status.timings import timing_status
 
 _logs: dict[tuple[int, str], Log] = {}
 
@@ -124,6 +126,8 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "pipeline": pipeline_health(client, now_ms, log_section),
         "audit": audit_status(client, cfg, counters, last),
         "stages": stages_status(client, cfg, now_ms),
+        "roles": read_roles(client, cfg, now_ms),
+        "timing": timing_status(client, now_ms, window_s),
     }
 
 

@@ -68,12 +68,40 @@ def format_status(st: dict[str, Any]) -> str:
             if reason != "expired"
         ]
         rows.append(("  expired", f"{b['expired']:,}"))
+    rows.append(("batch time (median)", _timing(st.get("timing") or {})))
+    rows += _processes(st.get("roles") or {})
     width = max(len(k) for k, _ in rows)
     out = [f"{k.ljust(width)}  {v}" for k, v in rows]
     flow = st.get("flow")
     if flow:
         out += ["", *format_flow(flow)]
     return "\n".join(out)
+
+
+def _timing(timing: dict[str, Any]) -> str:
+    """A batch's median time over the last window, and its three largest phases."""
+    recent = timing.get("recent") or {}
+    if not recent.get("batches"):
+        return "no batch lately"
+    top = sorted((recent.get("phases_ms") or {}).items(), key=lambda kv: -kv[1])[:3]
+    parts = ", ".join(f"{p} {_ms(v)}" for p, v in top)
+    return f"{_ms(recent.get('total_ms'))} over {recent['batches']} batches; most in {parts}"
+
+
+def _processes(roles: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per `sluice run` process: its role, host, pid and lease age (see status.roles)."""
+    procs = roles.get("processes") or []
+    if not procs:
+        return [("processes", "none running")]
+    rows = []
+    for i, p in enumerate(procs):
+        text = f"{p['role']} on {p['host']}, pid {p['pid']}"
+        if p.get("lease_age_ms") is not None:
+            text += f", epoch {p.get('epoch')}, lease renewed {_ms(p['lease_age_ms'])} ago"
+        elif p["role"] == "standby":
+            text += ", warm" if p.get("warm") else ", warming up"
+        rows.append(("processes" if i == 0 else "", text))
+    return rows
 
 
 def _log(log: dict[str, Any]) -> str:

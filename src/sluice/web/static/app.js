@@ -233,6 +233,55 @@
       renderBooks(audit);
     }
     renderStages(flow);
+    renderProcesses(st.roles || {});
+    renderTiming(st.timing || {});
+  }
+
+  const SPARK_PHASES = new Set(["latestOffset", "queryPlanning", "walCommit", "commitOffsets"]);
+  const PHASE_COLORS = ["#2b6cb0", "#3182ce", "#63b3ed", "#38a169", "#68d391", "#d69e2e",
+    "#dd6b20", "#e53e3e", "#805ad5", "#b794f4", "#a0aec0"];
+
+  function renderTiming(timing) {
+    const recent = timing.recent || {};
+    const phases = timing.phases || [];
+    const med = recent.phases_ms || {};
+    const total = phases.reduce((a, p) => a + (med[p] || 0), 0);
+    const bar = $("phases-bar");
+    bar.textContent = "";
+    const body = $("phases").tBodies[0];
+    body.textContent = "";
+    phases.forEach((p, i) => {
+      const ms = med[p];
+      if (total > 0 && ms) {
+        const seg = document.createElement("span");
+        seg.style.width = `${(100 * ms) / total}%`;
+        seg.style.background = PHASE_COLORS[i % PHASE_COLORS.length];
+        seg.title = `${p}: ${fmt.ms(ms)}`;
+        bar.append(seg);
+      }
+      const row = body.insertRow();
+      const who = p === "other" ? "the rest" : SPARK_PHASES.has(p) ? "Spark (durationMs)" : "Sluice";
+      const name = td(p);
+      name.style.borderLeft = `6px solid ${PHASE_COLORS[i % PHASE_COLORS.length]}`;
+      row.append(name, td(ms === undefined ? "–" : fmt.ms(ms), "num"), td(who));
+    });
+    if (!recent.batches) body.innerHTML = "<tr><td colspan=3 class=muted>no batch in the last 10 s</td></tr>";
+  }
+
+  function renderProcesses(roles) {
+    const body = $("processes").tBodies[0];
+    body.textContent = "";
+    for (const p of roles.processes || []) {
+      const row = body.insertRow();
+      const leads = p.lease_age_ms !== null && p.lease_age_ms !== undefined;
+      const what = leads ? "running the queries" : p.role === "standby" ? (p.warm ? "warm" : "warming up") : "";
+      row.append(
+        td(p.role, p.role === "leader" ? "state-ok" : ""), td(p.host), td(String(p.pid), "num"),
+        td(leads ? String(p.epoch) : "–", "num"), td(leads ? fmt.ms(p.lease_age_ms) : "–", "num"),
+        td(what),
+      );
+    }
+    if (!body.rows.length) body.innerHTML = "<tr><td colspan=6 class=muted>no sluice run process</td></tr>";
   }
 
   function renderStages(flow) {

@@ -1,0 +1,208 @@
+"""The role of one `sluice run` process: the leader, or a hot standby.
+
+A process first tries to take the leases; while another process holds them it is a standby. It
+keeps its Spark session warm: the JVM, the streaming frames, the batch plan run on a static
+frame (`StreamQuery.warm_up`). The first warm-up runs before it looks at the lease again; it is
+repeated every WARM_EVERY_S, in a thread beside the polls, so its Python workers stay alive. It
+polls the leases of its queries
+(`pipeline.lease`) every `poll_s`, and takes them as soon as they lapse: it then leads, and
+starts the queries from the shared checkpoint. A leader renews its lease from a thread
+(`lease.Keeper`); if it loses it (another process took it over while this one was paused or cut
+off), it stops its queries at once and stands by again. A clean stop releases the lease, so a
+standby takes over without waiting for it to lapse.
+
+Each change of role is logged (`msg="pipeline role"`), and the process keeps its entry in the
+process registry for the status views (`announce`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from sluice.clock import Clock
+from sluice.errors import LeaderConflict
+from sluice.pipeline.lease import Holder, Keeper, Lease
+from sluice.pipeline.query import StreamQuery
+from sluice.pipeline.supervisor import Supervisor
+from sluice.redis.keys import PROCESSES_KEY
+
+log = logging.getLogger(__name__)
+
+WARM_EVERY_S = 30.0  # Spark stops Python workers that stay idle for a minute
+ANNOUNCE_EVERY_S = 1.0
+PRUNE_AFTER_MS = 60_000  # registry entries of processes gone this long are removed
+
+
+class Roles:
+    """Stand by, lead, stand by again, until `stop` is set. `run` blocks; it raises
+    LeaderConflict when another checkpoint leads the same queries."""
+
+    def __init__(
+        self,
+        queries: Sequence[StreamQuery],
+        lease: Lease,
+        client: Any,
+        clock: Clock,
+        stop: threading.Event,
+        poll_s: float,
+    ) -> None:
+        self.queries = list(queries)
+        self.lease = lease
+        self.client = client
+        self.clock = clock
+        self.stop = stop
+        self.poll_s = poll_s
+        self.role = "starting"
+        self.supervisor: Supervisor | None = None
+        self._warm_at = 0.0
+        self.warm = False  # the warm-up batch ran at least once
+        self._warm_thread: threading.Thread | None = None
+        self._announced_at = 0.0
+        self._pruned_at = 0.0
+        self._holder: Holder | None = None
+        self._started_ms = clock.now_ms()
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    holder = self.lease.try_acquire()
+                except LeaderConflict:
+                    raise
+                except Exception as e:  # noqa: BLE001 - Redis unreachable: stand by, retry
+                    self._standby(None, f"cannot reach the lease: {e}")
+                    continue
+                if holder is None:
+                    self._lead()
+                else:
+                    self._standby(holder)
+        finally:
+            if self.role == "leader":
+                self.lease.release()
+            withdraw(self.client, self.lease)
+
+    def _standby(self, holder: Holder | None, problem: str | None = None) -> None:
+        was = self._holder.owner if self._holder is not None else None
+        if self.role != "standby" or (holder is not None and holder.owner != was):
+            extra: dict[str, Any] = {"role": "standby"}
+            if holder is not None:
+                extra.update(leader=f"{holder.host}:{holder.pid}", leader_epoch=holder.epoch)
+            if problem:
+                extra["error"] = problem
+            log.info("pipeline role", extra=extra)
+        self.role, self._holder = "standby", holder
+        self._announce()
+        if time.monotonic() >= self._warm_at and not self._warming():
+            if self.warm:  # again, to keep the Python workers: beside the polls, not before them
+                self._warm_thread = threading.Thread(target=self._warm, daemon=True,
+                                                     name="sluice-warm-up")  # fmt: skip
+                self._warm_thread.start()
+            else:
+                self._warm()
+        self.stop.wait(self.poll_s)
+
+    def _warming(self) -> bool:
+        return self._warm_thread is not None and self._warm_thread.is_alive()
+
+    def _warm(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            for q in self.queries:
+                q.warm_up()
+        except Exception as e:  # noqa: BLE001 - a cold takeover is slower, not wrong
+            log.warning("standby warm-up failed", extra={"error": str(e)})
+        else:
+            self.warm = True
+            level = logging.INFO if self._warm_at == 0.0 else logging.DEBUG
+            took = round((time.perf_counter() - t0) * 1000)
+            log.log(level, "standby warm", extra={"warm_up_ms": took})
+        self._warm_at = time.monotonic() + WARM_EVERY_S
+
+    def _lead(self) -> None:
+        """Lead until `stop` or the lease is lost; the queries are stopped either way."""
+        self.role = "leader"
+        log.info("pipeline role", extra={"role": "leader", "epoch": self.lease.epoch,
+                                         "took_over_from": self._took_over_from()})  # fmt: skip
+        self._announce(force=True)
+        for q in self.queries:
+            q.lease = self.lease
+        keeper = Keeper(self.lease, self._on_lost)
+        keeper.start()
+        announcer = threading.Thread(target=self._announce_while_leading, daemon=True,
+                                     name="sluice-announce")  # fmt: skip
+        announcer.start()
+        self.supervisor = Supervisor(self.queries, self.client, self.clock, self.stop, self.lease)
+        try:
+            self.supervisor.run_forever()
+        finally:
+            keeper.stop()
+            for q in self.queries:
+                q.lease = None
+        if self.lease.lost.is_set() and not self.stop.is_set():
+            self.role = "lost"
+            self._holder = None
+
+    def _took_over_from(self) -> str | None:
+        h = self._holder
+        return f"{h.host}:{h.pid}" if h is not None else None
+
+    def _on_lost(self, reason: str) -> None:
+        log.warning("leadership lost; stopping the queries", extra={"reason": reason})
+
+    def _announce_while_leading(self) -> None:
+        while self.role == "leader" and not self.stop.is_set() and not self.lease.lost.is_set():
+            self._announce()
+            self.stop.wait(ANNOUNCE_EVERY_S)
+
+    def _announce(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._announced_at < ANNOUNCE_EVERY_S:
+            return
+        if now - self._pruned_at > PRUNE_AFTER_MS / 2000:
+            self._pruned_at = now
+            prune(self.client, self.clock.now_ms())
+        self._announced_at = now
+        state_dir = Path(self.queries[0].cfg.state_dir).resolve()
+        fields = {"started_ms": self._started_ms, "checkpoint": str(state_dir),
+                  "warm": self.warm}  # fmt: skip
+        announce(self.client, self.lease, self.role, fields)
+
+
+def announce(client: Any, lease: Lease, role: str, fields: dict[str, Any]) -> None:
+    """Publish this process in the process registry (`sluice:{lease}:processes`), read by
+    the status views. Never raises: presence is for display only."""
+    now = lease.clock.now_ms()
+    queries = [c.query for c in lease.claims]
+    record = {"host": lease.host, "pid": lease.pid, "role": role, "beat_ms": now,
+              "epoch": lease.epoch, "queries": queries, **fields}  # fmt: skip
+    try:
+        client.hset(PROCESSES_KEY, lease.owner, orjson.dumps(record))
+    except Exception as e:  # noqa: BLE001 - display only
+        log.debug("could not announce the process", extra={"error": str(e)})
+
+
+def prune(client: Any, now_ms: int) -> None:
+    """Remove the registry entries of processes that stopped beating PRUNE_AFTER_MS ago
+    (killed: they could not withdraw). Never raises."""
+    try:
+        stale = [k for k, v in client.hgetall(PROCESSES_KEY).items()
+                 if now_ms - int(orjson.loads(v).get("beat_ms", 0)) > PRUNE_AFTER_MS]  # fmt: skip
+        if stale:
+            client.hdel(PROCESSES_KEY, *stale)
+    except Exception as e:  # noqa: BLE001 - display only
+        log.debug("could not prune the registry", extra={"error": str(e)})
+
+
+def withdraw(client: Any, lease: Lease) -> None:
+    """Remove this process from the registry (a clean stop). Never raises."""
+    try:
+        client.hdel(PROCESSES_KEY, lease.owner)
+    except Exception as e:  # noqa: BLE001 - display only; stale entries age out
+        log.debug("could not withdraw the process", extra={"error": str(e)})
