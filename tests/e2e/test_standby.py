@@ -147,7 +147,8 @@ def test_a_standby_takes_over_from_a_killed_leader_each_time(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     """SIGKILL of the leader, KILLS times under load; the killed process comes back as the
-    standby, so the two take turns leading. Each time the standby leads within TAKEOVER_S."""
+    standby, so the two take turns leading. Each time the standby leads within TAKEOVER_S.
+    Then both are killed together and started again: nothing is lost or counted twice."""
     ps = Processes(r, _config(tmp_path, redis_url), tmp_path)
     producer = SteadyProducer(r)
     rng = random.Random(20261124)
@@ -174,6 +175,18 @@ def test_a_standby_takes_over_from_a_killed_leader_each_time(
                 os.killpg(leader.pid, signal.SIGKILL)
             leader, standby = standby, ps.start()
             ps.wait_warm_standby(standby)
+        # Both stopped together (a power cut), the producer going on; then both started again.
+        for proc in (leader, standby):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for proc in (leader, standby):
+            proc.wait(30)
+        at_outage = ps.events_in()
+        first, second = ps.start(), ps.start()
+        wait_until(lambda: ps.roles()["leader"] is not None and ps.events_in() > at_outage, 180,
+                   "a batch after both were started again")  # fmt: skip
+        leads = ps.roles()["leader"]["pid"]
+        assert leads in (first.pid, second.pid)
+        ps.wait_warm_standby(second if leads == first.pid else first)
         _drain_and_stop(ps, producer)
     finally:
         producer.stop.set()
