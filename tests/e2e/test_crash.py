@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import orjson
 import pytest
@@ -100,16 +101,15 @@ def kill_repeatedly(
     return proc, mid_batch
 
 
-def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
-    r: redis.Redis, redis_url: str, tmp_path: Path
-) -> None:
-    state = tmp_path / "state"
-    cfg = tmp_path / "sluice.yaml"
-    cfg.write_text(
+def steady_config(tmp_path: Path, redis_url: str, state: str = "state", **extra: Any) -> Path:
+    """The config the SteadyProducer's events are folded with (`extra`: more sections), written
+    to `<state>.yaml`; its state_dir is `tmp_path/<state>`."""
+    path = tmp_path / f"{state}.yaml"
+    path.write_text(
         yaml.safe_dump(
             {
                 "redis": redis_url,
-                "state_dir": str(state),
+                "state_dir": str(tmp_path / state),
                 "source": {
                     "stream": "events", "shards": 2, "format": "jsonl",
                     "schema": {"ts": "long", "card": "string", "merchant": "string",
@@ -122,12 +122,38 @@ def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
                      "slice": "1m", "retention": "1d"},
                 ],
                 "spark": {"trigger": "200ms"},
+                **extra,
             }
         )
     )  # fmt: skip
-    ckpt = state / "checkpoint"
-    rng = random.Random(20261122)
-    producer = SteadyProducer(r)
+    return path
+
+
+def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = steady_config(tmp_path, redis_url)
+    ckpt = tmp_path / "state" / "checkpoint"
+    crash_run(r, cfg, ckpt, random.Random(20261122), SteadyProducer(r), tmp_path)
+
+
+class Owed(Protocol):
+    """A producer thread and the reference of what its log acknowledged."""
+
+    stop: threading.Event
+    events: int
+    cards: Counter[str]
+    qty: Counter[str]
+
+    def start(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+def crash_run(
+    r: redis.Redis, cfg: Path, ckpt: Path, rng: random.Random, producer: Owed, tmp_path: Path
+) -> None:
+    """`sluice run -c cfg` under load from `producer`, killed KILLS times (`kill_repeatedly`),
+    then drained and stopped with SIGTERM; every count, sum and audit must be exact."""
     logs = []
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -145,7 +171,7 @@ def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
         proc, mid_batch = kill_repeatedly(start, events_in, ckpt, rng)
         time.sleep(3.0)
         producer.stop.set()
-        producer.join(10)
+        producer.join(30)
         wait_until(lambda: events_in() >= producer.events, 240, "the backlog to drain")
         time.sleep(1.0)  # anything counted twice would show up as more than produced
         proc.send_signal(signal.SIGTERM)
@@ -158,16 +184,21 @@ def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
         for log in logs:
             log.close()
     assert mid_batch >= 1, "no kill landed in the middle of a batch"
+    assert_exact(r, producer)
+
+
+def assert_exact(r: redis.Redis, producer: Owed) -> dict[str, str]:
+    """Every count and sum equals what the producer had acknowledged, and every committed
+    batch passed its audit (a batch killed after its audit is audited again, counted once)."""
     stats = {k.decode(): v.decode() for k, v in r.hgetall(STATS_KEY).items()}
     assert int(stats["events_in"]) == producer.events
     assert _sum_slices(r, "txn_count") == dict(producer.cards)
     assert _sum_slices(r, "qty_sum") == dict(producer.qty)
-    # The audit: every batch that was committed balanced (none needed a replay).
     batches = int(stats["batches"])
-    records = Ledger(r, "events", 16).recent(json_last_batch(stats), batches + 10)
-    # A batch killed after its audit is audited again, but counted once.
     assert int(stats["audit_ok"]) == batches
+    records = Ledger(r, "events", 16).recent(json_last_batch(stats), batches + 10)
     assert records and all(rec["ok"] for rec in records)
+    return stats
 
 
 def json_last_batch(stats: dict[str, str]) -> int:

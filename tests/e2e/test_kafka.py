@@ -11,8 +11,6 @@
 from __future__ import annotations
 
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,10 +31,9 @@ from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
-from sluice.status.ledger import Ledger
 from sluice.testing.kafka import TEST_PRODUCER_OPTIONS, KafkaBroker
 from tests.conftest import config_data, kafka_config, wait_until
-from tests.e2e.test_crash import _sum_slices, json_last_batch, kill_repeatedly
+from tests.e2e.test_crash import crash_run
 from tests.e2e.test_oracle import check_answers, make_events
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -158,47 +155,9 @@ def test_five_sigkills_under_load_on_kafka_lose_nothing_and_count_nothing_twice(
     }  # fmt: skip
     cfg = tmp_path / "sluice.yaml"
     cfg.write_text(yaml.safe_dump(data))
-    ckpt = tmp_path / "state" / "checkpoint"
-    rng = random.Random(20261124)
     producer = KafkaProducerThread(kafka_broker, kafka_topic)
-    logs = []
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> subprocess.Popen[bytes]:
-        log = (tmp_path / f"run-{len(logs)}.log").open("w")
-        logs.append(log)
-        procs.append(subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=log))
-        return procs[-1]
-
-    def events_in() -> int:
-        return int(r.hget(STATS_KEY, "events_in") or 0)
-
-    producer.start()
-    try:
-        proc, mid_batch = kill_repeatedly(start, events_in, ckpt, rng)
-        time.sleep(3.0)
-        producer.stop.set()
-        producer.join(30)
-        wait_until(lambda: events_in() >= producer.events, 240, "the backlog to drain")
-        time.sleep(1.0)  # anything counted twice would show up as more than produced
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        producer.stop.set()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for log in logs:
-            log.close()
-    assert mid_batch >= 1, "no kill landed in the middle of a batch"
-    stats = {k.decode(): v.decode() for k, v in r.hgetall(STATS_KEY).items()}
-    assert int(stats["events_in"]) == producer.events
-    assert _sum_slices(r, "txn_count") == dict(producer.cards)
-    assert _sum_slices(r, "qty_sum") == dict(producer.qty)
-    batches = int(stats["batches"])
-    assert int(stats["audit_ok"]) == batches
-    records = Ledger(r, "events", 16).recent(json_last_batch(stats), batches + 10)
-    assert records and all(rec["ok"] for rec in records)
+    crash_run(r, cfg, tmp_path / "state" / "checkpoint", random.Random(20261124), producer,
+              tmp_path)  # fmt: skip
 
 
 def test_a_stage_reads_the_topic_and_its_output_is_folded(

@@ -17,15 +17,13 @@ from typing import IO, Any
 import orjson
 import pytest
 import redis
-import yaml
 
 from sluice.config import load_config
 from sluice.pipeline.query import TOKEN_EPOCH
 from sluice.redis.keys import STATS_KEY, stats_keys
-from sluice.status.ledger import Ledger
 from sluice.status.roles import read_roles
 from tests.conftest import wait_until
-from tests.e2e.test_crash import SteadyProducer, _sum_slices, json_last_batch
+from tests.e2e.test_crash import SteadyProducer, assert_exact, steady_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]
@@ -34,29 +32,7 @@ TAKEOVER_S = 20.0  # from the kill to the new leader's first batch; a cold start
 
 
 def _config(tmp_path: Path, redis_url: str, state: str = "state") -> Path:
-    path = tmp_path / f"{state}.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "redis": redis_url,
-                "state_dir": str(tmp_path / state),
-                "source": {
-                    "stream": "events", "shards": 2, "format": "jsonl",
-                    "schema": {"ts": "long", "card": "string", "merchant": "string",
-                               "amount": "double", "qty": "long"},
-                },
-                "metrics": [
-                    {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s",
-                     "retention": "1d"},
-                    {"name": "qty_sum", "key": ["merchant"], "agg": "sum", "value": "qty",
-                     "slice": "1m", "retention": "1d"},
-                ],
-                "spark": {"trigger": "200ms"},
-                "lease": {"ttl": "2s"},
-            }
-        )
-    )  # fmt: skip
-    return path
+    return steady_config(tmp_path, redis_url, state, lease={"ttl": "2s"})
 
 
 class Processes:
@@ -115,20 +91,6 @@ class Processes:
             proc.wait(30)
         for log in self.logs:
             log.close()
-
-
-def _assert_exact(r: redis.Redis, producer: SteadyProducer) -> dict[str, str]:
-    """Every count and sum equals what the producer had acknowledged, and every committed
-    batch passed its audit."""
-    stats = {k.decode(): v.decode() for k, v in r.hgetall(STATS_KEY).items()}
-    assert int(stats["events_in"]) == producer.events
-    assert _sum_slices(r, "txn_count") == dict(producer.cards)
-    assert _sum_slices(r, "qty_sum") == dict(producer.qty)
-    batches = int(stats["batches"])
-    assert int(stats["audit_ok"]) == batches
-    records = Ledger(r, "events", 16).recent(json_last_batch(stats), batches + 10)
-    assert records and all(rec["ok"] for rec in records)
-    return stats
 
 
 def _drain_and_stop(ps: Processes, producer: SteadyProducer) -> None:
@@ -193,7 +155,7 @@ def test_a_standby_takes_over_from_a_killed_leader_each_time(
         ps.close()
     print(f"takeovers (kill -> first batch of the new leader): {takeovers}")
     assert len(takeovers) == KILLS and max(takeovers) < TAKEOVER_S
-    _assert_exact(r, producer)
+    assert_exact(r, producer)
 
 
 def test_a_paused_leader_loses_its_lease_and_commits_nothing_after(
@@ -240,7 +202,7 @@ def test_a_paused_leader_loses_its_lease_and_commits_nothing_after(
     assert "leadership lost" in ps.log_of(old)
     assert "CONCURRENT_STREAM_LOG_UPDATE" not in ps.log_of(new)
     assert new_epoch > old_epoch
-    _assert_exact(r, producer)
+    assert_exact(r, producer)
     # Each batch was recorded once (the records are newest first), and once the new leader's
     # term began no batch was written with the old leader's epoch.
     recs = [orjson.loads(x) for x in r.lrange(stats_keys().batches, 0, -1)][::-1]
