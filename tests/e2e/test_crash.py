@@ -30,15 +30,22 @@ KILLS = 5
 
 
 class SteadyProducer(threading.Thread):
-    """About 1,000 events/s in entries of 50; keeps the reference of what Redis acknowledged."""
+    """About 1,000 events/s in jsonl entries of 50 (`send` writes one); keeps the reference of
+    what the log acknowledged."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis | None) -> None:
         super().__init__(daemon=True)
         self.client = client
         self.stop = threading.Event()
         self.cards: Counter[str] = Counter()
         self.qty: Counter[str] = Counter()
         self.events = 0
+
+    def send(self, i: int, payload: bytes, n: int) -> bool:
+        """Write one entry of `n` events; True once the log acknowledged it."""
+        assert self.client is not None
+        self.client.xadd(f"events:{i % 2}", {"d": payload, "n": n})
+        return True
 
     def run(self) -> None:
         i = 0
@@ -49,13 +56,11 @@ class SteadyProducer(threading.Thread):
                  "amount": 1.5, "qty": (i + j) % 5}
                 for j in range(50)
             ]  # fmt: skip
-            self.client.xadd(
-                f"events:{i % 2}", {"d": b"\n".join(orjson.dumps(e) for e in batch), "n": 50}
-            )
-            for e in batch:  # acknowledged: now it is owed
-                self.cards[e["card"]] += 1
-                self.qty[e["merchant"]] += e["qty"]
-            self.events += len(batch)
+            if self.send(i, b"\n".join(orjson.dumps(e) for e in batch), len(batch)):
+                for e in batch:  # acknowledged: now it is owed
+                    self.cards[e["card"]] += 1
+                    self.qty[e["merchant"]] += e["qty"]
+                self.events += len(batch)
             i += 50
             time.sleep(0.05)
 

@@ -14,11 +14,9 @@ import random
 import sys
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import redis
 import yaml
@@ -33,7 +31,7 @@ from sluice.source.loadgen import produce_frame
 from sluice.source.producer import Producer
 from sluice.testing.kafka import TEST_PRODUCER_OPTIONS, KafkaBroker
 from tests.conftest import config_data, kafka_config, wait_until
-from tests.e2e.test_crash import crash_run
+from tests.e2e.test_crash import SteadyProducer, crash_run
 from tests.e2e.test_oracle import check_answers, make_events
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -99,40 +97,22 @@ def test_random_queries_match_the_reference_on_kafka(
     assert status["counters"]["audit_ok"] == status["counters"]["batches"]
 
 
-class KafkaProducerThread(threading.Thread):
-    """About 1,000 events/s in jsonl records of 50; keeps what the broker acknowledged."""
+class KafkaProducerThread(SteadyProducer):
+    """The steady producer's records, jsonl, on the topic's two partitions."""
 
     def __init__(self, broker: KafkaBroker, topic: str) -> None:
-        super().__init__(daemon=True)
+        super().__init__(None)
         self.producer = broker.producer()
         self.topic = topic
-        self.stop = threading.Event()
-        self.cards: Counter[str] = Counter()
-        self.qty: Counter[str] = Counter()
-        self.events = 0
 
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            now = time.time_ns() // 1_000_000
-            batch = [
-                {"ts": now, "card": f"c{(i + j) % 50}", "merchant": f"m{(i + j) % 7}",
-                 "amount": 1.5, "qty": (i + j) % 5}
-                for j in range(50)
-            ]  # fmt: skip
-            done: list[Any] = []
-            self.producer.produce(
-                self.topic, b"\n".join(orjson.dumps(e) for e in batch), partition=(i // 50) % 2,
-                on_delivery=lambda err, _m, done=done: done.append(err),
-            )  # fmt: skip
-            self.producer.flush(30)
-            if done == [None]:  # acknowledged: now it is owed
-                for e in batch:
-                    self.cards[e["card"]] += 1
-                    self.qty[e["merchant"]] += e["qty"]
-                self.events += len(batch)
-            i += 50
-            time.sleep(0.05)
+    def send(self, i: int, payload: bytes, n: int) -> bool:
+        done: list[Any] = []
+        self.producer.produce(
+            self.topic, payload, partition=(i // 50) % 2,
+            on_delivery=lambda err, _m, done=done: done.append(err),
+        )  # fmt: skip
+        self.producer.flush(30)
+        return done == [None]
 
 
 def test_five_sigkills_under_load_on_kafka_lose_nothing_and_count_nothing_twice(
