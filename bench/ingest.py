@@ -13,7 +13,7 @@ session and, per format (Redis Streams `fields` and `jsonl`) and workload (`zipf
 throughput benchmark's events; `highcard`, `lib.load.highcard_frame` with the six metrics of
 `lib.load.HIGHCARD_METRICS`), drains a pre-filled backlog on a fresh embedded Redis. The `after`
 worker also runs a short rate ladder (sustained), the same drain with the audit off (`zipf`),
-and the bare engine (`throughput.bare_run`, the same Spark plan fed from in-memory Arrow with a
+and the bare engine (`lib.bare.bare_run`, the same Spark plan fed from in-memory Arrow with a
 no-op write; the plan is the same in both revisions, so both are divided by it).
 
 Per drain: events/s, slice updates per event, store updates/s, exact counts (events counted,
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lib.bare import bare_run
 from lib.load import (
     HIGHCARD_METRICS,
     WORKLOADS,
@@ -248,10 +249,8 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
 
 def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
               audit: bool = True) -> dict[str, Any]:  # fmt: skip
-    """The bare engine on batches of the cell's cap (`throughput.bare_run`); its plan carries
+    """The bare engine on batches of the cell's cap (`lib.bare.bare_run`); its plan carries
     the audit's columns unless `audit` is False, as the fold's does."""
-    from throughput import bare_run
-
     cap = SIZES[(a.quick, fmt, workload)][0]
     extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
     if not audit:

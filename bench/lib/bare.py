@@ -1,0 +1,91 @@
+"""The bare engine: the fold's Spark plan (explode, fold) fed from in-memory Arrow with a no-op
+write, the ceiling the pipeline is measured against (bench/throughput.py, bench/ingest.py)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import DataFrame
+
+from lib.load import now_ms, xrange_entries
+from lib.stats import batch_rate
+from sluice.config import Config
+from sluice.pipeline import plan as spark_plan
+from sluice.source.decode import Decoder, output_schema, spark_schema_ddl
+from sluice.source.options import SourceOptions
+from sluice.testing.arrow_source import ARROW_FORMAT
+
+BARE_PARTITIONS, BARE_CHUNKS_PER_PARTITION = 4, 4
+
+
+def bare_run(
+    spark: Any,
+    cfg: Config,
+    state_dir: Path,
+    n_events: int,
+    seed: int,
+    batches: int,
+    timeout_s: float,
+    workload: str = "zipf",
+) -> tuple[dict[str, Any], list[Any]]:
+    """explode_updates + fold_updates + a no-op write over `batches` micro-batches of
+    `n_events` events of `workload`, from the Arrow source, back to back (trigger 0, so the
+    500 ms trigger does not cap small fast batches); each batch timed. Returns (the rate with
+    the events the warm-up batch counted, the batch records)."""
+    n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload)
+    specs = spark_plan.metric_specs(cfg, spark_plan.check_expressions(spark, cfg))
+    folds = spark_plan.fold_columns(specs, cfg.audit.enabled)  # as the fold builds them
+    records: list[dict[str, Any]] = []
+    checked: list[int] = []
+
+    def on_batch(exploded: DataFrame, batch_id: int) -> None:
+        started = now_ms()
+        updates = spark_plan.fold_updates(exploded, folds)
+        if not records and not checked:  # warm-up batch: check every row arrived (untimed)
+            checked.append(int(updates.where("g = 0").agg({"cnt": "sum"}).collect()[0][0] or 0))
+            started = now_ms()
+        updates.write.format("noop").mode("overwrite").save()
+        records.append({"batch": batch_id, "events": n_rows, "started_ms": started,
+                        "done_ms": now_ms()})  # fmt: skip
+
+    options = {"path": str(state_dir / "batch.arrow"), "partitions": str(BARE_PARTITIONS),
+               "ddl": spark_schema_ddl(SourceOptions.from_config(cfg, "x")),
+               "batches": str(batches)}  # fmt: skip
+    events = spark.readStream.format(ARROW_FORMAT).options(**options).load()
+    query = (
+        spark_plan.explode_updates(events, cfg, specs).writeStream.foreachBatch(on_batch)
+        .option("checkpointLocation", str(state_dir / "checkpoint"))
+        .trigger(processingTime="0 seconds").start()  # back to back: the ceiling
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(records) < batches and time.monotonic() < deadline:
+            if query.exception() is not None:
+                raise RuntimeError(f"bare engine query failed: {query.exception()}")
+            time.sleep(0.2)
+    finally:
+        query.stop()
+    rate = batch_rate(records)
+    return {"checked_events": checked[0] if checked else None, **(rate or {})}, records
+
+
+def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path,
+                      workload: str = "zipf") -> int:  # fmt: skip
+    """Decode `n_events` synthetic entries (or Kafka records) with the real Decoder into an Arrow
+    IPC file of BARE_PARTITIONS x BARE_CHUNKS_PER_PARTITION record batches. Returns rows."""
+    ref_ms = now_ms()
+    opts = SourceOptions.from_config(cfg, url="redis://unused")
+    entries = xrange_entries(cfg, n_events, seed, ref_ms, workload)
+    values, decoder = [e[1][1] for e in entries], Decoder(opts, ref_ms, "events:0")  # value: `d`
+    decoded = decoder.decode(entries) if cfg.source.kafka is None else decoder.decode_records(
+        values, range(len(values)), [ref_ms] * len(values), "events", 0)  # fmt: skip
+    table = pa.Table.from_batches(list(decoded), schema=output_schema(opts))
+    chunk = math.ceil(table.num_rows / (BARE_PARTITIONS * BARE_CHUNKS_PER_PARTITION))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for b in table.to_batches(max_chunksize=chunk):
+            writer.write_batch(b)
+    return int(table.num_rows)
