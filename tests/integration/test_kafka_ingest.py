@@ -16,14 +16,17 @@ import orjson
 import pytest
 import redis
 import yaml
+from click.testing import CliRunner
 from confluent_kafka import Consumer, TopicPartition
 from fastapi.testclient import TestClient
 
+from sluice.cli import main
+from sluice.config import config_from_dict
 from sluice.errors import BackpressureError
 from sluice.server.app import create_app
 from sluice.source.producer import Producer
 from sluice.testing.kafka import KafkaBroker
-from tests.conftest import kafka_config
+from tests.conftest import config_data, kafka_config
 
 NOW = time.time_ns() // 1_000_000
 
@@ -111,12 +114,6 @@ def test_post_events_writes_to_the_topic_and_answers_429_while_backpressured(
 def test_status_shows_the_lag_per_partition_and_the_group_in_cli_api_and_metrics(
     kafka_broker: KafkaBroker, kafka_topic: str, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
-    from click.testing import CliRunner
-
-    from sluice.cli import main
-    from sluice.config import config_from_dict
-    from tests.conftest import config_data
-
     cfg = kafka_config(redis_url, tmp_path, kafka_broker, kafka_topic, "json")
     with Producer.from_config(cfg, r, flow=False) as producer:
         for i in range(7):
