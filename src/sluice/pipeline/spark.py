@@ -12,6 +12,7 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.logs import SPARK_LOG_LEVEL_ENV
+from sluice.pipeline.jvm import local_fs_conf
 from sluice.pipeline.ship import is_local, package_zip
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
 
     The master is `spark.master`, unless this process was launched by `spark-submit`, whose
     `--master` then wins. On any master but a local one, Sluice's own code is shipped to the
-    executors (see `sluice.pipeline.ship`).
+    executors (see `sluice.pipeline.ship`). A local Spark that this call starts writes its
+    checkpoint logs without a child process per file (see `sluice.pipeline.jvm`).
     """
     # Executors run this interpreter unless `spark.pyspark.python` says otherwise (a cluster
     # whose workers keep Python elsewhere sets it in `spark.conf`).
@@ -60,6 +62,9 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
             "spark.driver.extraJavaOptions",
             f"-Dlog4j2.configurationFile={props} -Dsluice.spark.logLevel={level}",
         )
+    if local:
+        for k, v in local_fs_conf(cfg.spark.conf).items():  # checkpoint writes without chmod
+            builder = builder.config(k, v)
     for k, v in cfg.spark.conf.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
