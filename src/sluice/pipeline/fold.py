@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
@@ -33,14 +36,14 @@ from sluice.flow.valves import StoreMonitor
 from sluice.pipeline.audit import batch_offsets, writer_xors
 from sluice.pipeline.plan import check_expressions, explode_updates, fold_columns, fold_updates
 from sluice.pipeline.plan import metric_specs as make_specs
-from sluice.pipeline.query import Role, StreamQuery
+from sluice.pipeline.query import Role, StreamQuery, query_name
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
 from sluice.source.log import Admitted, Log
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
-from sluice.source.values import META_FIELDS, spark_schema_ddl
+from sluice.source.warm import ROWS_OPTION, WARM_FORMAT
 from sluice.status.ledger import AuditResult, Ledger
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,7 @@ Writer = Callable[[WriterContext, Iterator[pa.RecordBatch]], Iterator[pa.RecordB
 UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
 Offsets = tuple[dict[str, Any], dict[str, Any]]
 WARM_UP_EVENTS = 64
+WARM_UP_TIMEOUT_S = 120
 
 
 def _sample(kind: str, i: int, now_ms: int) -> Any:
@@ -151,9 +155,10 @@ class FoldQuery(StreamQuery):
         return explode_updates(self.read_stream(), self.cfg, list(self.specs))
 
     def warm_up(self) -> None:
-        """Run the batch plan (explode, fold, a Python writer stage) on a small static frame of
-        made-up events, writing nothing: Spark generates and caches the plan's code, and starts
-        and fills its Python workers, before a real batch needs them."""
+        """Run the batch plan (explode, fold, a Python writer stage that writes nothing) as a
+        streaming query over one batch of made-up events (`source.warm`), to a throwaway
+        checkpoint: Spark loads its streaming classes, starts and fills its Python workers and
+        daemons, and generates the plan's code before a real batch needs them."""
         super().warm_up()
         opts = self.base_options()
         now = self.clock.now_ms()
@@ -163,11 +168,31 @@ class FoldQuery(StreamQuery):
             values = {n: _sample(t, i, now) for n, t, _ in opts.fields}
             err = "bad_type" if i == 0 else None  # one dead letter: its branch runs too
             rows.append({**values, **meta, "_e": i, "_err": err})
-        names = [n for n, _, _ in opts.fields] + [n for n, _ in META_FIELDS]
-        data = [tuple(r.get(n) for n in names) for r in rows]
-        static = self.spark.createDataFrame(data, spark_schema_ddl(opts))
-        updates = fold_updates(explode_updates(static, self.cfg, list(self.specs)), self._folds)
-        updates.mapInArrow(warm_partition, RESULT_DDL).collect()
+        options = opts.to_spark() | {ROWS_OPTION: orjson.dumps(rows).decode()}
+        stream = self.spark.readStream.format(WARM_FORMAT).options(**options).load()
+        folds = self._folds
+
+        def body(df: DataFrame, batch_id: int) -> None:
+            fold_updates(df, folds).mapInArrow(warm_partition, RESULT_DDL).collect()
+
+        ckpt = Path(self.cfg.state_dir) / "warm-up" / self.ckpt.name
+        shutil.rmtree(ckpt, ignore_errors=True)
+        query = (
+            explode_updates(stream, self.cfg, list(self.specs))
+            .writeStream.queryName(f"{query_name(self.name)}-warm-up")
+            .foreachBatch(body)
+            .option("checkpointLocation", str(ckpt))
+            .trigger(availableNow=True)
+            .start()
+        )
+        try:
+            if not query.awaitTermination(WARM_UP_TIMEOUT_S):
+                raise PipelineError(f"the warm-up batch took over {WARM_UP_TIMEOUT_S} s")
+            if query.exception() is not None:
+                raise PipelineError(f"the warm-up batch failed: {query.exception()}")
+        finally:
+            query.stop()
+            shutil.rmtree(ckpt, ignore_errors=True)
 
     def process_batch(self, exploded: DataFrame, batch_id: int) -> dict[str, Any]:
         """Fold and write one micro-batch of exploded updates, then audit it (see the module

@@ -75,6 +75,8 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         spark.sparkContext.addPyFile(str(shipped))
         log.info("spark cluster", extra={"master": master, "shipped": shipped.name})
     from sluice.source.reader import LogDataSource
+    from sluice.source.warm import WarmUpSource
 
     spark.dataSource.register(LogDataSource)
+    spark.dataSource.register(WarmUpSource)
     return spark
