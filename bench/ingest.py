@@ -53,11 +53,11 @@ from lib.procs import (
     wait_idle,  # fmt: skip
 )
 from lib.results import ROOT, Run, log, parser
+from lib.revisions import REVISIONS, export, order
 from lib.stats import batch_rate, judge_step, median
 from sluice.status.snapshot import backlog, recent_batches
 
 FORMATS = ("fields", "jsonl")
-REVISIONS = ("before", "after")
 # (quick, format, workload): (source.max_events_per_batch, events drained)
 SIZES = {
     (False, "fields", "zipf"): (100_000, 500_000), (False, "jsonl", "zipf"): (500_000, 2_500_000),
@@ -327,14 +327,6 @@ def worker(a: Any) -> None:
 # -- the driver: rounds of workers, then the medians -----------------------------------------
 
 
-def export(revision: str, into: Path) -> Path:
-    """`revision`'s src/ under `into` (git archive); returns that src directory."""
-    archive = subprocess.run(["git", "archive", revision, "src"], cwd=ROOT, check=True,
-                             capture_output=True).stdout  # fmt: skip
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "src"
-
-
 def run_worker(label: str, src: Path, tmp: Path, a: Any, rnd: int) -> dict[str, Any]:
     result = tmp / f"{label}-{rnd}.json"
     args = [sys.executable, __file__, "--worker", label, "--result", str(result),
@@ -438,8 +430,7 @@ def main() -> None:
         (tmp / "before").mkdir()
         srcs = {"before": export(a.before, tmp / "before"), "after": ROOT / "src"}
         for rnd in range(rounds):
-            order = REVISIONS if rnd % 2 == 0 else REVISIONS[::-1]
-            for rev in order:
+            for rev in order(rnd):
                 workers.append(run_worker(rev, srcs[rev], tmp, a, rnd))
                 run.write(params(a, rounds), summarize(workers), series(workers))  # so far
 

@@ -24,7 +24,7 @@ from lib.results import RESULTS_DIR, ROOT
 # section's run, any others follow it). A template's first line is its `## ` heading.
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit"], ["query"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"],
-            ["branches"], ["failover"]]  # fmt: skip
+            ["branches"], ["failover"], ["freshness"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
 

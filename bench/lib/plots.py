@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 
 PNG = {"throughput": "throughput.png", "query": "query_latency.png", "burst": "burst.png",
        "audit": "audit_recovery.png", "branches": "branches.png",
-       "ingest": "ingest_fields.png"}  # fmt: skip
+       "ingest": "ingest_fields.png", "freshness": "freshness_breakdown.png"}  # fmt: skip
 # Benchmarks drawn as one figure per part: name -> {png: what the figure function gets}.
 PARTS = {"ingest": {"ingest_fields.png": "fields", "ingest_jsonl.png": "jsonl"}}
 
@@ -199,4 +199,20 @@ def ingest(doc: dict[str, Any], fmt: str) -> Any:
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         ax.set(title=f"`{fmt}`: {unit} (medians over the rounds)", ylabel=unit)
         ax.set_ylim(0, max(bottom, default=1.0) * 1.5)  # room for the legend above the bars
+    return fig
+
+
+def freshness(doc: dict[str, Any], series: dict[str, Any]) -> Any:
+    """The after revision's median ms per batch at each steady rate, stacked by phase."""
+    rows = [x for x in doc["results"]["rows"] if x["revision"] == "after" and x["breakdown"]]
+    labels = [f"{x['format']}\n{x['rate']:,}/s" for x in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = [0.0] * len(rows)
+    for phase in doc["results"]["phases"]:
+        vals = [x["breakdown"]["phases_ms"].get(phase) or 0.0 for x in rows]
+        ax.bar(labels, vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set(title="after: ms per batch by phase (medians over the measured batches and rounds)",
+           ylabel="ms per batch")  # fmt: skip
+    ax.set_ylim(0, max(bottom, default=1.0) * 1.6)  # room for the legend above the bars
     return fig

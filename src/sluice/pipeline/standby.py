@@ -1,8 +1,8 @@
 """The role of one `sluice run` process: the leader, or a hot standby.
 
 A process first tries to take the leases; while another process holds them it is a standby. It
-keeps its Spark session warm: the JVM, the streaming frames, the batch plan run on a static
-frame (`StreamQuery.warm_up`). The first warm-up runs before it looks at the lease again; it is
+keeps its Spark session warm: the JVM, the streaming frames, the batch plan run as a streaming
+query over made-up events (`StreamQuery.warm_up`, `source.warm`). The first warm-up runs before it looks at the lease again; it is
 repeated every WARM_EVERY_S, in a thread beside the polls, so its Python workers stay alive. It
 polls the leases of its queries
 (`pipeline.lease`) every `poll_s`, and takes them as soon as they lapse: it then leads, and
