@@ -208,9 +208,9 @@ def freshness(doc: dict[str, Any], series: dict[str, Any]) -> Any:
     labels = [f"{x['format']}\n{x['rate']:,}/s" for x in rows]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     bottom = [0.0] * len(rows)
-    for phase in doc["results"]["phases"]:
+    for i, phase in enumerate(doc["results"]["phases"]):  # 11 phases: tab20, not 10 colours
         vals = [x["breakdown"]["phases_ms"].get(phase) or 0.0 for x in rows]
-        ax.bar(labels, vals, bottom=bottom, label=phase)
+        ax.bar(labels, vals, bottom=bottom, label=phase, color=plt.get_cmap("tab20")(i))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set(title="after: ms per batch by phase (medians over the measured batches and rounds)",
            ylabel="ms per batch")  # fmt: skip
