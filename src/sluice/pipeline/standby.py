@@ -2,10 +2,10 @@
 
 A process first tries to take the leases; while another process holds them it is a standby. It
 keeps its Spark session warm: the JVM, the streaming frames, the batch plan run as a streaming
-query over made-up events (`StreamQuery.warm_up`, `source.warm`). The first warm-up runs before it looks at the lease again; it is
-repeated every WARM_EVERY_S, in a thread beside the polls, so its Python workers stay alive. It
-polls the leases of its queries
-(`pipeline.lease`) every `poll_s`, and takes them as soon as they lapse: it then leads, and
+query over made-up events (`StreamQuery.warm_up`, `source.warm`). The first warm-up runs
+before it looks at the lease again; it is repeated every WARM_EVERY_S, in a thread beside the
+polls, so its Python workers stay alive. It polls the leases of its queries (`pipeline.lease`)
+every `poll_s`, and takes them as soon as they lapse: it then leads, and
 starts the queries from the shared checkpoint. A leader renews its lease from a thread
 (`lease.Keeper`); if it loses it (another process took it over while this one was paused or cut
 off), it stops its queries at once and stands by again. A clean stop releases the lease, so a

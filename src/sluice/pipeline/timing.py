@@ -5,6 +5,7 @@ the batch: admission and the log's end positions), `queryPlanning`, `walCommit` 
 log), `addBatch` (the whole foreachBatch call) and `commitOffsets` (the commit log). Sluice's
 steps inside `addBatch` are measured by the batch itself (`BatchTimings.add`):
 
+- `analyze`: the driver building the batch's fold (each DataFrame step is analysed by Spark);
 - `decode`: the longest read-and-decode of one input partition, reported by the executors
   (`sluice:{stats[:<stage>]}:decode`, see `source.reader`);
 - `write`: the longest store write of one writer partition;

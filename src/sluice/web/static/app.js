@@ -239,7 +239,7 @@
 
   const SPARK_PHASES = new Set(["latestOffset", "queryPlanning", "walCommit", "commitOffsets"]);
   const PHASE_COLORS = ["#2b6cb0", "#3182ce", "#63b3ed", "#38a169", "#68d391", "#d69e2e",
-    "#dd6b20", "#e53e3e", "#805ad5", "#b794f4", "#a0aec0"];
+    "#dd6b20", "#e53e3e", "#805ad5", "#b794f4", "#2c7a7b", "#a0aec0"];
 
   function renderTiming(timing) {
     const recent = timing.recent || {};
