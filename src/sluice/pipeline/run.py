@@ -32,7 +32,7 @@ from sluice.redis.connection import RedisHandle
 from sluice.status.roles import query_names
 
 POLL_SHARE = 0.125  # a standby looks at the lease every eighth of its ttl ...
-MAX_POLL_S = 0.25  # ... and at least this often
+MAX_POLL_S = 0.1  # ... and at least this often (a dead leader is seen in two looks)
 
 
 def build_queries(
