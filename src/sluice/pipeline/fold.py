@@ -9,6 +9,11 @@ it only when it is the slower of the two; the batch still commits only once it b
 batch that does not balance is written again in place; after `audit.retries` replays it raises
 AuditError, so Spark neither commits nor releases it and replays it after the restart.
 
+A small batch (at most `spark.single_task_events` events admitted, as its offsets say) is
+coalesced to one partition first: Spark then folds and writes it in the task that reads it,
+with no shuffle and no second stage, which is most of a small batch's fixed cost. The fold is
+the same; only where it runs changes.
+
 The store's write time feeds its monitor (the `store` flow stage), after every batch and, from
 a thread, between batches, so quiet periods count (seed 000).
 """
@@ -173,7 +178,8 @@ class FoldQuery(StreamQuery):
         folds = self._folds
 
         def body(df: DataFrame, batch_id: int) -> None:
-            fold_updates(df, folds).mapInArrow(warm_partition, RESULT_DDL).collect()
+            for frame in (df, df.coalesce(1)):  # a large batch's plan and a small one's
+                fold_updates(frame, folds).mapInArrow(warm_partition, RESULT_DDL).collect()
 
         ckpt = Path(self.cfg.state_dir) / "warm-up" / self.ckpt.name
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -212,6 +218,9 @@ class FoldQuery(StreamQuery):
         )
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
+        events = offsets[1].get("events") if offsets is not None else None
+        if events is not None and events <= self.cfg.spark.single_task_events:
+            exploded = exploded.coalesce(1)  # one task, no shuffle (module docstring)
         for attempt in range(1, attempts + 1):
             t0 = time.perf_counter()
             updates = fold_updates(exploded, self._folds)

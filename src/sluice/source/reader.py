@@ -144,7 +144,7 @@ class LogStreamReader(DataSourceStreamReader):
             self.admission.admitted(plan.events, plan.more)
         if plan.end == held:
             return start
-        out: dict[str, Any] = {self.field: plan.end, "ref": plan.ref_ms}
+        out: dict[str, Any] = {self.field: plan.end, "ref": plan.ref_ms, "events": plan.events}
         if plan.entries is not None:
             out["entries"] = plan.entries  # sizes the partitions of this batch
         if plan.first:
