@@ -203,16 +203,17 @@ def ingest(doc: dict[str, Any], fmt: str) -> Any:
 
 
 def freshness(doc: dict[str, Any], series: dict[str, Any]) -> Any:
-    """The after revision's median ms per batch at each steady rate, stacked by phase."""
-    rows = [x for x in doc["results"]["rows"] if x["revision"] == "after" and x["breakdown"]]
-    labels = [f"{x['format']}\n{x['rate']:,}/s" for x in rows]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    """Median ms per batch at each steady rate, before and after side by side, by phase."""
+    rows = [x for x in doc["results"]["rows"] if x["breakdown"]]
+    labels = [f"{x['format']} {x['rate'] // 1000}k\n{x['revision']}" for x in rows]
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     bottom = [0.0] * len(rows)
-    for i, phase in enumerate(doc["results"]["phases"]):  # 11 phases: tab20, not 10 colours
+    for i, phase in enumerate(doc["results"]["phases"]):  # 12 phases: tab20, not 10 colours
         vals = [x["breakdown"]["phases_ms"].get(phase) or 0.0 for x in rows]
         ax.bar(labels, vals, bottom=bottom, label=phase, color=plt.get_cmap("tab20")(i))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set(title="after: ms per batch by phase (medians over the measured batches and rounds)",
+    ax.set(title="ms per batch by phase (medians over the measured batches and rounds)",
            ylabel="ms per batch")  # fmt: skip
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylim(0, max(bottom, default=1.0) * 1.6)  # room for the legend above the bars
     return fig
