@@ -11,12 +11,13 @@ is the beginning), Kafka by the offset of the entry after it (0 is the beginning
 [lo, hi) is the entries between two positions. Every read, count and audit is of spans, so a
 batch that Spark re-runs after a crash, with the same logged offsets, sees the same entries.
 
-Offsets. The Spark source logs a batch's end as `{<field>: {shard: position}, "ref": ms,
-"events": n}` (n: the events admitted, which picks the batch's plan: `spark.single_task_events`)
-plus, optionally, `"entries"` (entries per shard, which sizes the batch's partitions), `"from"`
-(shards whose span does not start where the previous batch ended: a Kafka partition that is
-new, or whose offsets went back because its topic was recreated) and `"admitted"` (the audit's
-source side, when planning computed it: `Plan.admitted`). `<field>` is the log's
+Offsets. The Spark source logs a batch's end as `{<field>: {shard: position}, "ref": ms}` plus,
+optionally, `"events"` (the events admitted, counted when a budget applies; it picks the
+batch's plan: `spark.single_task_events`), `"entries"` (entries per shard, which sizes the
+batch's partitions), `"from"` (shards whose span does not start where the previous batch
+ended: a Kafka partition that is new, or whose offsets went back because its topic was
+recreated) and `"admitted"` (the audit's source side, when planning computed it:
+`Plan.admitted`). `<field>` is the log's
 `OFFSETS_FIELD`. `ref` is the batch's reference time, fixed when it is planned.
 
 Entries and events. An entry (a stream entry, a Kafka record) holds one event or, in `jsonl`,

@@ -144,7 +144,9 @@ class LogStreamReader(DataSourceStreamReader):
             self.admission.admitted(plan.events, plan.more)
         if plan.end == held:
             return start
-        out: dict[str, Any] = {self.field: plan.end, "ref": plan.ref_ms, "events": plan.events}
+        out: dict[str, Any] = {self.field: plan.end, "ref": plan.ref_ms}
+        if budget is not None:
+            out["events"] = plan.events  # counted only under a budget (picks the batch's plan)
         if plan.entries is not None:
             out["entries"] = plan.entries  # sizes the partitions of this batch
         if plan.first:
