@@ -141,11 +141,14 @@ def test_slots_migrated_under_load_lose_nothing_and_count_nothing_twice(
         moved = migrations = 0
         try:
             _wait(lambda: stat("events_in") > 2000, 240, "batches before the migrations")
-            # Keep moving the slots round the masters until several more batches committed, so
-            # that migrations overlap batch writes, audits and commits.
+            # Keep moving the slots round the masters until several more batches committed and
+            # every slot moved at least twice, so that migrations overlap batch writes, audits
+            # and commits however quick the batches are.
             first = stat("batches")
             deadline = time.monotonic() + 180
-            while stat("batches") < first + 4 and time.monotonic() < deadline:
+            while (
+                stat("batches") < first + 4 or migrations < 2 * len(slots)
+            ) and time.monotonic() < deadline:
                 slot = slots[migrations % len(slots)]
                 moved += cluster.migrate_slot(slot, (cluster.node_of_slot(slot) + 1) % 3)
                 migrations += 1
