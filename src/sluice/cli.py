@@ -89,8 +89,9 @@ class _StopSignals:
         ours, root = logging.getLogger("sluice"), logging.getLogger()
         if ours.level == logging.NOTSET:
             ours.setLevel(root.getEffectiveLevel())
-        # py4j reports the JVM's going at INFO on the root logger itself.
-        root.setLevel(max(root.level, logging.WARNING))
+        # py4j reports the JVM's going on the root logger itself: at INFO, and at ERROR with a
+        # traceback for a call in flight when the JVM went (a signal to the process group).
+        root.setLevel(max(root.level, logging.CRITICAL))
         for name in ("py4j", "pyspark"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
         # PySpark's accumulator server prints a traceback when its JVM connection ends.
