@@ -1,15 +1,18 @@
 """Failover: the longest produce->queryable latency across `kill -9`s of `sluice run`, with and
 without a hot standby.
 
-    .venv/bin/python bench/failover.py            # 5 kills per mode, about 10 minutes
+    .venv/bin/python bench/failover.py            # 5 kills per mode, about 14 minutes
     .venv/bin/python bench/failover.py --quick    # 2 kills per mode
 
 Per mode, a fresh embedded Redis and state_dir; a paced producer (`--rate`, jsonl) and a probe
 every PROBE_EVERY_S: one event with a card of its own, queryable once its slice hash exists
 (polled every POLL_S). `restart`: one `sluice run`, killed (its whole process group) and started
 again at once, as a supervisor such as systemd would. `standby`: two `sluice run -c same.yaml`;
-the leader is killed, the standby takes over, and the killed one is started again and stands by
-(warm) before the next kill. Between kills the pipeline runs steadily for `--steady` seconds.
+the leader is killed, the standby takes over, and once the new leader has caught up (a probe sent
+after its first batch is queryable) the killed one is started again and stands by (warm) before
+the next kill: on a cluster it restarts on its own host, so its cold start does not take the new
+leader's cores. `standby-shared`: the same, but the killed one is started again at once, on the
+same 2 cores as the new leader. Between kills the pipeline runs steadily for `--steady` seconds.
 At the end the backlog drains and `events_in` must equal the events sent. Latencies count from
 the first batch (and a warm standby) on; each kill's, until the next kill. Writes
 bench/results/failover[.quick].json, with every probe's (sent ms, latency ms) as its series.
@@ -45,6 +48,7 @@ PROBE_EVERY_S = 0.1
 POLL_S = 0.05
 WAIT_S = 240.0
 BATCH_CAP = 200_000
+MODES = ("restart", "standby", "standby-shared")
 
 
 class Probes(threading.Thread):
@@ -77,6 +81,10 @@ class Probes(threading.Thread):
                     if found:
                         self.seen[c] = t
             time.sleep(POLL_S)
+
+    def seen_since(self, at_ms: int) -> bool:
+        """Whether a probe sent at or after `at_ms` is queryable."""
+        return any(self.sent[c] >= at_ms for c in list(self.seen))
 
     def latencies(self, lo_ms: int = 0, hi_ms: int = 2**62) -> list[int]:
         """Produce->queryable of the probes sent in [lo_ms, hi_ms)."""
@@ -126,7 +134,7 @@ def run_mode(mode: str, ws: Workspace, kills: int, rate: float, steady_s: float)
             raw = client.hget(STATS_KEY, "last_batch")
             return int(orjson.loads(raw)["done_ms"]) if raw else 0
 
-        started = [spawn() for _ in range(2 if mode == "standby" else 1)]
+        started = [spawn() for _ in range(1 if mode == "restart" else 2)]
         producer = PacedProducer(server.url, pool, rate, retry_busy=True)
         probes = Probes(server.url, cfg)
         producer.start()
@@ -147,10 +155,13 @@ def run_mode(mode: str, ws: Workspace, kills: int, rate: float, steady_s: float)
                 if standby is None:
                     leader = spawn()
                 else:
-                    leader, standby = standby, spawn()
+                    leader, standby = standby, (spawn() if mode == "standby-shared" else None)
                 wait(lambda p=leader, t=killed_ms: leads(p) and last_done() > t,
                      "the new leader's batch")  # fmt: skip
                 first_ms = last_done()
+                if mode == "standby":
+                    wait(lambda t=first_ms: probes.seen_since(t), "the new leader to catch up")
+                    standby = spawn()
                 if standby is not None:
                     wait(lambda s=standby: warm(s), "the restarted process to stand by warm")
                 cycles.append(
@@ -194,12 +205,17 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=2_000.0, help="producer events/s")
     p.add_argument("--kills", type=int, help="kills per mode: 5, quick 2")
     p.add_argument("--steady", type=float, default=10.0, help="seconds between kills")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     a = p.parse_args()
+    modes_wanted = [m.strip() for m in a.modes.split(",") if m.strip()]
+    unknown = [m for m in modes_wanted if m not in MODES]
+    if unknown or not modes_wanted:
+        p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     a.kills = a.kills or (2 if a.quick else 5)
     run = Run("failover", a)
     ws = Workspace()
     try:
-        modes = [run_mode(m, ws, a.kills, a.rate, a.steady) for m in ("restart", "standby")]
+        modes = [run_mode(m, ws, a.kills, a.rate, a.steady) for m in modes_wanted]
     finally:
         ws.cleanup()
     params = {"rate_per_s": a.rate, "kills": a.kills, "steady_s": a.steady,

@@ -14,7 +14,7 @@ class SparkConfig(_Model):
     trigger: DurationMs = 500
     shuffle_partitions: int = Field(2, ge=1)
     single_task_events: int = Field(
-        2_000,
+        16_000,
         ge=0,
         description="a batch of at most this many events is folded and written by one task,"
         " without a shuffle (less fixed cost per batch); 0 = never",
