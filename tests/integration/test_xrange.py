@@ -127,3 +127,69 @@ def test_planning_a_fields_budget_gives_the_audits_source_side(
     assert planned == log.admitted(spans) and planned is not None and planned.events == 20
     other = log.spans({"ids": {"s": ids[5]}}, end)  # not the span it was planned for
     assert log.planned_source(other, end) is None
+
+
+def _two_shard_opts(url: str) -> SourceOptions:
+    return SourceOptions(
+        url=url,
+        log=StreamsSpec(("a", "b")),
+        format="fields",
+        fields=(("n", "long", True), ("card", "string", False)),
+        time_field=None,
+        max_events_per_batch=None,
+        max_string_bytes=64,
+    )
+
+
+def _same_plan(log: RedisStreamsLog, url: str, start: dict[str, str], budget: int) -> Any:
+    """Plan with `log` (which may hold entries walked ahead) and with a fresh log that walks
+    everything itself: the two plans must agree in every field."""
+    if log._ahead_walk is not None:
+        log._ahead_walk.join()  # so that the fresh log's walk sees the same stream
+    fresh = RedisStreamsLog(_two_shard_opts(url)).plan(start, budget, 0)
+    got = log.plan(start, budget, 0)
+    assert (got.end, got.entries, got.events, got.more, got.admitted) == (
+        fresh.end, fresh.entries, fresh.events, fresh.more, fresh.admitted,
+    )  # fmt: skip
+    return got
+
+
+@pytest.mark.parametrize("budget", [10, 25, 60, 400])
+def test_entries_walked_ahead_plan_as_if_walked_then(
+    r: redis.Redis, redis_url: str, budget: int
+) -> None:
+    """After a `fields` plan, the entries after its end are walked in a thread for the next
+    plan; that plan (ends, counts, whether more wait, the audit's source side) is the one a
+    plan walking them itself makes, with entries added meanwhile, uneven shards, and a start
+    that is not where the walk began."""
+    _fill(r, "a", 120)
+    _fill(r, "b", 30)
+    log = RedisStreamsLog(_two_shard_opts(redis_url))
+    plan = _same_plan(log, redis_url, {}, budget)
+    assert log._ahead_walk is not None  # walking ahead from the plan's end
+    _fill(r, "a", 15)  # arrives while the batch would run: after what was walked, or not
+    _fill(r, "b", 40)
+    for _ in range(100):  # until the streams are drained
+        before = plan.end
+        plan = _same_plan(log, redis_url, plan.end, budget)
+        if plan.end == before:
+            break
+    assert plan.end["a"] == r.xrevrange("a", count=1)[0][0].decode()
+    first = r.xrange("a", count=3)
+    other = {"a": first[2][0].decode(), "b": "0-0"}  # not the walk's start: walked anew
+    _same_plan(log, redis_url, other, budget)
+
+
+def test_a_plan_after_walking_ahead_uses_those_entries(r: redis.Redis, redis_url: str) -> None:
+    """The next plan takes the entries walked ahead rather than reading them again: with them
+    removed from the stream after the walk (which nothing but a user's XDEL does), the plan
+    still counts them, so it did not read the stream for them."""
+    ids = [x.decode() for x in (r.xadd("a", {"n": i, "card": "c"}) for i in range(20))]
+    log = RedisStreamsLog(_two_shard_opts(redis_url))
+    plan = log.plan({}, 5, 0)
+    assert plan.end["a"] == ids[4]
+    assert log._ahead_walk is not None
+    log._ahead_walk.join()
+    r.xdel("a", ids[6])
+    nxt = log.plan(plan.end, 5, 0)
+    assert nxt.end["a"] == ids[9] and nxt.events == 5

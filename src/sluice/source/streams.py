@@ -8,12 +8,17 @@ is a committed id.
 
 Budgets are counted server-side (`lua/advance.lua`), so only end ids travel to the client, and
 the audit's source side is read by `lua/audit_source.lua` over the same ids, independently of
-the batch's own XRANGE reads.
+the batch's own XRANGE reads. A `fields` budget is walked on the client instead (one event per
+entry), which also gives the audit's source side; while a batch runs, the entries after its end
+are walked ahead for the next plan (`_Ahead`), so that walk is mostly off the batch's path.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -33,6 +38,7 @@ from sluice.source.ids import (
     ZERO_ID,
     entry_id_columns,
     event_ids,
+    format_id,
     id_ms,
     parse_id,
     split_range,
@@ -57,6 +63,8 @@ XRANGE_COUNT = {"fields": 10_000, "jsonl": 2000}
 # of them keep each call short (Redis serves no one else meanwhile) and its memory small.
 AUDIT_CHUNK = {"fields": 5000, "jsonl": 20}
 AUDIT_XRANGE_COUNT = 10_000  # `fields` entries per XRANGE of the audit's own read
+
+log = logging.getLogger(__name__)
 
 
 def _text(x: Any) -> str:
@@ -88,6 +96,26 @@ def backlog_share(
     return min(1.0, max(0.0, share))
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """`fields` entries of one shard walked ahead of the next plan: those after `base`, in
+    stream order, as their ids (`ms`, `seq`) and event ids (`ev`). Entries are only appended
+    after `base` (trimming stops at the committed id, which is at or before it), so a plan from
+    `base` may take a prefix of them as if it had walked them itself."""
+
+    base: str
+    ms: Any
+    seq: Any
+    ev: Any
+
+    def take(self, share: int) -> tuple[_Ahead, str, int, int]:
+        """(what is left, end id, entries taken, XOR of their event ids), at most `share`."""
+        k = min(share, len(self.ms))
+        end = format_id(int(self.ms[k - 1]), int(self.seq[k - 1])) if k else self.base
+        rest = _Ahead(end, self.ms[k:], self.seq[k:], self.ev[k:])
+        return rest, end, k, xor_all(self.ev[:k])
+
+
 class RedisStreamsLog(Log):
     OFFSETS_FIELD = "ids"
     kind = "redis"
@@ -97,9 +125,11 @@ class RedisStreamsLog(Log):
         self.opts = opts
         self.shards: tuple[str, ...] = opts.shards
         self._own = client  # used as given (not pickled); else this process's raw client
+        self._ahead: dict[str, _Ahead] = {}  # walked ahead of the next plan (`fields`)
+        self._ahead_walk: threading.Thread | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_own": None}
+        return {**self.__dict__, "_own": None, "_ahead": {}, "_ahead_walk": None}
 
     def _client(self) -> Any:
         return self._own if self._own is not None else raw_client(self.opts.url)
@@ -116,12 +146,49 @@ class RedisStreamsLog(Log):
     def plan(self, start: Mapping[str, Position], budget: int | None, ref_ms: int) -> Plan:
         ids = {s: start.get(s, ZERO_ID) for s in self.shards}
         admitted: dict[str, list[Any]] = {}
+        if self._ahead_walk is not None:
+            self._ahead_walk.join()  # its entries are this plan's (or of no use)
+            self._ahead_walk = None
         if budget is None:
             end, entries, events, more = self._newest(ids), None, 0, False
         else:
             end, entries, events, more = self._advance(ids, budget, admitted)
+        self._ahead = {}
+        if budget is not None and self.opts.format == "fields" and end != ids:
+            per_shard = -(-budget // len(self.shards))
+            self._ahead_walk = threading.Thread(target=self._walk_ahead, args=(end, per_shard),
+                                                daemon=True, name="sluice-walk-ahead")  # fmt: skip
+            self._ahead_walk.start()
         ref = max(id_ms(v) for v in end.values()) if end else 0
         return Plan(end, {}, entries, events, more, ref, admitted or None)
+
+    def _walk_ahead(self, ends: Mapping[str, str], per_shard: int) -> None:
+        """Walk up to `per_shard` `fields` entries after each shard's end, for the next plan
+        (`_Ahead`); runs in a thread while the batch just planned runs. A failure only leaves
+        the next plan to walk them itself."""
+        try:
+            client = raw_client(self.opts.url)
+            ahead = {}
+            for shard, base in ends.items():
+                parts: list[tuple[Any, Any, Any]] = []
+                end, n = base, 0
+                while n < per_shard:
+                    want = min(AUDIT_XRANGE_COUNT, per_shard - n)
+                    chunk = xrange_chunk(client, shard, end, "+", want)
+                    if chunk:
+                        ms, seq = entry_id_columns([e[0] for e in chunk])
+                        ev = event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard)
+                        parts.append((ms, seq, ev))
+                        n += len(chunk)
+                        end = _text(chunk[-1][0])
+                    if len(chunk) < want:
+                        break
+                if parts:
+                    cols = [np.concatenate([p[i] for p in parts]) for i in range(3)]
+                    ahead[shard] = _Ahead(base, *cols)
+            self._ahead = ahead
+        except Exception as e:  # noqa: BLE001 - the next plan walks the entries itself
+            log.debug("walking ahead failed", extra={"error": str(e)})
 
     def _newest(self, ids: dict[str, str]) -> dict[str, str]:
         pipe = self._client().pipeline(transaction=False)
@@ -172,10 +239,15 @@ class RedisStreamsLog(Log):
         """Up to `share` `fields` entries after `after`: (end id, entries, whether more wait,
         the XOR of their event ids). Read as plain XRANGE replies parsed by hiredis, not by the
         columnar reader the batch itself will use, so the XOR is the audit's source side,
-        computed independently of the batch's read (see `planned_source`)."""
+        computed independently of the batch's read (see `planned_source`). Entries walked ahead
+        from `after` (`_walk_ahead`) are taken first."""
         client = raw_client(self.opts.url)
-        acc = n = 0
+        acc = n = left = 0
         end = after
+        ahead = self._ahead.get(shard)
+        if ahead is not None and ahead.base == after:
+            rest, end, n, acc = ahead.take(share)
+            self._ahead[shard], left = rest, len(rest.ms)
         while n < share:
             want = min(AUDIT_XRANGE_COUNT, share - n)
             chunk = xrange_chunk(client, shard, end, "+", want)
@@ -186,7 +258,7 @@ class RedisStreamsLog(Log):
                 end = _text(chunk[-1][0])
             if len(chunk) < want:
                 return end, n, False, acc
-        more = bool(xrange_chunk(client, shard, end, "+", 1))
+        more = left > 0 or bool(xrange_chunk(client, shard, end, "+", 1))
         return end, n, more, acc
 
     def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
