@@ -12,6 +12,7 @@ from typing import Any
 from sluice.testing.branches import run_experiment
 
 RATE = 300.0  # low enough that a loaded 2-core machine still keeps up with it
+ON_SCHEDULE_S = 1.5  # a producer behind by less has kept its schedule (one flush of slack)
 # Small branch streams (60 KB high watermark) fill within seconds, so a short slowdown shows
 # the whole chain; bench/branches.py runs the long version.
 RUN: dict[str, Any] = {
@@ -29,14 +30,17 @@ def test_a_slow_branch_throttles_its_own_chain_only(
     # ... and nothing before the branch point: the producer kept its schedule (one flush of
     # slack), so the right branch got every event on time, and folded more than the left
     assert "ingest" not in s["flagged"], s
-    assert s["producer_behind_max_s"] < 1.5, s
+    assert s["producer_behind_max_s"] < ON_SCHEDULE_S, s
     assert s["right"]["rate_slow"] > s["left"]["rate_slow"], s
 
     heron = run_experiment(redis_url, spark, tmp_path / "source", "source", rate=RATE, **RUN)
     h = heron.summary()
     # the same overloads go to the ingest tasks: the producer is held back, for both branches
+    # (by how much depends on how fast the pipeline drains; it is off schedule, and further
+    # behind than with hop-by-hop backpressure)
     assert "ingest" in h["flagged"], h
     assert not {"left", "right", "fold:left"} & set(h["flagged"]), h
-    assert h["producer_behind_max_s"] > 3.0, h
+    assert h["producer_behind_max_s"] > ON_SCHEDULE_S, h
+    assert h["producer_behind_max_s"] > s["producer_behind_max_s"], (h, s)
     # per-branch latency of both runs, for the log (bench/branches.py measures it properly)
     print({"hop": s, "source": h})

@@ -78,8 +78,8 @@ class StandaloneCluster:
             try:
                 if self.state().get("aliveworkers") == self.n_workers:
                     return self
-            except OSError:
-                pass  # the master's UI is not up yet
+            except (OSError, ValueError):
+                pass  # the master's UI is not up yet, or not yet serving its JSON view
             for p in self.procs:
                 if p.poll() is not None:
                     self.stop()
