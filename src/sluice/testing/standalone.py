@@ -73,19 +73,25 @@ class StandaloneCluster:
                 "--host", "127.0.0.1", "--cores", str(self.cores), "--memory", self.memory,
                 "--webui-port", "0", "--work-dir", str(self.worker_dir(i)),
             )  # fmt: skip
+        try:
+            self._await_workers(timeout_s)
+        except BaseException:
+            self.stop()  # no daemon outlives a start that failed
+            raise
+        return self
+
+    def _await_workers(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 if self.state().get("aliveworkers") == self.n_workers:
-                    return self
+                    return
             except (OSError, ValueError):
                 pass  # the master's UI is not up yet, or not yet serving its JSON view
             for p in self.procs:
                 if p.poll() is not None:
-                    self.stop()
                     raise RuntimeError(f"a Spark daemon exited early; see logs in {self.root}")
             if time.monotonic() > deadline:
-                self.stop()
                 raise RuntimeError(f"{self.n_workers} workers did not register in {timeout_s}s")
             time.sleep(0.5)
 
