@@ -96,6 +96,23 @@ def backlog_share(
     return min(1.0, max(0.0, share))
 
 
+def _walk(client: Any, shard: str, after: str, limit: int) -> Iterator[tuple[str, Any, Any, Any]]:
+    """Up to `limit` `fields` entries of `shard` after `after`, chunk by chunk, as plain XRANGE
+    replies parsed by hiredis: (the chunk's last id, entry id columns `ms` and `seq`, event
+    ids). Stops early once the stream has no more."""
+    end, n = after, 0
+    while n < limit:
+        want = min(AUDIT_XRANGE_COUNT, limit - n)
+        chunk = xrange_chunk(client, shard, end, "+", want)
+        if chunk:
+            ms, seq = entry_id_columns([e[0] for e in chunk])
+            n += len(chunk)
+            end = _text(chunk[-1][0])
+            yield end, ms, seq, event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard)
+        if len(chunk) < want:
+            return
+
+
 @dataclass(frozen=True)
 class _Ahead:
     """`fields` entries of one shard walked ahead of the next plan: those after `base`, in
@@ -170,19 +187,7 @@ class RedisStreamsLog(Log):
             client = raw_client(self.opts.url)
             ahead = {}
             for shard, base in ends.items():
-                parts: list[tuple[Any, Any, Any]] = []
-                end, n = base, 0
-                while n < per_shard:
-                    want = min(AUDIT_XRANGE_COUNT, per_shard - n)
-                    chunk = xrange_chunk(client, shard, end, "+", want)
-                    if chunk:
-                        ms, seq = entry_id_columns([e[0] for e in chunk])
-                        ev = event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard)
-                        parts.append((ms, seq, ev))
-                        n += len(chunk)
-                        end = _text(chunk[-1][0])
-                    if len(chunk) < want:
-                        break
+                parts = [(ms, seq, ev) for _, ms, seq, ev in _walk(client, shard, base, per_shard)]
                 if parts:
                     cols = [np.concatenate([p[i] for p in parts]) for i in range(3)]
                     ahead[shard] = _Ahead(base, *cols)
@@ -248,16 +253,12 @@ class RedisStreamsLog(Log):
         if ahead is not None and ahead.base == after:
             rest, end, n, acc = ahead.take(share)
             self._ahead[shard], left = rest, len(rest.ms)
-        while n < share:
-            want = min(AUDIT_XRANGE_COUNT, share - n)
-            chunk = xrange_chunk(client, shard, end, "+", want)
-            if chunk:
-                ms, seq = entry_id_columns([e[0] for e in chunk])
-                acc ^= xor_all(event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard))
-                n += len(chunk)
-                end = _text(chunk[-1][0])
-            if len(chunk) < want:
-                return end, n, False, acc
+        for last, _, _, ev in _walk(client, shard, end, share - n):
+            acc ^= xor_all(ev)
+            n += len(ev)
+            end = last
+        if n < share:  # caught up with the stream
+            return end, n, False, acc
         more = left > 0 or bool(xrange_chunk(client, shard, end, "+", 1))
         return end, n, more, acc
 
