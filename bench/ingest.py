@@ -309,9 +309,12 @@ def worker(a: Any) -> None:
         spark.dataSource.register(ArrowFileSource)
         warm = argparse.Namespace(**{**vars(a), "quick": True, "worker": f"{a.worker} warm-up"})
         for fmt in FORMATS:  # the JVM's warm-up, not measured
-            drain_cell(spark, ws, fmt, "zipf", warm)
+            if any(f == fmt for f, _ in a.cells):
+                drain_cell(spark, ws, fmt, "zipf", warm)
         for fmt in FORMATS:
             for workload in WORKLOADS:
+                if (fmt, workload) not in a.cells:
+                    continue
                 runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, after))]
                 if after and workload == "zipf":
                     off = (drain_cell, (spark, ws, fmt, workload, a, False))
@@ -338,7 +341,8 @@ def worker(a: Any) -> None:
 def run_worker(label: str, src: Path, tmp: Path, a: Any, rnd: int) -> dict[str, Any]:
     result = tmp / f"{label}-{rnd}.json"
     args = [sys.executable, __file__, "--worker", label, "--result", str(result), "--seed",
-            str(a.seed + rnd), "--round", str(rnd)] + (["--quick"] if a.quick else [])  # fmt: skip
+            str(a.seed + rnd), "--round", str(rnd), "--cells", a.cells_arg] + (
+            ["--quick"] if a.quick else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'bench'}"}
     load0, t0 = os.getloadavg(), time.monotonic()
     log(f"round {rnd + 1}: {label} ({src})")
@@ -422,7 +426,13 @@ def main() -> None:
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--bare-audit", action="store_true",
                    help="only the bare engine with and without the audit's columns")  # fmt: skip
+    p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
+                   help="format:workload pairs to measure, comma-separated (default: all);"
+                   " a subset goes to bench/results/ingest.cells.json, not rendered")  # fmt: skip
     a = p.parse_args()
+    a.cells_arg, a.cells = a.cells, cells_of(p, a.cells)
+    if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
+        a.out = Path(__file__).parent / "results" / "ingest.cells.json"
     a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
     if a.worker:
         worker(a)
@@ -444,11 +454,22 @@ def main() -> None:
                 run.write(params(a, rounds), summarize(workers), series(workers))  # so far
 
 
+def cells_of(p: argparse.ArgumentParser, text: str) -> list[tuple[str, str]]:
+    """`--cells`: "fields:zipf,jsonl:highcard" -> [(format, workload), ...]."""
+    cells = [tuple(c.strip().split(":", 1)) for c in text.split(",") if c.strip()]
+    known = [(f, w) for f in FORMATS for w in WORKLOADS]
+    bad = [":".join(c) for c in cells if c not in known]
+    if bad or not cells:
+        p.error(f"--cells: unknown {', '.join(bad) or 'empty list'}; known:"
+                f" {', '.join(f'{f}:{w}' for f, w in known)}")  # fmt: skip
+    return [c for c in known if c in cells]
+
+
 def params(a: Any, rounds: int) -> dict[str, Any]:
     return {"before": a.before, "rounds": rounds, "sizes": {"|".join(map(str, k)): v
             for k, v in SIZES.items() if k[0] == a.quick}, "step_s": STEP_S,
             "max_steps": MAX_STEPS, "max_lag_s": MAX_LAG_S, "metrics": HIGHCARD_METRICS,
-            "bare_batches": a.bare_batches}  # fmt: skip
+            "bare_batches": a.bare_batches, "cells": [":".join(c) for c in a.cells]}  # fmt: skip
 
 
 def series(workers: list[dict[str, Any]]) -> dict[str, Any]:
