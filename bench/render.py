@@ -52,31 +52,53 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def pick(name: str, quick: bool) -> dict[str, Any] | None:
-    """The result of `name`: the full run, else the quick one (with `quick`, the other way)."""
+def candidates(name: str, quick: bool) -> list[Path]:
+    """The result files of `name` that exist: the full run first, then the quick one (with
+    `quick`, the other way)."""
     full, smoke = RESULTS_DIR / f"{name}.json", RESULTS_DIR / f"{name}.quick.json"
-    path = next((p for p in ((smoke, full) if quick else (full, smoke)) if p.exists()), None)
-    return json.loads(path.read_text()) if path else None
+    return [p for p in ((smoke, full) if quick else (full, smoke)) if p.exists()]
 
 
 def render(env: jinja2.Environment, out: Path, quick: bool) -> str:
     """The whole docs/benchmarks.md; draws each plot whose series are present."""
     parts = [env.get_template("header.md").render().strip() + "\n"]
     for names in SECTIONS:
-        docs = [d for d in (pick(x, quick) for x in names) if d is not None]
-        if not docs:
+        tried: list[str] = []
+        for path in candidates(names[0], quick):
+            try:
+                text = section(env, out, names, json.loads(path.read_text()))
+                break
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+                # a result file older than its template (its series renamed since)
+                tried.append(f"{path.relative_to(ROOT)}: {e!r}")
+                print(f"skipped {path.relative_to(ROOT)}: it does not fit its template"
+                      f" ({e!r}); run the benchmark again")  # fmt: skip
+        else:
+            if tried:
+                raise SystemExit(f"no result of {names[0]} fits its template: {'; '.join(tried)}")
             continue
-        main, *follow = docs  # a full run is not followed by quick ones, nor the other way
-        follow = [d for d in follow if d["run"]["quick"] == main["run"]["quick"]]
-        png = plots.draw(main, out) or plots.PNG.get(names[0])
-        text = env.get_template(f"{names[0]}.md").render(
-            doc=main, run=main["run"], p=main["params"], r=main["results"], follow=follow, png=png
-        )
-        text = re.sub(r"\n{3,}", "\n\n", text).strip()  # blank lines the templates' logic left
         parts.append(text + "\n")
         if names[0] in ALSO:
             replace_section(out / ALSO[names[0]][0].name, ALSO[names[0]][1], text.split("\n", 1)[1])
     return "\n".join(parts)
+
+
+def section(env: jinja2.Environment, out: Path, names: list[str], main: dict[str, Any]) -> str:
+    """One benchmark's section from its run `main`, followed by the runs of the section's other
+    result files that are of the same kind (a full run is not followed by quick ones)."""
+    kind = main["run"]["quick"]
+    follow = [d for d in (pick(x, kind) for x in names[1:]) if d and d["run"]["quick"] == kind]
+    png = plots.draw(main, out) or plots.PNG.get(names[0])
+    text = env.get_template(f"{names[0]}.md").render(
+        doc=main, run=main["run"], p=main["params"], r=main["results"], follow=follow, png=png
+    )
+    return re.sub(r"\n{3,}", "\n\n", text).strip()  # blank lines the templates' logic left
+
+
+def pick(name: str, quick: bool) -> dict[str, Any] | None:
+    """The result of `name`: the full run, else the quick one (with `quick`, the other way)."""
+    found = candidates(name, quick)
+    return json.loads(found[0].read_text()) if found else None
 
 
 def replace_section(path: Path, heading: str, body: str) -> None:
