@@ -30,7 +30,6 @@ from sluice.config import AuditConfig, Config, config_from_dict
 from sluice.pipeline.spark import build_spark
 from sluice.redis.connection import client_for
 from sluice.redis.embedded import EmbeddedRedis
-from sluice.redis.scripts import AUDIT_SOURCE, script_source
 from sluice.source.ids import ZERO_ID
 from sluice.source.log import Admitted, Span
 from sluice.source.options import SourceOptions
@@ -154,7 +153,7 @@ def source_xor(client: Any, cfg: Config, end: dict[str, str]) -> Admitted:
 
 def xor_memory(url: str, cfg: Config, pool: load.LoadPool, n_events: int) -> dict[str, Any]:
     """Write about `n_events` into `cfg`'s empty shards, then call `source_xor` over all of it:
-    once untraced (timing; also loads the script), once under tracemalloc (peak above the
+    once untraced (timing, and warming the client), once under tracemalloc (peak above the
     baseline; tracemalloc sees numpy's buffers)."""
     load.prefill(url, pool, n_events)
     client = client_for(url, timeout_s=120)
@@ -189,12 +188,11 @@ def xor_memory(url: str, cfg: Config, pool: load.LoadPool, n_events: int) -> dic
 def xor_scaling(url: str, cfg: Config, pool: load.LoadPool, entries: int) -> dict[str, Any]:
     """`source_xor` over one shard of `entries` entries (`pool` writes to that shard only),
     while another client PINGs every 50 ms: the longest round trip and the BUSY replies (Redis
-    serves nobody else while a script runs)."""
+    serves nobody else while a script or a command runs)."""
     shard = cfg.source.shard_keys()[0]
     client = client_for(url, timeout_s=600)
     load.prefill(url, pool, round(entries * pool.events_per_entry()))
     end = {shard: client.xrevrange(shard, "+", "-", count=1)[0][0].decode()}
-    client.script_load(script_source(AUDIT_SOURCE))  # as in a running pipeline: loaded
     pinger, stop = client_for(url, timeout_s=600), threading.Event()
     seen = {"max_ms": 0.0, "busy": 0}
 

@@ -241,21 +241,39 @@ def test_a_batch_that_stays_unbalanced_fails_and_is_replayed_after_the_restart(
     ),
     st.booleans(),
 )
-def test_the_audit_script_counts_events_exactly_as_the_decoder(
+def test_the_audit_counts_events_exactly_as_the_decoder(
     redis_server: Any, payloads: list[bytes], with_d: bool
 ) -> None:
-    """The Lua count and `entry_event_count` agree on any payload (blank, \\r, \\x0b, binary)."""
-    from sluice.redis.scripts import AUDIT_SOURCE, script_source
+    """The audit's own count and `entry_event_count` agree on any payload (blank, \\r, \\x0b,
+    binary, over the size limit), on entries read back from Redis as the audit reads them."""
     from sluice.source.decode import entry_event_count
+    from sluice.source.streams import audit_event_count, raw_client, read_range
 
     client = redis.Redis.from_url(redis_server.url)
     client.delete("fuzz")
     maps = [({b"d": p} if with_d else {b"x": p}) for p in payloads]
     for m in maps:
         client.xadd("fuzz", m)  # type: ignore[arg-type]
-    reply = client.register_script(script_source(AUDIT_SOURCE))(
-        keys=["fuzz"], args=["0-0", "+", "jsonl", 64, 100]
-    )
-    counts = [int(c) for c in reply[2::2]]
+    entries = [e for chunk in read_range(raw_client(redis_server.url), "fuzz", "0-0", "+")
+               for e in chunk]  # fmt: skip
+    counts = [audit_event_count(e[1], 64) for e in entries]
     assert counts == [entry_event_count(m, "jsonl", 64) for m in maps]
+    client.close()
+
+
+def test_the_audit_count_keeps_the_last_value_of_a_repeated_name(redis_server: Any) -> None:
+    """A repeated field name: the last value counts, and only it towards the size limit."""
+    from sluice.source.decode import entry_event_count
+    from sluice.source.streams import audit_event_count, raw_client, read_range
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete("dup")
+    big = b'{"a":1}\n' * 8  # 64 bytes: over the limit of 40 only when counted twice
+    client.execute_command("XADD", "dup", "*", "d", big, "d", b'{"a":1}\n \n{"a":2}')
+    client.execute_command("XADD", "dup", "*", "d", b"x", "d", big)
+    entries = [e for chunk in read_range(raw_client(redis_server.url), "dup", "0-0", "+")
+               for e in chunk]  # fmt: skip
+    counts = [audit_event_count(e[1], 40) for e in entries]
+    last = [{b"d": b'{"a":1}\n \n{"a":2}'}, {b"d": big}]
+    assert counts == [2, 1] == [entry_event_count(m, "jsonl", 40) for m in last]
     client.close()

@@ -6,9 +6,10 @@ to its slowest reader's committed id (`lua/release.lua`); the committed entry it
 the resume point, which is why the backlog is the stream's length less one when its first entry
 is a committed id.
 
-Budgets are counted server-side (`lua/advance.lua`), so only end ids travel to the client, and
-the audit's source side is read by `lua/audit_source.lua` over the same ids, independently of
-the batch's own XRANGE reads. A `fields` budget is walked on the client instead (one event per
+Budgets are counted server-side (`lua/advance.lua`), so only end ids travel to the client. The
+audit's source side reads the same ids again in plain XRANGE replies, independently of the
+batch's own reads, and counts each entry's events on the client (`audit_event_count`). A
+`fields` budget is walked on the client instead (one event per
 entry), which also gives the audit's source side; while a batch runs, the entries after its end
 are walked ahead for the next plan (`_Ahead`), so that walk is mostly off the batch's path.
 """
@@ -27,7 +28,6 @@ import pyarrow as pa
 from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import (
     ADVANCE,
-    AUDIT_SOURCE,
     RELEASE,
     evalsha_on,
     execute_loading,
@@ -59,10 +59,13 @@ from sluice.source.xrange import (
 # (`source.xrange.read_replies`), and larger replies cost fewer round trips; a jsonl entry holds
 # hundreds of events, so its replies are already large.
 XRANGE_COUNT = {"fields": 10_000, "jsonl": 2000}
-# Entries per audit script call: a jsonl entry holds hundreds of events and tens of KB, so fewer
-# of them keep each call short (Redis serves no one else meanwhile) and its memory small.
-AUDIT_CHUNK = {"fields": 5000, "jsonl": 20}
-AUDIT_XRANGE_COUNT = 10_000  # `fields` entries per XRANGE of the audit's own read
+# Entries per XRANGE of the audit's own read: a jsonl entry holds hundreds of events and tens of
+# KB, so fewer of them keep a reply's memory small.
+AUDIT_CHUNK = {"fields": 10_000, "jsonl": 50}
+AUDIT_XRANGE_COUNT = AUDIT_CHUNK["fields"]
+# The bytes other than b"\n" that Python's bytes.strip removes: a line is blank when it holds
+# nothing else.
+_BLANK = b" \t\r\x0b\x0c"
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,27 @@ def _walk(client: Any, shard: str, after: str, limit: int) -> Iterator[tuple[str
             yield end, ms, seq, event_ids(ms.astype(np.int64), seq, np.zeros(len(ms)), shard)
         if len(chunk) < want:
             return
+
+
+def audit_event_count(fields: list[bytes], max_entry_bytes: int) -> int:
+    """How many events one `jsonl` entry holds (its flat [name, value, ...] list), for the
+    audit: the rule of `values.entry_event_count`, which the decoder uses, written apart from
+    it so that the audit does not share the decoder's code. Over `max_entry_bytes` (names and
+    values, the last value of a repeated name only): 1. No `d`: 1. Else the lines of `d` (split
+    on b"\\n") that hold a byte other than whitespace, or 1 when none does."""
+    last = dict(zip(fields[0::2], fields[1::2], strict=True))
+    if (
+        sum(map(len, fields)) > max_entry_bytes
+        and sum(len(k) + len(v) for k, v in last.items()) > max_entry_bytes
+    ):
+        return 1
+    d = last.get(b"d")
+    if d is None:
+        return 1
+    kept = d.translate(None, _BLANK)  # a blank line is now an empty one
+    if kept and b"\n\n" not in kept and kept[0] != 10 and kept[-1] != 10:
+        return kept.count(b"\n") + 1  # no empty line: every line counts
+    return max(1, sum(1 for line in kept.split(b"\n") if line))
 
 
 @dataclass(frozen=True)
@@ -281,38 +305,27 @@ class RedisStreamsLog(Log):
         They come from plain XRANGE replies parsed by hiredis, in AUDIT_XRANGE_COUNT entries a
         call, so Redis only sends entries (no script turns every field into a Lua string), and
         the parsing is not the columnar reader's that the batch itself used (`read`).
-        `jsonl`: the event counts come from `lua/audit_source.lua`, which counts each entry's
-        lines where the entries are.
+        `jsonl`: the same plain replies, each entry's events counted by `audit_event_count`.
         """
         if self.opts.format == "fields":
             return self._admitted_fields(spans)
-        client = self._client()
-        script = client.register_script(script_source(AUDIT_SOURCE))
-        fmt = self.opts.format
+        client = raw_client(self.opts.url)
         acc = events = entries = 0
         for span in spans:
-            cursor = span.lo
-            while True:
-                reply = script(
-                    keys=[span.shard],
-                    args=[cursor, span.hi, fmt, self.opts.max_entry_bytes, AUDIT_CHUNK[fmt]],
-                )
-                pairs = reply[1:]
-                if pairs:
-                    counts = np.asarray(pairs[1::2], dtype=np.int64)
-                    parts = np.asarray([parse_id(x) for x in pairs[0::2]], dtype=np.uint64)
-                    ms, seq = parts.reshape(-1, 2).T
-                    n = int(counts.sum())
-                    starts = np.cumsum(counts) - counts
-                    idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
-                    ids = event_ids(np.repeat(ms, counts).astype(np.int64),
-                                    np.repeat(seq, counts), idx, span.shard)  # fmt: skip
-                    acc ^= xor_all(ids)
-                    events += n
-                    entries += len(counts)
-                if not reply[0]:
-                    break
-                cursor = _text(reply[0])
+            for chunk in read_range(client, span.shard, span.lo, span.hi, AUDIT_CHUNK["jsonl"]):
+                counts = np.fromiter(
+                    (audit_event_count(e[1], self.opts.max_entry_bytes) for e in chunk),
+                    dtype=np.int64, count=len(chunk),
+                )  # fmt: skip
+                ms, seq = entry_id_columns([e[0] for e in chunk])
+                n = int(counts.sum())
+                starts = np.cumsum(counts) - counts
+                idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
+                ids = event_ids(np.repeat(ms.astype(np.int64), counts),
+                                np.repeat(seq, counts), idx, span.shard)  # fmt: skip
+                acc ^= xor_all(ids)
+                events += n
+                entries += len(chunk)
         return Admitted(acc, events, entries)
 
     def planned_source(self, spans: list[Span], end: Mapping[str, Any]) -> Admitted | None:
