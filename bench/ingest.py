@@ -4,6 +4,8 @@
     .venv/bin/python bench/ingest.py --quick            # 1 round, small sizes, about 8 minutes
     .venv/bin/python bench/ingest.py --before db2d2f0   # the revision to compare with
     .venv/bin/python bench/ingest.py --bare-audit       # the bare engine, audit columns or not
+    .venv/bin/python bench/ingest.py --audit-pairs 8    # the audit's cost: 8 on/off drain pairs
+    .venv/bin/python bench/ingest.py --cells fields:zipf --rounds 1   # some cells only
 
 Two revisions of src/ are measured: `--before` (exported with `git archive` into a temporary
 directory) and the working tree (`after`). Each round starts one worker process per revision,
@@ -297,6 +299,53 @@ def bare_audit(a: Any) -> None:
                for f in FORMATS}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
+def audit_pairs(a: Any) -> None:
+    """`--audit-pairs N`: the audit's cost in the pipeline, per format: after a warm-up drain,
+    N pairs of zipf drains with the audit on and off, in alternating order, in one Spark session
+    (the working tree's src/). A pair's ratio (on / off) is taken in one stretch of the
+    machine's load, so its median is steadier than a ratio of medians. Writes
+    bench/results/ingest-audit[.quick].json."""
+    from sluice.pipeline.spark import build_spark
+
+    run, ws, cells, spark = Run("ingest-audit", a), Workspace(), [], None
+    formats = [f for f in FORMATS if (f, "zipf") in a.cells]  # `--cells`: the zipf ones
+    a = argparse.Namespace(**{**vars(a), "worker": "audit pairs"})
+    warm = argparse.Namespace(**{**vars(a), "quick": True, "worker": "warm-up"})
+    try:
+        spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
+        for fmt in formats:
+            drain_cell(spark, ws, fmt, "zipf", warm)
+            for pair in range(a.audit_pairs):
+                log(f"audit pairs: {fmt}, pair {pair + 1} of {a.audit_pairs}")
+                for audit in (True, False) if pair % 2 == 0 else (False, True):
+                    c = drain_cell(spark, ws, fmt, "zipf", a, audit)
+                    cells.append({k: c.get(k) for k in ("format", "audit", "per_s", "exact",
+                                  "audit_ok")} | {"pair": pair + 1})  # fmt: skip
+    finally:
+        if spark is not None:
+            spark.stop()
+        ws.cleanup()
+    rows = []
+    for fmt in formats:
+        pairs = []
+        for pair in range(1, a.audit_pairs + 1):
+            on, off = ([c["per_s"] for c in cells if c["format"] == fmt and c["pair"] == pair
+                        and c["audit"] == x] for x in (True, False))  # fmt: skip
+            if on and off and on[0] and off[0]:
+                pairs.append({"pair": pair, "on": on[0], "off": off[0], "ratio": on[0] / off[0]})
+        ratio = median([x["ratio"] for x in pairs])
+        ran = [c for c in cells if c["format"] == fmt]
+        rows.append({"format": fmt, "pairs": pairs, "ratio": ratio,
+                     "cost": None if ratio is None else 1 - ratio,
+                     "on_per_s": median([x["on"] for x in pairs]),
+                     "off_per_s": median([x["off"] for x in pairs]),
+                     "exact": all(c["exact"] for c in ran) if ran else None,
+                     "audit_ok": all(c["audit_ok"] for c in ran if c["audit"]) if ran
+                     else None})  # fmt: skip
+    run.write({"pairs": a.audit_pairs, "sizes": {f: SIZES[(a.quick, f, "zipf")]
+               for f in formats}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
+
+
 def worker(a: Any) -> None:
     """Measure every cell of one revision; write the cells as JSON to `a.result`."""
     from sluice.pipeline.spark import build_spark
@@ -429,16 +478,22 @@ def main() -> None:
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
                    " a subset goes to bench/results/ingest.cells.json, not rendered")  # fmt: skip
+    p.add_argument("--audit-pairs", type=int, metavar="N",
+                   help="only the audit's cost: N pairs of drains with it on and off")  # fmt: skip
     a = p.parse_args()
     a.cells_arg, a.cells = a.cells, cells_of(p, a.cells)
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
-        a.out = Path(__file__).parent / "results" / "ingest.cells.json"
+        name = "ingest-audit" if a.audit_pairs else "ingest"
+        a.out = Path(__file__).parent / "results" / f"{name}.cells.json"
     a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
     if a.worker:
         worker(a)
         return
     if a.bare_audit:
         bare_audit(a)
+        return
+    if a.audit_pairs:
+        audit_pairs(a)
         return
     rounds = a.rounds or (1 if a.quick else 3)
     a.worker_timeout_s = 900 if a.quick else 1200

@@ -22,8 +22,8 @@ from lib.results import RESULTS_DIR, ROOT
 
 # The sections in order: the template's name, then the result files (the first one is the
 # section's run, any others follow it). A template's first line is its `## ` heading.
-SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit"], ["query"], ["durability"],
-            ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"],
+SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit"], ["query"],
+            ["durability"], ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"],
             ["branches"], ["failover"], ["freshness"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
