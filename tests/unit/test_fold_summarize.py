@@ -1,4 +1,4 @@
-"""sluice.pipeline.fold.summarize: folding the writer's per-partition rows into a batch record."""
+"""sluice.pipeline.writer.summarize: folding the writer's per-partition rows into a batch record."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.pipeline.fold import summarize
 from sluice.pipeline.query import writer_token
-from sluice.pipeline.writer import RESULT_DDL, RESULT_SCHEMA
+from sluice.pipeline.writer import RESULT_DDL, RESULT_SCHEMA, summarize
 
 FAST = settings(max_examples=80, deadline=None, database=None)
 

@@ -45,3 +45,53 @@ def test_summary_takes_medians_per_phase() -> None:
     assert s["batches"] == 3 and s["total_ms"] == 200.0
     assert s["phases_ms"]["fold"] == 100.0 and s["phases_ms"]["decode"] == 0.0
     assert summarize([])["total_ms"] is None
+
+
+def test_a_batch_written_behind_keeps_its_write_apart_from_its_phases() -> None:
+    """Its write, audit and record ran beside the next batch: not in its total."""
+    own = {"decode": 100.0, "fold": 250.0, "wait": 50.0, "write": 900.0, "audit": 5.0,
+           "record": 15.0, "behind": 1.0}  # fmt: skip
+    entry = breakdown(PROGRESS, own)
+    assert entry is not None
+    assert entry["behind"] == {"write": 900.0, "audit": 5.0, "record": 15.0}
+    ph = entry["phases"]
+    assert ph["wait"] == 50 and ph["write"] == ph["audit"] == ph["record"] == 0
+    assert ph["other"] == 600 - 400 + 20
+    assert sum(ph.values()) == entry["total_ms"]
+    assert own["write"] == 900.0  # the caller's measurements are left as they were
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.pushed: list[bytes] = []
+
+    def pipeline(self, transaction: bool = False) -> _Client:
+        return self
+
+    def lpush(self, key: str, value: bytes) -> None:
+        self.pushed.append(value)
+
+    def ltrim(self, *args: object) -> None:
+        pass
+
+    def execute(self) -> None:
+        pass
+
+
+def test_a_held_batch_is_published_once_its_write_is_done() -> None:
+    import orjson
+
+    from sluice.pipeline.timing import BatchTimings
+
+    client = _Client()
+    t = BatchTimings(client, "spark")
+    t.add(7, decode=100.0, fold=250.0)
+    t.hold(7)
+    t.publish(PROGRESS)  # Spark reported it; its write still runs
+    assert client.pushed == []
+    t.add(7, write=900.0, audit=5.0, record=15.0)
+    t.done(7)
+    (entry,) = [orjson.loads(x) for x in client.pushed]
+    assert entry["batch"] == 7 and entry["behind"]["write"] == 900.0
+    t.publish(PROGRESS)  # published once
+    assert len(client.pushed) == 1

@@ -19,6 +19,11 @@ class SparkConfig(_Model):
         description="a batch of at most this many events is folded and written by one task,"
         " without a shuffle (less fixed cost per batch); 0 = never",
     )
+    write_behind: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="a fold writes a batch from the driver while Spark folds the next one;"
+        " auto = on a local master only (on a cluster the executors write)",
+    )
     conf: dict[str, str] = Field(default_factory=dict)
 
 

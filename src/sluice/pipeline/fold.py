@@ -14,12 +14,18 @@ coalesced to one partition first: Spark then folds and writes it in the task tha
 with no shuffle and no second stage, which is most of a small batch's fixed cost. The fold is
 the same; only where it runs changes.
 
+Write-behind (`spark.write_behind`, `pipeline.behind`): a larger batch's folded updates are
+collected to the driver and written there by a writer thread while Spark commits the batch and
+folds the next one; the fold then releases the batch's input itself, once it is written.
+
 The store's write time feeds its monitor (the `store` flow stage), after every batch and, from
 a thread, between batches, so quiet periods count (seed 000).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import logging
 import shutil
@@ -39,10 +45,18 @@ from sluice.config import Config
 from sluice.errors import AuditError, PipelineError
 from sluice.flow.valves import StoreMonitor
 from sluice.pipeline.audit import batch_offsets, writer_xors
+from sluice.pipeline.behind import (
+    WriteBehind,
+    describe,
+    read_mark,
+    replay_unwritten,
+    write_behind,
+    write_mark,
+)
 from sluice.pipeline.plan import check_expressions, explode_updates, fold_columns, fold_updates
 from sluice.pipeline.plan import metric_specs as make_specs
 from sluice.pipeline.query import Role, StreamQuery, query_name
-from sluice.pipeline.writer import RESULT_DDL, WriterContext, write_partition
+from sluice.pipeline.writer import RESULT_DDL, WriterContext, summarize, write_partition
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
 from sluice.source.log import Admitted, Log
@@ -54,7 +68,6 @@ from sluice.status.ledger import AuditResult, Ledger
 log = logging.getLogger(__name__)
 
 Writer = Callable[[WriterContext, Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
-UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
 Offsets = tuple[dict[str, Any], dict[str, Any]]
 WARM_UP_EVENTS = 64
 WARM_UP_TIMEOUT_S = 120
@@ -73,47 +86,6 @@ def warm_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch
     for _ in batches:
         pass
     yield from ()
-
-
-def summarize(
-    rows: list[Any], batch_id: int, token: int, started_ms: int, done_ms: int
-) -> dict[str, Any]:
-    """Fold the writer's per-partition counters into one batch record."""
-    rec: dict[str, Any] = {
-        "batch": batch_id,
-        "token": token,
-        "events": 0,
-        "dead": 0,
-        "updates_applied": 0,
-        "updates_duplicate": 0,
-        "updates_expired": 0,
-        "min_ems": None,
-        "max_ems": None,
-        "started_ms": started_ms,
-        "done_ms": done_ms,
-        "write_ms": None,
-        "write_updates": 0,
-        "dead_by_reason": {},
-    }
-    for r in rows:
-        if r["kind"] == "stats":
-            rec["events"] += r["events"]
-            w = r.get("write_ms")
-            if w is not None and w >= (rec["write_ms"] or 0.0):
-                rec["write_ms"] = round(w, 1)  # the slowest partition's, and its updates
-                rec["write_updates"] = sum(r[k] or 0 for k in UPDATE_COUNTS)
-            for key, pick in (("min_ems", min), ("max_ems", max)):
-                v = r[key]
-                if v is not None:
-                    rec[key] = v if rec[key] is None else pick(rec[key], v)
-            for name in UPDATE_COUNTS:
-                rec[name] += r[name]
-        elif r["kind"] == "dead":
-            rec["dead"] += r["events"]
-            rec["events"] += r["events"]
-            by = rec["dead_by_reason"]
-            by[r["reason"]] = by.get(r["reason"], 0) + r["events"]
-    return rec
 
 
 class FoldQuery(StreamQuery):
@@ -145,9 +117,16 @@ class FoldQuery(StreamQuery):
         self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit")
         self._flow_thread: threading.Thread | None = None
         self._flow_stop = threading.Event()
+        # Write-behind (`pipeline.behind`): the fold, not the source, then releases the input.
+        self.behind = WriteBehind(self.name) if write_behind(cfg, spark) else None
+        self._releaser: Log | None = None
 
     def base_options(self) -> SourceOptions:
         return SourceOptions.from_config(self.cfg, self.redis.url)
+
+    def source_options(self) -> SourceOptions:
+        opts = super().source_options()
+        return dataclasses.replace(opts, release=False) if self.behind is not None else opts
 
     def prepare(self) -> None:
         if not self.specs:
@@ -202,7 +181,9 @@ class FoldQuery(StreamQuery):
 
     def process_batch(self, exploded: DataFrame, batch_id: int) -> dict[str, Any]:
         """Fold and write one micro-batch of exploded updates, then audit it (see the module
-        docstring). Safe to re-run with the same batch id."""
+        docstring). Safe to re-run with the same batch id. Under write-behind, a large batch
+        returns once its folded updates are on the driver and its write has begun; the record
+        it returns then says only `behind` (the batch record comes when the write is done)."""
         self.prepare()
         started = self.clock.now_ms()
         token = self.token(batch_id)
@@ -216,22 +197,62 @@ class FoldQuery(StreamQuery):
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             cluster=is_cluster_url(self.redis.url),
         )
-        attempts = 1 + self.cfg.audit.retries
-        audit: AuditResult | None = None
         events = offsets[1].get("events") if offsets is not None else None
-        if events is not None and events <= self.cfg.spark.single_task_events:
+        small = events is not None and events <= self.cfg.spark.single_task_events
+        if small:
             exploded = exploded.coalesce(1)  # one task, no shuffle (module docstring)
-        for attempt in range(1, attempts + 1):
+        done = functools.partial(self._finish, batch_id, token, started, offsets, audit_source)
+        if self.behind is not None and offsets is not None and not small:
+            t0 = time.perf_counter()
+            table = fold_updates(exploded, self._folds).toArrow()
+            t1 = time.perf_counter()
+            self.behind.wait()  # the previous batch: written, audited, recorded (or raises)
+            wait_ms = (time.perf_counter() - t1) * 1000
+            self.timings.add(batch_id, job=(t1 - t0) * 1000, wait=wait_ms)
+
+            def on_driver() -> list[dict[str, Any]]:
+                out = self.writer(ctx, iter(table.to_batches()))
+                return [r for b in out for r in b.to_pylist()]
+
+            self.timings.hold(batch_id)
+            self.behind.submit(lambda: done(on_driver, in_job=False, wait_ms=wait_ms))
+            return {"batch": batch_id, "token": token, "behind": True}
+        if self.behind is not None:
+            self.behind.wait()  # batches reach the store in order
+
+        def in_spark() -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             updates = fold_updates(exploded, self._folds)
-            write = functools.partial(self.writer, ctx)
-            written = updates.mapInArrow(write, RESULT_DDL)
+            written = updates.mapInArrow(functools.partial(self.writer, ctx), RESULT_DDL)
             t_job = time.perf_counter()
             rows = [r.asDict() for r in written.collect()]
+            self.timings.add(batch_id, analyze=(t_job - t0) * 1000,
+                             job=(time.perf_counter() - t_job) * 1000)  # fmt: skip
+            return rows
+
+        return done(in_spark, in_job=True)
+
+    def _finish(
+        self,
+        batch_id: int,
+        token: int,
+        started: int,
+        offsets: Offsets | None,
+        audit_source: Future[tuple[Admitted, float] | None],
+        write: Callable[[], list[dict[str, Any]]],
+        in_job: bool,
+        wait_ms: float | None = None,
+    ) -> dict[str, Any]:
+        """Write the batch (`write` returns the writer's rows), audit it, writing it again in
+        place while it does not balance, and record it; then mark it written and, when the fold
+        releases its own input (write-behind), release it."""
+        attempts = 1 + self.cfg.audit.retries
+        audit: AuditResult | None = None
+        for attempt in range(1, attempts + 1):
+            rows = write()
             t1 = time.perf_counter()
             audit = self._audit(batch_id, attempt, audit_source, rows)
-            self.timings.add(batch_id, analyze=(t_job - t0) * 1000, job=(t1 - t_job) * 1000,
-                             audit=(time.perf_counter() - t1) * 1000)  # fmt: skip
+            self.timings.add(batch_id, audit=(time.perf_counter() - t1) * 1000)
             if audit is None or audit.ok:
                 break
             log.warning(
@@ -244,6 +265,8 @@ class FoldQuery(StreamQuery):
             raise AuditError(batch_id, audit.residual, attempts)
         t_done = time.perf_counter()
         rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
+        if not in_job:  # written behind, after waiting `wait_ms` for the previous batch's write
+            rec |= {"behind": True, "wait_ms": round(wait_ms or 0.0, 1)}
         counters: list[Any] = [
             "batches", 1,
             "events_in", rec["events"],
@@ -263,6 +286,12 @@ class FoldQuery(StreamQuery):
             counters += ["events_admitted", audit.events, "audit_replays", attempt - 1,
                          "audit_ok", 1]  # fmt: skip
         self.record(rec, counters)
+        if offsets is not None:
+            if self.lease is not None:  # a process that lost its lease neither marks nor trims
+                self.lease.check(self.name)
+            write_mark(self.ckpt, batch_id)
+            if self.behind is not None:
+                self._release(offsets[1])
         if rec["events"]:
             log.debug(
                 "batch written",
@@ -273,20 +302,29 @@ class FoldQuery(StreamQuery):
                 },
             )  # fmt: skip
         self._observe_store(rec["write_ms"], rec["write_updates"])
-        self._time_batch(batch_id, offsets, rec, (time.perf_counter() - t_done) * 1000)
+        self._time_batch(batch_id, offsets, rec, (time.perf_counter() - t_done) * 1000, in_job)
+        if not in_job:
+            self.timings.done(batch_id)
         if self.on_batch is not None:
             self.on_batch(rec)
         return rec
 
     def _time_batch(
-        self, batch_id: int, offsets: Offsets | None, rec: dict[str, Any], record_ms: float
+        self,
+        batch_id: int,
+        offsets: Offsets | None,
+        rec: dict[str, Any],
+        record_ms: float,
+        in_job: bool,
     ) -> None:
-        """Split the batch's Spark job into decode, write and the rest (`pipeline.timing`)."""
+        """Split the batch's Spark job into decode, write (when the job wrote) and the rest
+        (`pipeline.timing`)."""
         ref = offsets[1].get("ref") if offsets is not None else None
         decode = self.timings.decode_ms(None if ref is None else int(ref))
         write = rec["write_ms"]
         job = self.timings.take(batch_id, "job")
-        fold = None if job is None else max(0.0, job - (decode or 0.0) - (write or 0.0))
+        written = (write or 0.0) if in_job else 0.0
+        fold = None if job is None else max(0.0, job - (decode or 0.0) - written)
         self.timings.add(batch_id, decode=decode, write=write, fold=fold, record=record_ms)
 
     # -- the audit ----------------------------------------------------------------------------
@@ -340,10 +378,23 @@ class FoldQuery(StreamQuery):
         except Exception as e:  # noqa: BLE001 - flow control must never fail a batch
             log.warning("store monitor failed", extra={"error": str(e)})
 
+    def _check_behind(self) -> None:
+        """A write-behind failure with no batch after it to raise it: stop the query, so that
+        the supervisor restarts it and the batch is replayed (`pipeline.behind`)."""
+        err = self.behind.failed() if self.behind is not None else None
+        q = self.query
+        if err is None or q is None or not q.isActive:
+            return
+        log.error("a batch's write failed behind the query; stopping it to replay the batch",
+                  extra={"error": describe(err)})  # fmt: skip
+        with contextlib.suppress(Exception):
+            q.stop()
+
     def _flow_loop(self) -> None:
         """Between batches the store is still watched, so quiet periods count (seed 000)."""
         tick_s = self.cfg.backpressure.tick / 1000
         while not self._flow_stop.wait(tick_s):
+            self._check_behind()
             last = self.store.last_observed_s
             if last is not None and time.monotonic() - last < tick_s:
                 continue
@@ -352,7 +403,28 @@ class FoldQuery(StreamQuery):
             except Exception as e:  # noqa: BLE001 - retried next tick
                 log.debug("store monitor failed", extra={"error": str(e)})
 
+    def _release(self, end: dict[str, Any]) -> None:
+        """Release a written batch's input (write-behind: the source does not)."""
+        if self._releaser is None:
+            self._releaser = open_log(self.source_options(), self.redis.client)
+        self._releaser.release(end.get(self._releaser.OFFSETS_FIELD) or {})
+
+    def _settle(self) -> None:
+        """Finish the write in flight; a failure is logged (the restart replays the batch)."""
+        if self.behind is None:
+            return
+        err = self.behind.settle()
+        if err is not None:
+            log.error("the last batch's write failed; it runs again on the next start",
+                      extra={"error": describe(err)})  # fmt: skip
+
     def start(self) -> Any:
+        self._settle()
+        replay_unwritten(self.ckpt)  # before the lease's `begin` reads the offset log
+        mark = read_mark(self.ckpt)
+        if self.behind is not None and mark is not None and mark >= 0:
+            with contextlib.suppress(FileNotFoundError):  # a crash between mark and release
+                self._release(batch_offsets(self.ckpt, mark)[1])
         query = super().start()
         if self._flow_thread is None or not self._flow_thread.is_alive():
             self._flow_stop.clear()
@@ -365,6 +437,7 @@ class FoldQuery(StreamQuery):
     def stop(self, grace_s: float = 15.0) -> None:
         self._flow_stop.set()
         super().stop(grace_s)
+        self._settle()
 
     # -- for tests and benchmarks -------------------------------------------------------------
 
@@ -379,6 +452,7 @@ class FoldQuery(StreamQuery):
                 self.log.level().entries == 0
                 and q is not None
                 and not q.status.get("isTriggerActive", False)
+                and (self.behind is None or self.behind.idle)
             ):
                 # A second look: the last batch's commit (and release) may still be in flight.
                 time.sleep(0.2)

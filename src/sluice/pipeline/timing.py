@@ -13,7 +13,13 @@ steps inside `addBatch` are measured by the batch itself (`BatchTimings.add`):
 - `audit`: how long the batch waited for its audit's source side once the job was done (the
   audit runs beside the job);
 - `record`: the batch record, the ledger and the store monitor;
-- `lease`: the lease check before the commit.
+- `lease`: the lease check before the commit;
+- `wait` (write-behind, `pipeline.behind`): how long the batch, folded, waited for the previous
+  batch's write to finish before starting its own.
+
+Under write-behind a batch's `write`, `audit` and `record` run beside the next batch, outside
+its `addBatch`: they go to the entry's `behind` (`{write, audit, record}`), not to its phases,
+and the entry is published once they are done (`hold` / `done`).
 
 Whatever `addBatch` and the whole trigger spent beyond the named phases is `other`. Partitions
 run in parallel, so `decode` and `write` are the longest partition, not a sum, and `fold` is
@@ -42,6 +48,7 @@ log = logging.getLogger(__name__)
 
 TIMINGS_KEEP = 600
 PENDING_KEEP = 64  # batches measured whose progress has not come yet
+BEHIND = ("write", "audit", "record")  # a batch written behind: beside the next batch
 
 
 class BatchTimings:
@@ -54,7 +61,26 @@ class BatchTimings:
         self.decode_key = decode_times_key(stage)
         self._pending: dict[int, dict[str, float]] = {}
         self._published = -1
+        self._held: set[int] = set()  # written behind, not yet done
+        self._waiting: dict[int, dict[str, Any]] = {}  # their progress, come meanwhile
         self._lock = threading.Lock()
+
+    def hold(self, batch: int) -> None:
+        """Batch `batch` is written behind: publish it only once `done(batch)`."""
+        with self._lock:
+            self._held.add(batch)
+            while len(self._held) > PENDING_KEEP:  # writes that failed are never done
+                self._held.discard(min(self._held))
+            self._pending.setdefault(batch, {})["behind"] = 1.0
+
+    def done(self, batch: int) -> None:
+        """A batch written behind is done: publish it if Spark reported it meanwhile."""
+        with self._lock:
+            self._held.discard(batch)
+            progress = self._waiting.pop(batch, None)
+            own = self._pending.pop(batch, {}) if progress is not None else None
+        if progress is not None and own is not None:
+            self._push(progress, own)
 
     def add(self, batch: int, **ms: float | None) -> None:
         """Add measured milliseconds to batch `batch`'s own phases (None is left out)."""
@@ -107,7 +133,15 @@ class BatchTimings:
             if batch <= self._published:
                 return
             self._published = batch
+            if batch in self._held:
+                self._waiting[batch] = progress
+                while len(self._waiting) > PENDING_KEEP:
+                    del self._waiting[min(self._waiting)]
+                return
             own = self._pending.pop(batch, {})
+        self._push(progress, own)
+
+    def _push(self, progress: dict[str, Any], own: dict[str, float]) -> None:
         entry = breakdown(progress, own)
         if entry is None:
             return
@@ -128,6 +162,8 @@ def breakdown(progress: dict[str, Any], own: dict[str, float]) -> dict[str, Any]
     if not rows or "addBatch" not in d:
         return None
     phases: dict[str, float] = {k: float(d.get(k, 0)) for k in SPARK_PHASES}
+    own = dict(own)
+    behind = {k: round(own.pop(k, 0.0), 1) for k in BEHIND} if own.pop("behind", 0.0) else None
     named = sum(own.get(k, 0.0) for k in SLUICE_PHASES)
     phases.update({k: round(own.get(k, 0.0), 1) for k in SLUICE_PHASES})
     total = float(d.get("triggerExecution", 0))
@@ -135,8 +171,11 @@ def breakdown(progress: dict[str, Any], own: dict[str, float]) -> dict[str, Any]
     # addBatch beyond Sluice's own steps (the foreachBatch call, building the batch's frame),
     # and the trigger beyond Spark's phases.
     phases["other"] = round(max(0.0, float(d["addBatch"]) - named) + max(0.0, total - spark), 1)
-    return {"batch": int(progress.get("batchId", -1)), "events": rows, "total_ms": total,
-            "done_ms": _done_ms(progress), "phases": phases}  # fmt: skip
+    entry = {"batch": int(progress.get("batchId", -1)), "events": rows, "total_ms": total,
+             "done_ms": _done_ms(progress), "phases": phases}  # fmt: skip
+    if behind is not None:
+        entry["behind"] = behind
+    return entry
 
 
 def _done_ms(progress: dict[str, Any]) -> int | None:

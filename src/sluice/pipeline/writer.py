@@ -38,6 +38,7 @@ from sluice.redis.keys import (
 from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 
+UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
 PIPELINE_CHUNK = 50
 DEAD_MARKER_TTL_S = 7 * 86400
 MASK64 = (1 << 64) - 1
@@ -276,3 +277,44 @@ def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict
         args=[DEAD_MARKER_TTL_S, ctx.dead_letter_maxlen, *args],
     )
     return reasons
+
+
+def summarize(
+    rows: list[Any], batch_id: int, token: int, started_ms: int, done_ms: int
+) -> dict[str, Any]:
+    """Fold the writer's per-partition counters into one batch record."""
+    rec: dict[str, Any] = {
+        "batch": batch_id,
+        "token": token,
+        "events": 0,
+        "dead": 0,
+        "updates_applied": 0,
+        "updates_duplicate": 0,
+        "updates_expired": 0,
+        "min_ems": None,
+        "max_ems": None,
+        "started_ms": started_ms,
+        "done_ms": done_ms,
+        "write_ms": None,
+        "write_updates": 0,
+        "dead_by_reason": {},
+    }
+    for r in rows:
+        if r["kind"] == "stats":
+            rec["events"] += r["events"]
+            w = r.get("write_ms")
+            if w is not None and w >= (rec["write_ms"] or 0.0):
+                rec["write_ms"] = round(w, 1)  # the slowest partition's, and its updates
+                rec["write_updates"] = sum(r[k] or 0 for k in UPDATE_COUNTS)
+            for key, pick in (("min_ems", min), ("max_ems", max)):
+                v = r[key]
+                if v is not None:
+                    rec[key] = v if rec[key] is None else pick(rec[key], v)
+            for name in UPDATE_COUNTS:
+                rec[name] += r[name]
+        elif r["kind"] == "dead":
+            rec["dead"] += r["events"]
+            rec["events"] += r["events"]
+            by = rec["dead_by_reason"]
+            by[r["reason"]] = by.get(r["reason"], 0) + r["events"]
+    return rec

@@ -64,6 +64,9 @@ class SourceOptions:
     # The source plans no batch while another process holds that lease, so a leader that was
     # paused and lost it does not add to the shared offset log once it runs again.
     lease: tuple[str, str] | None = None
+    # Whether the source releases a batch's input once Spark commits it. A fold that writes
+    # behind (`pipeline.behind`) releases it itself, after the write.
+    release: bool = True
 
     def __post_init__(self) -> None:
         for shard, names in self.readers.items():

@@ -3,7 +3,9 @@
 One reader class serves both logs (Redis Streams and Kafka, see `source.log`). A batch's offsets
 are the log's end positions (see `source.log` for the JSON); Spark logs them before it runs the
 batch, so a re-run after a crash reads exactly the same entries: entries are released (a Redis
-stream trimmed, a Kafka group's offsets committed) only after the batch is committed.
+stream trimmed, a Kafka group's offsets committed) only after the batch is committed; with
+`SourceOptions.release` off, not by the source at all (a fold that writes behind releases a
+batch once its write is done, `pipeline.behind`).
 
 Admission control: `latestOffset(start, limit)` honours `ReadMaxRows(n)` with n counted in
 *events* (a `jsonl` entry holds many), capped by the stage's controller (`Admission`).
@@ -191,7 +193,7 @@ class LogStreamReader(DataSourceStreamReader):
         self._release(end)
 
     def _release(self, end: dict[str, Any]) -> None:
-        if end == self._released:
+        if end == self._released or not self.opts.release:
             return
         try:
             self.log.release(end.get(self.field) or {})

@@ -14,7 +14,7 @@ import orjson
 from sluice.redis.keys import timings_key
 
 SPARK_PHASES = ("latestOffset", "queryPlanning", "walCommit", "commitOffsets")
-SLUICE_PHASES = ("analyze", "decode", "fold", "write", "audit", "record", "lease")
+SLUICE_PHASES = ("analyze", "decode", "fold", "wait", "write", "audit", "record", "lease")
 # The order of a batch's phases (stacked bottom to top in the dashboard's chart).
 PHASES = (*SPARK_PHASES[:3], *SLUICE_PHASES, "commitOffsets", "other")
 

@@ -1,0 +1,150 @@
+"""Write-behind with real Spark and real Redis (`pipeline.behind`): a batch is written from the
+driver while the next one folds, and nothing is lost or counted twice: not when the writes run
+behind, not when a write fails behind the query, not when the process dies between a batch's
+commit and its write."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import redis
+
+from sluice.pipeline.behind import logged_batches, read_mark
+from sluice.pipeline.fold import FoldQuery
+from sluice.pipeline.writer import WriterContext, write_partition
+from sluice.redis.connection import RedisHandle
+from sluice.status.ledger import Ledger
+from sluice.status.snapshot import recent_batches
+from sluice.testing.faults import LoseOne
+from tests.conftest import wait_until
+from tests.integration.test_audit import _cfg, _produce, _stats, _stored_count
+
+BEHIND = {"single_task_events": 0, "write_behind": "on"}  # every batch is written behind
+
+
+def test_every_batch_written_behind_balances_and_counts_exactly(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, spark=BEHIND, source={"max_events_per_batch": 300})
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    assert p.behind is not None
+    sent = _produce(r, 30, 50, bad_every=97)
+    p.start()
+    try:
+        assert p.wait_idle(120)
+    finally:
+        p.stop()
+    st = _stats(r)
+    batches = int(st["batches"])
+    assert batches >= 4 and int(st["audit_ok"]) == batches and "audit_failed" not in st
+    assert int(st["events_admitted"]) == int(st["events_in"]) == sent
+    assert int(st["dead_bad_json"]) == int(st["dead_letters"]) > 0
+    assert _stored_count(r) == int(st["events_aggregated"])
+    # The fold released every written batch; the mark is the newest committed batch.
+    assert r.xlen("events:0") + r.xlen("events:1") <= 2  # a shard keeps its committed entry
+    assert read_mark(p.ckpt) == logged_batches(p.ckpt, "commits")[-1]
+    records = recent_batches(r, 100)
+    assert len(records) == batches and all(rec["behind"] for rec in records)
+    assert all(rec["wait_ms"] >= 0 and rec["write_ms"] > 0 for rec in records)
+
+
+def test_a_lost_update_written_behind_is_written_again_in_place(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, spark=BEHIND)
+    sent = _produce(r, 10, 40)
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    p.writer = LoseOne(redis_url, f"test:lose-one:{tmp_path.name}")
+    p.start()
+    try:
+        assert p.wait_idle(120)
+    finally:
+        p.stop()
+    (failed,) = Ledger(r, "events", cfg.audit.ledger_shards).failures()
+    assert failed["attempt"] == 1
+    st = _stats(r)
+    assert int(st["audit_replays"]) == 1
+    assert _stored_count(r) == sent == int(st["events_in"])
+
+
+def test_a_write_that_fails_behind_the_query_is_replayed_after_the_restart(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """No in-place replays: the audit fails in the writer thread, after Spark committed the
+    batch. The fold stops the query; the supervisor restarts it, the batch is un-committed and
+    runs again from its logged offsets; the store ends exact."""
+    cfg = _cfg(redis_url, tmp_path, spark=BEHIND, audit={"retries": 0})
+    sent = _produce(r, 10, 40)
+    p = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    p.writer = LoseOne(redis_url, f"test:lose-one:{tmp_path.name}")
+    runner = threading.Thread(target=p.run_forever, kwargs={"max_backoff_s": 1.0}, daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: int(_stats(r).get("events_in", 0)) >= sent, 120, "the replay")
+    finally:
+        p.request_stop()
+        runner.join(60)
+    st = _stats(r)
+    assert int(st["audit_failed"]) == 1 and int(st["audit_ok"]) == int(st["batches"])
+    assert _stored_count(r) == sent == int(st["events_in"])
+    assert read_mark(p.ckpt) == logged_batches(p.ckpt, "commits")[-1]
+
+
+class _Stalls:
+    """A store whose first write stalls until `go` is set, then fails: the process 'dies'
+    while Spark has already committed the batch."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.calls = 0
+
+    def __call__(
+        self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        self.calls += 1
+        if self.calls == 1:
+            self.started.set()
+            self.go.wait(120)
+            raise ConnectionError("the process died before its write")
+        yield from write_partition(ctx, batches)
+
+
+def test_a_batch_committed_but_not_written_runs_again_on_the_next_start(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    cfg = _cfg(redis_url, tmp_path, spark=BEHIND)
+    sent = _produce(r, 10, 40)
+    first = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    stall = _Stalls()
+    first.writer = stall
+    first.start()
+    try:
+        assert stall.started.wait(120)
+        wait_until(lambda: logged_batches(first.ckpt, "commits") == [0], 60, "batch 0's commit")
+        # Committed, not written, and its input kept: the source did not release it.
+        assert read_mark(first.ckpt) == -1
+        assert r.xlen("events:0") + r.xlen("events:1") == 10
+        assert "events_in" not in _stats(r)
+        first.query.stop()  # type: ignore[union-attr]
+    finally:
+        stall.go.set()
+        first.stop()
+    assert logged_batches(first.ckpt, "commits") == [0] and read_mark(first.ckpt) == -1
+
+    second = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    second.start()
+    try:
+        assert second.wait_idle(120)
+    finally:
+        second.stop()
+    st = _stats(r)
+    assert int(st["events_in"]) == sent == _stored_count(r)
+    assert int(st["audit_ok"]) == int(st["batches"]) == 1  # batch 0, once, by the second run
+    assert logged_batches(second.ckpt, "commits") == [0] and read_mark(second.ckpt) == 0
+    assert r.xlen("events:0") + r.xlen("events:1") <= 2
+    assert second.behind is not None and second.behind.idle
