@@ -140,7 +140,11 @@ def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
     latestOffset, getBatch, queryPlanning), the Redis side of the reads (XRANGE), the rest of the
     Spark tasks (decode, explode, fold, shuffle, collect, and the batch record), the write
     (the slowest partition's) split into Lua (Redis's script time, at most the write) and Python,
-    commit (walCommit, commitOffsets), and the audit's source side (concurrent with the batch)."""
+    commit (walCommit, commitOffsets), and the audit's source side (concurrent with the batch).
+
+    A batch written behind (`pipeline.behind`) waits for the previous batch's write (`wait`)
+    instead of writing within its own time: its write ran beside the next batch, so it is
+    reported (`behind`) but not part of the batch's time."""
     recs = sorted(records, key=lambda r: r["batch"])[1:]
     durs = sorted(durations, key=lambda d: d["batch"])[1:]
     n_all = max(1, len(records))
@@ -152,6 +156,9 @@ def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
 
     write = mean([r.get("write_ms") or 0.0 for r in recs])
     lua = min(write, sum(usec.get(c, 0) for c in LUA) / 1000 / n_all)
+    behind = mean([1.0 if r.get("behind") else 0.0 for r in recs]) >= 0.5
+    wait = mean([r.get("wait_ms") or 0.0 for r in recs])
+    in_batch = 0.0 if behind else write
     read = sum(usec.get(c, 0) for c in READS) / 1000 / n_all
     add = mean([d.get("addBatch", 0) for d in durs])
     plan = mean([sum(d.get(k, 0) for k in SPARK_PLAN) for d in durs])
@@ -159,9 +166,12 @@ def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
     total = mean([d.get("triggerExecution", 0) for d in durs])
     audit = mean([(r.get("audit") or {}).get("audit_ms") or 0.0 for r in recs])
     return {
-        "plan": plan, "read_redis": read, "spark_tasks": max(0.0, add - write - read),
-        "write_python": write - lua, "write_lua": lua, "commit": commit,
+        "plan": plan, "read_redis": read,
+        "spark_tasks": max(0.0, add - in_batch - read - wait), "wait": wait,
+        "write_python": (write - lua) if not behind else 0.0,
+        "write_lua": lua if not behind else 0.0, "commit": commit,
         "other": max(0.0, total - plan - add - commit), "audit_source": audit,
+        "behind": behind, "write_ms": write, "write_lua_ms": lua,
         "batch_ms": total, "events_per_batch": mean([r["events"] for r in recs]),
         "redis_usec_by_command": {k: v for k, v in sorted(usec.items()) if v},
     }  # fmt: skip
@@ -441,9 +451,11 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
                     "store_updates_per_s": med("store_updates_per_s"),
                     "exact": all(c.get("exact") for c in cs) if cs else None,
                     "audit_ok": all(c.get("audit_ok") for c in cs) if cs else None,
-                    "breakdown": {k: median([c["breakdown"][k] for c in cs if c.get("breakdown")])
+                    "breakdown": {k: median([c["breakdown"].get(k) or 0.0 for c in cs
+                                             if c.get("breakdown")])
                                   for k in (*BREAKDOWN, "audit_source", "batch_ms",
-                                            "events_per_batch")},
+                                            "events_per_batch")}
+                    | {"behind": any((c.get("breakdown") or {}).get("behind") for c in cs)},
                     "cores": {k: median([c["cores"][k] for c in cs if c.get("cores")])
                               for k in CORES},
                 }  # fmt: skip
@@ -461,7 +473,18 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
             "workers": [{k: v for k, v in x.items() if k != "cells"} for x in workers]}  # fmt: skip
 
 
-BREAKDOWN = ("plan", "read_redis", "spark_tasks", "write_python", "write_lua", "commit", "other")
+BREAKDOWN = (
+    "plan",
+    "read_redis",
+    "spark_tasks",
+    "wait",
+    "write_python",
+    "write_lua",
+    "commit",
+    "other",
+    "write_ms",
+    "write_lua_ms",
+)
 CORES = ("redis", "jvm", "python_workers", "driver", "loadgen", "other", "idle")
 
 

@@ -178,6 +178,7 @@ def branches(doc: dict[str, Any], series: dict[str, Any]) -> Any:
 
 
 INGEST_PARTS = {"plan": "plan", "read_redis": "read (Redis)", "spark_tasks": "Spark tasks",
+                "wait": "wait for the previous write (written behind)",
                 "write_python": "write: Python", "write_lua": "write: Lua", "commit": "commit",
                 "other": "other"}  # fmt: skip
 INGEST_CORES = {"redis": "Redis", "jvm": "JVM", "python_workers": "Python workers",
