@@ -74,7 +74,7 @@ SIZES = {
 }  # fmt: skip
 POOL_EVENTS = 100_000  # zipf entries are cycled; highcard ones are drawn afresh, up to
 MAX_POOL_EVENTS = 300_000  # ... this many
-STEP_S, MAX_STEPS, MAX_LAG_S = 10.0, 2, 15.0
+STEP_S, MAX_STEPS, MAX_LAG_S = 10.0, 4, 15.0
 LUA = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall")
 READS = ("xrange", "xrevrange", "xread")
 SPARK_PLAN = ("latestOffset", "getBatch", "queryPlanning")
@@ -230,9 +230,12 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
 def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
            drain_per_s: float) -> list[dict[str, Any]]:  # fmt: skip
     """Produce for STEP_S at 0.9 x the drain rate, then 1.25 x after a bounded step or 0.7 x
-    after an unbounded one, at most MAX_STEPS (`lib.stats.judge_step` judges each)."""
+    after an unbounded one until both kinds were seen, then halfway between the best bounded
+    and the lowest unbounded rate, at most MAX_STEPS (`lib.stats.judge_step` judges each)."""
     steps: list[dict[str, Any]] = []
     factor, cap = 0.9, SIZES[(a.quick, cfg.source.format, workload)][0]
+    lo: float | None = None  # the highest bounded factor so far
+    hi: float | None = None  # the lowest unbounded one
     for i in range(MAX_STEPS):
         rate = factor * drain_per_s
         n = POOL_EVENTS if workload == "zipf" else min(MAX_POOL_EVENTS, int(rate * STEP_S) + 1)
@@ -259,7 +262,15 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
         log(f"{a.worker} sustained {cfg.source.format}-{workload}: {steps[-1]}")
         if not drained:
             break
-        factor *= 1.25 if bounded else 0.7
+        if bounded:
+            lo = factor if lo is None else max(lo, factor)
+        else:
+            hi = factor if hi is None else min(hi, factor)
+        factor = (
+            (lo + hi) / 2
+            if lo is not None and hi is not None
+            else factor * (1.25 if bounded else 0.7)
+        )
     return steps
 
 
