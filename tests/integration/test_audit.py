@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sluice.pipeline.behind import logged_batches, read_mark
 from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY, slice_hash_key
@@ -172,10 +174,17 @@ def test_fields_batches_balance_with_the_planners_source_side(
     assert logged and all("admitted" in o for o in logged)
 
 
+# Written by the batch's Spark tasks, or from the driver behind the next batch (`pipeline.behind`).
+WRITES = pytest.mark.parametrize(
+    "writes", [{}, {"single_task_events": 0, "write_behind": "on"}], ids=["in-spark", "behind"]
+)
+
+
+@WRITES
 def test_a_lost_slice_update_is_caught_and_written_again_in_place(
-    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, writes: dict[str, Any]
 ) -> None:
-    cfg = _cfg(redis_url, tmp_path)
+    cfg = _cfg(redis_url, tmp_path, spark=writes)
     sent = _produce(r, 10, 40)
     p = FoldQuery(cfg, RedisHandle(redis_url), spark)
     p.writer = LoseOne(redis_url, f"test:lose-one:{tmp_path.name}")
@@ -194,12 +203,15 @@ def test_a_lost_slice_update_is_caught_and_written_again_in_place(
     assert _stored_count(r) == sent == int(st["events_in"])
 
 
+@WRITES
 def test_a_batch_that_stays_unbalanced_fails_and_is_replayed_after_the_restart(
-    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, writes: dict[str, Any]
 ) -> None:
     """No in-place replays: the batch fails, is not committed or trimmed, and the restarted
-    query replays it from the offset log; the store ends exact."""
-    cfg = _cfg(redis_url, tmp_path, audit={"retries": 0})
+    query replays it from the offset log; the store ends exact. Written behind, the audit fails
+    in the writer thread after Spark committed the batch: the fold stops the query, and the
+    restart un-commits the batch and runs it again (`pipeline.behind`)."""
+    cfg = _cfg(redis_url, tmp_path, audit={"retries": 0}, spark=writes)
     sent = _produce(r, 10, 40)
     p = FoldQuery(cfg, RedisHandle(redis_url), spark)
     p.writer = LoseOne(redis_url, f"test:lose-one:{tmp_path.name}")
@@ -227,6 +239,7 @@ def test_a_batch_that_stays_unbalanced_fails_and_is_replayed_after_the_restart(
     assert _stored_count(r) == sent == int(st["events_in"])
     key = slice_hash_key("txn_count", "c0")
     assert r.exists(key)
+    assert read_mark(p.ckpt) == logged_batches(p.ckpt, "commits")[-1]  # every batch written
 
 
 @settings(max_examples=150, deadline=None)
