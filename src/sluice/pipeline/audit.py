@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 
+def logged_batches(ckpt: Path, log_name: str) -> list[int]:
+    """The batch ids in one of the checkpoint's logs (`offsets` or `commits`), ascending."""
+    return sorted(int(p.name) for p in (ckpt / log_name).glob("[0-9]*") if p.name.isdigit())
+
+
 def batch_offsets(ckpt: Path, batch_id: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(start, end) offsets of a batch, as the source logged them in Spark's offset log
     (written before the batch ran); the start of batch 0 is {}."""

@@ -36,6 +36,7 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.errors import PipelineError
+from sluice.pipeline.audit import logged_batches
 from sluice.pipeline.ship import is_local
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,6 @@ def describe(err: BaseException) -> str:
     """An error's first line, for a log record."""
     text = str(err)
     return text.splitlines()[0] if text else repr(err)
-
-
-def logged_batches(ckpt: Path, log_name: str) -> list[int]:
-    """The batch ids in one of the checkpoint's logs (`offsets` or `commits`), ascending."""
-    return sorted(int(p.name) for p in (ckpt / log_name).glob("[0-9]*") if p.name.isdigit())
 
 
 def read_mark(ckpt: Path) -> int | None:

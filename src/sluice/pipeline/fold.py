@@ -215,7 +215,7 @@ class FoldQuery(StreamQuery):
                 return [r for b in out for r in b.to_pylist()]
 
             self.timings.hold(batch_id)
-            self.behind.submit(lambda: done(on_driver, in_job=False, wait_ms=wait_ms))
+            self.behind.submit(lambda: done(on_driver, wait_ms))
             return {"batch": batch_id, "token": token, "behind": True}
         if self.behind is not None:
             self.behind.wait()  # batches reach the store in order
@@ -230,7 +230,7 @@ class FoldQuery(StreamQuery):
                              job=(time.perf_counter() - t_job) * 1000)  # fmt: skip
             return rows
 
-        return done(in_spark, in_job=True)
+        return done(in_spark, None)
 
     def _finish(
         self,
@@ -240,12 +240,12 @@ class FoldQuery(StreamQuery):
         offsets: Offsets | None,
         audit_source: Future[tuple[Admitted, float] | None],
         write: Callable[[], list[dict[str, Any]]],
-        in_job: bool,
-        wait_ms: float | None = None,
+        wait_ms: float | None,
     ) -> dict[str, Any]:
         """Write the batch (`write` returns the writer's rows), audit it, writing it again in
         place while it does not balance, and record it; then mark it written and, when the fold
-        releases its own input (write-behind), release it."""
+        releases its own input (write-behind), release it. `wait_ms`: for a batch written
+        behind, how long it waited for the previous batch's write; None for one its job wrote."""
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
         for attempt in range(1, attempts + 1):
@@ -265,8 +265,8 @@ class FoldQuery(StreamQuery):
             raise AuditError(batch_id, audit.residual, attempts)
         t_done = time.perf_counter()
         rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
-        if not in_job:  # written behind, after waiting `wait_ms` for the previous batch's write
-            rec |= {"behind": True, "wait_ms": round(wait_ms or 0.0, 1)}
+        if wait_ms is not None:  # written behind
+            rec |= {"behind": True, "wait_ms": round(wait_ms, 1)}
         counters: list[Any] = [
             "batches", 1,
             "events_in", rec["events"],
@@ -287,10 +287,10 @@ class FoldQuery(StreamQuery):
                          "audit_ok", 1]  # fmt: skip
         self.record(rec, counters)
         if offsets is not None:
-            if self.lease is not None:  # a process that lost its lease neither marks nor trims
-                self.lease.check(self.name)
             write_mark(self.ckpt, batch_id)
             if self.behind is not None:
+                if self.lease is not None:  # a process that lost its lease does not trim
+                    self.lease.check(self.name)
                 self._release(offsets[1])
         if rec["events"]:
             log.debug(
@@ -302,6 +302,7 @@ class FoldQuery(StreamQuery):
                 },
             )  # fmt: skip
         self._observe_store(rec["write_ms"], rec["write_updates"])
+        in_job = wait_ms is None
         self._time_batch(batch_id, offsets, rec, (time.perf_counter() - t_done) * 1000, in_job)
         if not in_job:
             self.timings.done(batch_id)

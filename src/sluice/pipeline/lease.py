@@ -51,6 +51,7 @@ import redis
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.errors import LeaderConflict, LeaseLost
+from sluice.pipeline.audit import logged_batches
 from sluice.redis.keys import EPOCH_KEY, lease_key, terms_key
 from sluice.redis.scripts import LEASE, script_source
 
@@ -121,8 +122,7 @@ def checkpoint_id(ckpt: Path, client: Any) -> int:
 
 def last_planned(ckpt: Path) -> int:
     """The newest batch in the checkpoint's offset log, or -1 for a new checkpoint."""
-    ids = [int(p.name) for p in (ckpt / "offsets").glob("[0-9]*") if p.name.isdigit()]
-    return max(ids, default=-1)
+    return max(logged_batches(ckpt, "offsets"), default=-1)
 
 
 @dataclass(frozen=True)
