@@ -72,6 +72,13 @@ def test_every_state_merges_over_what_was_stored(r: redis.Redis, agg: str) -> No
         assert _write(r, token, agg, [(key, NOW, numbers)])[0] == [1, 0, 0]
     stored = r.hget(key, str(NOW)).split(b":")
     assert stored[0] == b"2" and len(stored) == width + 1
+    # The merged numbers are what the read side's merge makes of the two states kept apart.
+    apart = slice_hash_key("m", f"{agg}-apart")
+    for token, (start, vals) in enumerate(zip((NOW - SLICE_MS, NOW), first), start=1):
+        numbers = [int(v) if agg == "count" else v for v in vals]
+        assert _write(r, token, agg, [(apart, start, numbers)])[0] == [1, 0, 0]
+    want = AGGS[agg].merge(r.hmget(apart, [str(NOW - SLICE_MS), str(NOW)]))
+    assert want[0] == 2 and [float(x) for x in stored[1:]] == pytest.approx(want[1:])
 
 
 def test_slices_stored_in_the_old_text_are_merged(r: redis.Redis) -> None:

@@ -31,14 +31,19 @@ local function single_value(packed)
   return tonumber(sub(packed, find(packed, ':', 1, true) + 1))
 end
 
+-- The merge of the one-number states a and b (count, sum, min, max); nil for another state.
+local function merge_single(agg, a, b)
+  if agg == 'count' or agg == 'sum' then return a + b end
+  if agg == 'min' then return b < a and b or a end
+  if agg == 'max' then return b > a and b or a end
+  return nil
+end
+
 -- The merge of states a and b (commutative). May reuse a.
 local function merge_state(agg, a, b)
-  if agg == 'count' or agg == 'sum' then
-    a[1] = a[1] + b[1]
-  elseif agg == 'min' then
-    if b[1] < a[1] then a[1] = b[1] end
-  elseif agg == 'max' then
-    if b[1] > a[1] then a[1] = b[1] end
+  local single = #a == 1 and merge_single(agg, a[1], b[1])
+  if single then
+    a[1] = single
   elseif agg == 'avg' then
     a[1] = a[1] + b[1]
     a[2] = a[2] + b[2]

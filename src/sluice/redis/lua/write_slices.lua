@@ -44,6 +44,10 @@ local function packed_of(at, prev)
   local c = find(prev, ':', 1, true)
   if tonumber(sub(prev, 1, c - 1)) >= token then return nil end
   if agg == 'blob' then return token_s .. ':' .. ARGV[at + 1] end
+  if width == 1 then  -- a one-number state: no tables
+    local v = merge_single(agg, tonumber(ARGV[at + 1]), tonumber(sub(prev, c + 1)))
+    if v then return token_s .. ':' .. fmt(v) end
+  end
   local u = {}
   for j = 1, width do u[j] = tonumber(ARGV[at + j]) end
   local _, old_state = parse_state(prev)
