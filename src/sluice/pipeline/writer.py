@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,15 +132,25 @@ def write_partition(
         totals = [0, 0, 0]
         dead: list[str] = []
         if rows.table is not None:
+            # A metric's script calls go out from a sender thread while the next metric's are
+            # built here (Arrow kernels and socket waits let go of the GIL); the client is used
+            # by one thread at a time: the other states are written once the scripts are done.
+            parts: list[list[int]] = []
+            with ThreadPoolExecutor(1, thread_name_prefix="sluice-send") as sender:
+                pending = [
+                    _apply_lua(client, ctx, rows, sp, sender)
+                    for sp in ctx.specs
+                    if AGGS[sp.agg].lua
+                ]
+                parts += [done() for done in pending]
             for sp in ctx.specs:
-                agg = AGGS[sp.agg]
-                if agg.lua:
-                    part = _apply_lua(client, ctx, rows, sp)
-                elif agg.state == HLL:
-                    part = [_apply_hll(client, rows, sp), 0, 0]
+                if AGGS[sp.agg].lua:
+                    continue
+                if AGGS[sp.agg].state == HLL:
+                    parts.append([_apply_hll(client, rows, sp), 0, 0])
                 else:
-                    part = _apply_blob(client, ctx, rows, sp)
-                totals = [a + b for a, b in zip(totals, part, strict=True)]
+                    parts.append(_apply_blob(client, ctx, rows, sp))
+            totals = [sum(p[j] for p in parts) for j in range(3)]
             dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
         reasons = write_dead_letters(client, ctx, dead) if dead else {}
     finally:
@@ -164,12 +175,15 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _apply_lua(client: Any, ctx: WriterContext, rows: PartitionRows, sp: MetricSpec) -> list[int]:
-    """A Lua-merged state: every update of `sp` in this partition, built and sent on columns
-    (`slice_writes`); the rows of a call that failed are marked in `rows.failed`."""
+def _apply_lua(
+    client: Any, ctx: WriterContext, rows: PartitionRows, sp: MetricSpec, sender: Executor
+) -> Callable[[], list[int]]:
+    """A Lua-merged state: every update of `sp` in this partition, built on columns
+    (`slice_writes`) and sent by `sender`. Returns a call that waits for the replies, marks the
+    rows of a call that failed in `rows.failed` and returns [applied, duplicate, expired]."""
     idx = rows.rows_of(sp)
     if not len(idx):
-        return [0, 0, 0]
+        return lambda: [0, 0, 0]
     agg = AGGS[sp.agg]
     assert agg.encode is not None
     take = pa.array(idx)
@@ -180,9 +194,14 @@ def _apply_lua(client: Any, ctx: WriterContext, rows: PartitionRows, sp: MetricS
     starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
     calls = build_calls(ctx.token, head, keys, starts, states, ctx.cluster)
-    totals, failed = send_calls(client, calls)
-    rows.failed[idx[failed[calls.row_call]]] = True
-    return totals
+    sent = sender.submit(send_calls, client, calls)
+
+    def done() -> list[int]:
+        totals, failed = sent.result()
+        rows.failed[idx[failed[calls.row_call]]] = True
+        return totals
+
+    return done
 
 
 def _apply_hll(client: Any, rows: PartitionRows, sp: MetricSpec) -> int:
