@@ -1,0 +1,226 @@
+"""The store's write rate on its own: folded batches written to one Redis (issue 15's store
+target), with nothing else running on the machine.
+
+    .venv/bin/python bench/store.py            # 3 rounds of 5 batches of 50,000 events, ~3 min
+    .venv/bin/python bench/store.py --quick    # 1 round of 3 batches of 10,000 events
+
+In the pipeline the store shares the cores with Spark's fold (bench/ingest.py): its rate there
+is the pipeline's. This benchmark asks what the write path itself can do on these cores. Per
+workload (`highcard`: keys uniform over 100,000 cards and 200 merchants, times over the last 10
+minutes, the six metrics of `lib.load.HIGHCARD_METRICS`; `zipf`: the throughput benchmark's events
+and 3 metrics), a local Spark session decodes and folds `--batches` batches of `--events` events
+each with the fold's own plan (`plan.explode_updates` + `plan.fold_updates`, collected as Arrow,
+as write-behind collects them) and is stopped. Then, per round, a fresh embedded Redis (the
+default one: AOF on, `appendfsync everysec`) takes the batches in order through the fold's
+writer (`pipeline.writer.write_partition`: the slice hashes' keys, the states' text, the
+`write_slices.lua` calls, their replies checked), each with its own writer token, from one
+thread in this process, as the driver writes under write-behind; then the first batch once more
+with its own token (a replay: every update a duplicate). Per batch: updates applied / wall time,
+Redis's CPU time (from /proc) and its time in scripts and in the commands they call (`INFO
+commandstats`), and this process's CPU time (building the calls, reading the replies). At the
+end the `txn_count` metric summed over the store must equal the events folded.
+Writes bench/results/store[.quick].json.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from lib.bare import write_arrow_batch
+from lib.load import HIGHCARD_METRICS, bench_config
+from lib.procs import Workspace, count_metric_total, proc_cpu_s
+from lib.results import Run, log, parser
+from sluice.config import Config
+from sluice.pipeline import plan
+from sluice.pipeline.writer import WriterContext, write_partition
+from sluice.redis.embedded import EmbeddedRedis
+
+WORKLOADS = ("highcard", "zipf")
+EPOCH = 10**12  # writer token = epoch * 10**12 + batch id, as `query.writer_token` makes them
+
+
+def config_of(ws: Workspace, workload: str, events: int) -> Config:
+    extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
+    return bench_config("jsonl", ws.state_dir(f"cfg-{workload}"), events, **extra)
+
+
+def fold_batches(ws: Workspace, a: Any) -> dict[str, tuple[Config, list[Any], list[pa.Table]]]:
+    """Per workload: its config, metric specs and `a.batches` folded batches (Arrow tables)."""
+    from sluice.pipeline.spark import build_spark
+
+    out: dict[str, tuple[Config, list[Any], list[pa.Table]]] = {}
+    spark = build_spark(config_of(ws, "zipf", a.events), "sluice-bench-store")
+    try:
+        for workload in a.workloads:
+            cfg = config_of(ws, workload, a.events)
+            specs = plan.metric_specs(cfg, plan.check_expressions(spark, cfg))
+            folds = plan.fold_columns(specs, cfg.audit.enabled)
+            tables = []
+            for i in range(a.batches):
+                path = ws.state_dir(f"{workload}-{i}") / "batch.arrow"
+                write_arrow_batch(cfg, a.events, a.seed + i, path, workload)
+                with pa.OSFile(str(path), "rb") as f:
+                    events = spark.createDataFrame(pa.ipc.open_file(f).read_all())
+                tables.append(plan.fold_updates(plan.explode_updates(events, cfg, specs),
+                                                folds).toArrow())  # fmt: skip
+                log(f"{workload} batch {i}: {a.events:,} events -> {tables[-1].num_rows:,} rows")
+            out[workload] = (cfg, specs, tables)
+    finally:
+        spark.stop()
+    return out
+
+
+def command_usec(client: Any) -> dict[str, int]:
+    return {k.split("_", 1)[1]: int(v["usec"]) for k, v in client.info("commandstats").items()}
+
+
+def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Table,
+                batch_id: int) -> dict[str, Any]:  # fmt: skip
+    """Write one folded batch through the fold's writer; its counters and costs."""
+    import redis
+
+    ctx = WriterContext(url=srv.url, token=EPOCH + batch_id, specs=tuple(specs),
+                        source_stream=cfg.source.stream,
+                        dead_letter_maxlen=cfg.source.dead_letter_maxlen)  # fmt: skip
+    with redis.Redis.from_url(srv.url) as c:
+        c.config_resetstat()
+        assert srv.pid is not None
+        redis0, own0, t0 = proc_cpu_s(srv.pid), time.process_time(), time.perf_counter()
+        rows = [r for b in write_partition(ctx, iter(table.to_batches())) for r in b.to_pylist()]
+        wall = time.perf_counter() - t0
+        redis_s, own_s = proc_cpu_s(srv.pid) - redis0, time.process_time() - own0
+        usec = command_usec(c)
+    stats = next(r for r in rows if r["kind"] == "stats")
+    updates = stats["updates_applied"] + stats["updates_duplicate"] + stats["updates_expired"]
+    script_s = usec.get("evalsha", 0) / 1e6
+    called = {k: v for k, v in usec.items() if k not in ("evalsha", "config", "script", "info")}
+    return {
+        "batch": batch_id, "rows": table.num_rows, "updates": updates,
+        "applied": stats["updates_applied"], "duplicate": stats["updates_duplicate"],
+        "expired": stats["updates_expired"], "wall_s": wall,
+        "per_s": updates / wall if wall else None, "redis_cpu_s": redis_s, "own_cpu_s": own_s,
+        "script_s": script_s, "script_per_s": updates / script_s if script_s else None,
+        "called_s": sum(called.values()) / 1e6, "called": called,
+    }  # fmt: skip
+
+
+def round_of(ws: Workspace, workload: str, folded: tuple[Config, list[Any], list[pa.Table]],
+             rnd: int, conf: list[str]) -> dict[str, Any]:  # fmt: skip
+    """One round: a fresh embedded Redis, every batch in order, then the first one replayed."""
+    import redis
+
+    cfg, specs, tables = folded
+    srv = EmbeddedRedis(ws.state_dir(f"redis-{workload}-{rnd}"), extra_config=conf).start()
+    try:
+        batches = [write_batch(srv, cfg, specs, t, i + 1) for i, t in enumerate(tables)]
+        replay = write_batch(srv, cfg, specs, tables[0], 1)
+        with redis.Redis.from_url(srv.url) as c:
+            stored = count_metric_total(c, "txn_count")
+            version = c.info("server")["redis_version"]
+    finally:
+        srv.stop()
+    for b in batches:
+        log(f"{workload} round {rnd + 1} batch {b['batch']}: {b['updates']:,} updates,"
+            f" {b['per_s']:,.0f}/s, Redis {b['redis_cpu_s']:.2f} cpu-s,"
+            f" scripts {b['script_s']:.2f} s")  # fmt: skip
+    log(f"{workload} round {rnd + 1} replay: {replay['per_s']:,.0f}/s, all duplicate"
+        f" {replay['duplicate'] == replay['updates']}")  # fmt: skip
+    return {"round": rnd + 1, "batches": batches, "replay": replay, "stored_txn_count": stored,
+            "redis_version": version}  # fmt: skip
+
+
+def summarize(workload: str, tables: list[pa.Table], events: int,
+              rounds: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """Medians over the rounds: the first batch (every hash new) apart from the later ones."""
+
+    def med(rows: list[dict[str, Any]], key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        updates = sum(r["updates"] for r in rows)
+        per = {k: sum(r[k] for r in rows) for k in ("wall_s", "redis_cpu_s", "own_cpu_s",
+                                                     "script_s", "called_s")}  # fmt: skip
+        return {
+            "updates": updates,
+            **per,
+            "per_s": updates / per["wall_s"],
+            "redis_cpu_us": per["redis_cpu_s"] * 1e6 / updates,
+            "own_cpu_us": per["own_cpu_s"] * 1e6 / updates,
+            "script_per_s": updates / per["script_s"] if per["script_s"] else None,
+            "called_share": per["called_s"] / per["script_s"] if per["script_s"] else None,
+        }
+
+    kinds = {
+        "first": [totals(r["batches"][:1]) for r in rounds],
+        "later": [totals(r["batches"][1:]) for r in rounds] if len(tables) > 1 else [],
+        "all": [totals(r["batches"]) for r in rounds],
+        "replay": [totals([r["replay"]]) for r in rounds],
+    }
+    out: dict[str, Any] = {"workload": workload, "events_per_batch": events,
+                           "batches": len(tables),
+                           "updates_per_batch": statistics.median(t.num_rows for t in tables),
+                           "events_folded": events * len(tables)}  # fmt: skip
+    for kind, rows in kinds.items():
+        out[kind] = {k: med(rows, k) for k in ("per_s", "redis_cpu_us", "own_cpu_us",
+                                               "script_per_s", "called_share")}  # fmt: skip
+        out[kind]["each"] = [r["per_s"] for r in rows]
+    out["exact"] = all(r["stored_txn_count"] == events * len(tables) for r in rounds)
+    out["stored_txn_count"] = [r["stored_txn_count"] for r in rounds]
+    out["redis_version"] = rounds[0]["redis_version"]
+    out["replay_all_duplicate"] = all(
+        r["replay"]["duplicate"] == r["replay"]["updates"] for r in rounds
+    )
+    out["applied_each_batch"] = all(
+        b["applied"] + b["expired"] == b["updates"] for r in rounds for b in r["batches"]
+    )
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--events", type=int, help="events per batch (default 50,000; quick 10,000)")
+    p.add_argument("--batches", type=int, help="batches per round (default 5; quick 3)")
+    p.add_argument("--rounds", type=int, help="rounds, each on a fresh Redis (default 3; quick 1)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument(
+        "--redis-conf",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="a redis.conf line for the embedded Redis, e.g. 'appendonly no'",
+    )
+    a = p.parse_args()
+    a.events = a.events or (10_000 if a.quick else 50_000)
+    a.batches = a.batches or (3 if a.quick else 5)
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    if unknown := [w for w in a.workloads if w not in WORKLOADS]:
+        p.error(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    if a.events < 1 or a.batches < 1 or a.rounds < 1:
+        p.error("--events, --batches and --rounds must be at least 1")
+    run = Run("store", a)
+    ws = Workspace()
+    try:
+        folded = fold_batches(ws, a)
+        results = []
+        for workload in a.workloads:
+            rounds = [
+                round_of(ws, workload, folded[workload], r, a.redis_conf) for r in range(a.rounds)
+            ]
+            results.append(summarize(workload, folded[workload][2], a.events, rounds))
+        params = {"events": a.events, "batches": a.batches, "rounds": a.rounds,
+                  "redis_conf": a.redis_conf,
+                  "metrics": HIGHCARD_METRICS}  # fmt: skip
+        run.write(params, {"workloads": results})
+    finally:
+        ws.cleanup()
+
+
+if __name__ == "__main__":
+    main()
