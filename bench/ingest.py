@@ -6,21 +6,21 @@
     .venv/bin/python bench/ingest.py --bare-audit       # the bare engine, audit columns or not
     .venv/bin/python bench/ingest.py --audit-pairs 8    # the audit's cost: 8 on/off drain pairs
     .venv/bin/python bench/ingest.py --cells fields:zipf --rounds 1   # some cells only
+    .venv/bin/python bench/ingest.py --sustained-both   # the rate ladder for both revisions
 
 Two revisions of src/ are measured: `--before` (exported with `git archive` into a temporary
-directory) and the working tree (`after`). Each round starts one worker process per revision,
-in alternating order (before first in odd rounds, after first in even ones), so both see the
-same machine; the load average is recorded around every worker. A worker holds one Spark
-session and, per format (Redis Streams `fields` and `jsonl`) and workload (`zipf`, the
-throughput benchmark's events; `highcard`, `lib.load.highcard_frame` with the six metrics of
-`lib.load.HIGHCARD_METRICS`), drains a pre-filled backlog on a fresh embedded Redis. The `after`
-worker also runs a short rate ladder (sustained), the same drain with the audit off (`zipf`;
-before the audited drain in odd rounds, after it in even ones),
-and the bare engine (`lib.bare.bare_run`, the same Spark plan fed from in-memory Arrow with a
-no-op write; the plan is the same in both revisions, so both are divided by it). Every worker
-first drains a small backlog of each format, not measured, so that no cell pays for the JVM's
-warm-up (the first drain of a fresh session ran about a quarter slower than the same drain
-after it).
+directory) and the working tree (`after`). Each round starts one worker process per revision, in
+alternating order (before first in odd rounds, after first in even ones), so both see the same
+machine; the load average is recorded around every worker. A worker holds one Spark session and, per
+format (Redis Streams `fields` and `jsonl`) and workload (`zipf`, the throughput benchmark's events;
+`highcard`, `lib.load.highcard_frame` with the six metrics of `lib.load.HIGHCARD_METRICS`), drains a
+pre-filled backlog on a fresh embedded Redis. The `after` worker (with `--sustained-both`, both)
+also runs a short rate ladder (sustained); the `after` worker runs the same drain with the audit off
+(`zipf`; before the audited drain in odd rounds, after it in even ones), and the bare engine
+(`lib.bare.bare_run`, the same Spark plan fed from in-memory Arrow with a no-op write; the plan is
+the same in both revisions, so both are divided by it). Every worker first drains a small backlog of
+each format, not measured, so that no cell pays for the JVM's warm-up (the first drain of a fresh
+session ran about a quarter slower than the same drain after it).
 
 Per drain: events/s, slice updates per event, store updates/s, exact counts (events counted,
 and the `txn_count` metric summed in the store, against the events written; every batch
@@ -385,7 +385,8 @@ def worker(a: Any) -> None:
             for workload in WORKLOADS:
                 if (fmt, workload) not in a.cells:
                     continue
-                runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, after))]
+                ladder_too = after or a.sustained_both
+                runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, ladder_too))]
                 if after and workload == "zipf":
                     off = (drain_cell, (spark, ws, fmt, workload, a, False))
                     runs.insert(a.round % 2, off)  # the order alternates between rounds
@@ -412,7 +413,8 @@ def run_worker(label: str, src: Path, tmp: Path, a: Any, rnd: int) -> dict[str, 
     result = tmp / f"{label}-{rnd}.json"
     args = [sys.executable, __file__, "--worker", label, "--result", str(result), "--seed",
             str(a.seed + rnd), "--round", str(rnd), "--cells", a.cells_arg] + (
-            ["--quick"] if a.quick else [])  # fmt: skip
+            ["--quick"] if a.quick else []) + (
+            ["--sustained-both"] if a.sustained_both else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'bench'}"}
     load0, t0 = os.getloadavg(), time.monotonic()
     log(f"round {rnd + 1}: {label} ({src})")
@@ -512,6 +514,8 @@ def main() -> None:
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
                    " a subset goes to bench/results/ingest.cells.json, not rendered")  # fmt: skip
+    p.add_argument("--sustained-both", action="store_true",
+                   help="run the sustained ladder for the before revision too")  # fmt: skip
     p.add_argument("--audit-pairs", type=int, metavar="N",
                    help="only the audit's cost: N pairs of drains with it on and off")  # fmt: skip
     a = p.parse_args()
