@@ -580,3 +580,23 @@ def test_field_type_parse(spec: str, typ: str, nullable: bool) -> None:
 def test_field_type_parse_rejects(spec: str) -> None:
     with pytest.raises(ValueError, match=r"unknown field type"):
         FieldType.parse(spec)
+
+
+def test_single_task_events_is_auto_or_a_count() -> None:
+    from sluice.pipeline.plan import MetricSpec, single_task_events
+
+    def specs(groups: int) -> list[MetricSpec]:
+        return [MetricSpec(i, f"m{i}", "count", 10_000, 3_600_000, True, group=i // 2)
+                for i in range(2 * groups)]  # fmt: skip
+
+    cfg = config_from_dict(design())
+    assert cfg.spark.single_task_events == "auto"
+    assert single_task_events("auto", specs(2)) == 16_000  # two groups, as measured
+    assert single_task_events("auto", specs(6)) == 5_333  # each event is folded six times
+    assert single_task_events("auto", []) == 32_000
+    assert single_task_events(0, specs(6)) == 0 and single_task_events(20_000, specs(6)) == 20_000
+    data = design()
+    data["spark"]["single_task_events"] = 9000
+    assert config_from_dict(data).spark.single_task_events == 9000
+    assert "single_task_events" in str(bad(lambda d: d["spark"].update(single_task_events=-1)))
+    assert "single_task_events" in str(bad(lambda d: d["spark"].update(single_task_events="x")))

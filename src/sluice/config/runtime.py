@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
@@ -13,11 +13,12 @@ class SparkConfig(_Model):
     master: str = "local[2]"
     trigger: DurationMs = 500
     shuffle_partitions: int = Field(2, ge=1)
-    single_task_events: int = Field(
-        16_000,
-        ge=0,
+    single_task_events: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
         description="a batch of at most this many events is folded and written by one task,"
-        " without a shuffle (less fixed cost per batch); 0 = never",
+        " without a shuffle (less fixed cost per batch); 0 = never; auto = 32,000 exploded rows"
+        " (one per event and metric group it touches): 16,000 events when each event touches"
+        " two groups, fewer for a plan with more",
     )
     write_behind: Literal["auto", "on", "off"] = Field(
         "auto",

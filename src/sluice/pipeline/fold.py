@@ -9,10 +9,10 @@ it only when it is the slower of the two; the batch still commits only once it b
 batch that does not balance is written again in place; after `audit.retries` replays it raises
 AuditError, so Spark neither commits nor releases it and replays it after the restart.
 
-A small batch (at most `spark.single_task_events` events admitted, as its offsets say) is
-coalesced to one partition first: Spark then folds and writes it in the task that reads it,
-with no shuffle and no second stage, which is most of a small batch's fixed cost. The fold is
-the same; only where it runs changes.
+A small batch (at most `spark.single_task_events` events admitted, as its offsets say; `auto`
+scales it by the metric groups, `plan.single_task_events`) is coalesced to one partition first:
+Spark then folds and writes it in the task that reads it, with no shuffle and no second stage,
+which is most of a small batch's fixed cost. The fold is the same; only where it runs changes.
 
 Write-behind (`spark.write_behind`, `pipeline.behind`): a larger batch's folded updates are
 collected to the driver and written there by a writer thread while Spark commits the batch and
@@ -53,7 +53,13 @@ from sluice.pipeline.behind import (
     write_behind,
     write_mark,
 )
-from sluice.pipeline.plan import check_expressions, explode_updates, fold_columns, fold_updates
+from sluice.pipeline.plan import (
+    check_expressions,
+    explode_updates,
+    fold_columns,
+    fold_updates,
+    single_task_events,
+)
 from sluice.pipeline.plan import metric_specs as make_specs
 from sluice.pipeline.query import Role, StreamQuery, query_name
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, summarize, write_partition
@@ -113,6 +119,7 @@ class FoldQuery(StreamQuery):
         assert self.role.store is not None, "a fold feeds a store"
         self.store = StoreMonitor(redis.client, cfg.backpressure, self.role.store, clock)
         self._folds: list[Any] = []
+        self._single_task = 0  # spark.single_task_events in events, once the plan is known
         # The audit's source side reads the log again while Spark folds and writes the batch.
         self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit")
         self._flow_thread: threading.Thread | None = None
@@ -133,6 +140,9 @@ class FoldQuery(StreamQuery):
             types = check_expressions(self.spark, self.cfg)
             self.specs = tuple(make_specs(self.cfg, types))
             self._folds = fold_columns(list(self.specs), self.cfg.audit.enabled)
+            self._single_task = single_task_events(
+                self.cfg.spark.single_task_events, list(self.specs)
+            )
         super().prepare()
 
     def frame(self) -> DataFrame:
@@ -198,7 +208,7 @@ class FoldQuery(StreamQuery):
             cluster=is_cluster_url(self.redis.url),
         )
         events = offsets[1].get("events") if offsets is not None else None
-        small = events is not None and events <= self.cfg.spark.single_task_events
+        small = events is not None and events <= self._single_task
         if small:
             exploded = exploded.coalesce(1)  # one task, no shuffle (module docstring)
         done = functools.partial(self._finish, batch_id, token, started, offsets, audit_source)

@@ -158,6 +158,19 @@ def dead_letter_json(reason: Column, fields: Iterable[str]) -> Column:
     )
 
 
+SINGLE_TASK_ROWS = 32_000  # `spark.single_task_events: auto`, in exploded rows
+
+
+def single_task_events(setting: int | str, specs: list[MetricSpec]) -> int:
+    """`spark.single_task_events` in events. `auto` is SINGLE_TASK_ROWS exploded rows: one task
+    folds a batch on one core, and a batch's fold grows with the groups each event touches, so
+    a plan with more groups keeps fewer events in one task (16,000 for two groups)."""
+    if setting != "auto":
+        return int(setting)
+    groups = max((sp.group for sp in specs), default=0) + 1
+    return SINGLE_TASK_ROWS // groups
+
+
 def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> DataFrame:
     """Decoded events -> one row per (event, metric group it touches) + one per bad event.
 
