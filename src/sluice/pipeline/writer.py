@@ -1,7 +1,9 @@
-"""Executor-side store writer: slice updates -> Redis, idempotent per batch.
+"""The store writer: slice updates -> Redis, idempotent per batch.
 
 Runs inside `mapInArrow` on the executors, so the writes go straight from the tasks to Redis and
-only a few counters come back to the driver.
+only a few counters come back to the driver; under write-behind (`pipeline.behind`) the driver
+runs it on a batch's collected updates. Within one partition, a metric's script calls go out
+from a sender thread while the next metric's calls are built.
 
 Idempotency. Every write carries a *token* = epoch * 10**12 + batch_id
 (`query.writer_token`). `epoch` is a counter taken once per fresh checkpoint (see
