@@ -74,7 +74,7 @@ def test_every_state_merges_over_what_was_stored(r: redis.Redis, agg: str) -> No
     assert stored[0] == b"2" and len(stored) == width + 1
     # The merged numbers are what the read side's merge makes of the two states kept apart.
     apart = slice_hash_key("m", f"{agg}-apart")
-    for token, (start, vals) in enumerate(zip((NOW - SLICE_MS, NOW), first), start=1):
+    for token, (start, vals) in enumerate(zip((NOW - SLICE_MS, NOW), first, strict=True), start=1):
         numbers = [int(v) if agg == "count" else v for v in vals]
         assert _write(r, token, agg, [(apart, start, numbers)])[0] == [1, 0, 0]
     want = AGGS[agg].merge(r.hmget(apart, [str(NOW - SLICE_MS), str(NOW)]))
