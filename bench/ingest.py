@@ -53,6 +53,7 @@ from lib.load import (
 from lib.procs import (
     CpuSnapshot,
     Workspace,
+    command_usec,
     count_metric_total,
     pipeline_run,
     stat_counter,
@@ -117,12 +118,6 @@ def parties(redis_pid: int | None) -> dict[str, list[int]]:
     workers = [w for j in jvms for w in descendants(j)]
     out = {"redis": [redis_pid] if redis_pid else [], "jvm": jvms, "python_workers": workers}
     return out | {"driver": [os.getpid()]}
-
-
-def command_usec(client: Any) -> dict[str, int]:
-    """Redis's own time per command (INFO commandstats), microseconds since it started."""
-    stats = client.info("commandstats")
-    return {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in stats.items()}
 
 
 def progress_durations(query: Any, batches: set[int]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from lib.bare import write_arrow_batch
 from lib.load import HIGHCARD_METRICS, bench_config
-from lib.procs import Workspace, count_metric_total, proc_cpu_s
+from lib.procs import Workspace, command_usec, count_metric_total, proc_cpu_s
 from lib.results import Run, log, parser
 from sluice.config import Config
 from sluice.pipeline import plan
@@ -72,10 +72,6 @@ def fold_batches(ws: Workspace, a: Any) -> dict[str, tuple[Config, list[Any], li
     finally:
         spark.stop()
     return out
-
-
-def command_usec(client: Any) -> dict[str, int]:
-    return {k.split("_", 1)[1]: int(v["usec"]) for k, v in client.info("commandstats").items()}
 
 
 def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Table,

@@ -126,6 +126,12 @@ def input_level(client: Any, streams: Sequence[str]) -> tuple[int, int]:
     return sum(int(x) for x in res[0::2]), sum(int(x or 0) for x in res[1::2])
 
 
+def command_usec(client: Any) -> dict[str, int]:
+    """Redis's own time per command (INFO commandstats), microseconds since it started."""
+    stats = client.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in stats.items()}
+
+
 def count_metric_total(client: Any, metric: str) -> int:
     """A count metric summed over every key and slice of its base resolution (each slice field
     holds `<writer token>:<count>`): the events the store holds, independent of the counters."""
