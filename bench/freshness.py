@@ -3,19 +3,22 @@
     .venv/bin/python bench/freshness.py                    # 2 rounds, about 25 minutes
     .venv/bin/python bench/freshness.py --quick            # 1 round, short phases, about 8 minutes
     .venv/bin/python bench/freshness.py --before bf544e9   # the revision to compare with
+    .venv/bin/python bench/freshness.py --workload highcard  # six metrics, many keys, ~20 min
 
-Two revisions of src/: `--before` (exported with `git archive`) and the working tree (`after`),
-each run as `sluice run -c sluice.yaml` with PYTHONPATH at its src/, in alternating order per
-round (before first in odd rounds, after first in even ones). Per cell (format, rate) and
-revision: a fresh embedded Redis and state_dir, the bench config (`lib.load.bench_config_data`,
-default trigger). One seed event starts the first batch; then a paced producer at the rate, a
-warm-up, and the measured phase with a probe every `lib.freshness.PROBE_EVERY_S` (a card of its
-own, polled with the query engine until it counts; `lib.freshness.ProbePoller`). Per cell: the
-achieved rate, the probes' p50, p99 and max (those sent in the measured phase), the backlog at
-its end, the per-batch breakdown (medians of `sluice:{stats}:timings` over the batches done in
-the measured phase, when the revision publishes it) and, once the load stops and the backlog
-drains, whether `events_in` equals the events sent. Writes bench/results/freshness[.quick].json
-after every cell.
+Two revisions of src/: `--before` (exported with `git archive`) and the working tree (`after`), each
+run as `sluice run -c sluice.yaml` with PYTHONPATH at its src/, in alternating order per round
+(before first in odd rounds, after first in even ones). Per cell (format, rate) and revision: a
+fresh embedded Redis and state_dir, the bench config (`lib.load.bench_config_data`, default trigger;
+with `--workload highcard` the six metrics of `lib.load.HIGHCARD_METRICS` and events of
+`lib.load.highcard_frame`, keys uniform over 100,000 cards, times over 10 minutes). One seed event
+starts the first batch; then a paced producer at the rate, a warm-up, and the measured phase with a
+probe every `lib.freshness.PROBE_EVERY_S` (a card of its own, polled with the query engine until it
+counts; `lib.freshness.ProbePoller`). Per cell: the achieved rate, the probes' p50, p99 and max
+(those sent in the measured phase), the backlog at its end, the per-batch breakdown (medians of
+`sluice:{stats}:timings` over the batches done in the measured phase, when the revision publishes
+it) and, once the load stops and the backlog drains, whether `events_in` equals the events sent.
+Writes bench/results/freshness[.quick].json (`freshness-highcard` for that workload) after every
+cell.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import yaml
 
 from lib.freshness import PROBE_EVERY_S, ProbePoller
 from lib.load import (
+    HIGHCARD_METRICS,
     PacedProducer,
     bench_config_data,
     build_pool,
@@ -48,9 +52,13 @@ from sluice.redis.keys import STATS_KEY, timings_key
 from sluice.status.snapshot import backlog
 from sluice.status.timings import PHASES, summarize
 
-CELLS = (("jsonl", 2_000), ("fields", 2_000), ("jsonl", 20_000), ("fields", 20_000),
-         ("jsonl", 100_000))  # fmt: skip
-TARGET_P99_MS = {2_000: 1_000, 20_000: 1_000, 100_000: 1_500}
+CELLS = {
+    "zipf": (("jsonl", 2_000), ("fields", 2_000), ("jsonl", 20_000), ("fields", 20_000),
+             ("jsonl", 100_000)),
+    # six metric groups: batches past `spark.single_task_events: auto` (5,333 events) at 10,000/s
+    "highcard": (("fields", 2_000), ("fields", 10_000), ("jsonl", 10_000)),
+}  # fmt: skip
+TARGET_P99_MS = {2_000: 1_000, 10_000: 1_000, 20_000: 1_000, 100_000: 1_500}
 BATCH_CAP = 200_000
 POOL_EVENTS = 100_000  # cycled
 START_S, TAIL_S, DRAIN_S = 240.0, 30.0, 180.0
@@ -72,9 +80,11 @@ def run_cell(rev: str, src: Path, fmt: str, rate: int, ws: Workspace, a: Any) ->
     root = ws.state_dir(f"{rev}-{fmt}-{rate}")
     with EmbeddedRedis(root / "redis") as server:
         data = bench_config_data(fmt, root / "state", BATCH_CAP) | {"redis": server.url}
+        if a.workload == "highcard":
+            data["metrics"] = HIGHCARD_METRICS
         (cfg_path := root / "sluice.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         cfg, client = config_from_dict(data), redis.Redis.from_url(server.url)
-        pool = build_pool(cfg, POOL_EVENTS, a.seed, now_ms())
+        pool = build_pool(cfg, POOL_EVENTS, a.seed, now_ms(), a.workload)
         proc = SluiceProcess(["run", "-c", str(cfg_path)], root / "run.log",
                              env={"PYTHONPATH": str(src)}).start()  # fmt: skip
         producer = PacedProducer(server.url, pool, rate, retry_busy=True)
@@ -129,10 +139,10 @@ def run_cell(rev: str, src: Path, fmt: str, rate: int, ws: Workspace, a: Any) ->
     }  # fmt: skip
 
 
-def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(cells: list[dict[str, Any]], workload: str) -> dict[str, Any]:
     """Medians over the rounds per (revision, format, rate); the breakdown's per phase."""
     rows = []
-    for fmt, rate in CELLS:
+    for fmt, rate in CELLS[workload]:
         for rev in REVISIONS:
             cs = [c for c in cells if (c["revision"], c["format"], c["rate"]) == (rev, fmt, rate)]
             ok = [c for c in cs if "error" not in c]
@@ -166,18 +176,24 @@ def main() -> None:
     p.add_argument("--before", default="bf544e9", help="the revision to compare with")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 2, quick 1)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--workload", choices=sorted(CELLS), default="zipf",
+                   help="zipf: the bench config; highcard: six metrics, many keys")  # fmt: skip
     a = p.parse_args()
     rounds = a.rounds or (1 if a.quick else 2)
     a.warmup_s, a.measure_s = (8.0, 12.0) if a.quick else (15.0, 30.0)
-    params = {"before": a.before, "rounds": rounds, "cells": CELLS, "warmup_s": a.warmup_s,
+    cells_of = CELLS[a.workload]
+    metrics = len(HIGHCARD_METRICS) if a.workload == "highcard" else 3
+    params = {"before": a.before, "rounds": rounds, "workload": a.workload, "cells": cells_of,
+              "metrics": metrics, "warmup_s": a.warmup_s,
               "measure_s": a.measure_s, "probe_every_ms": PROBE_EVERY_S * 1000,
               "batch_cap": BATCH_CAP, "target_p99_ms": TARGET_P99_MS}  # fmt: skip
-    run, ws, cells = Run("freshness", a), Workspace(), []
+    name = "freshness" if a.workload == "zipf" else f"freshness-{a.workload}"
+    run, ws, cells = Run(name, a), Workspace(), []
     try:
         with tempfile.TemporaryDirectory(prefix="sluice-bench-freshness-") as t:
             srcs = {"before": export(a.before, Path(t)), "after": ROOT / "src"}
             for rnd in range(rounds):
-                for fmt, rate in CELLS:
+                for fmt, rate in cells_of:
                     for rev in order(rnd):
                         log(f"round {rnd + 1}: {rev} {fmt} at {rate:,}/s")
                         try:
@@ -187,7 +203,7 @@ def main() -> None:
                                     "error": repr(e)}  # fmt: skip
                         cells.append(cell | {"round": rnd + 1})
                         log(", ".join(f"{k} {v}" for k, v in cell.items() if k != "latencies_ms"))
-                        run.write(params, summary(cells), {"cells": cells})  # so far
+                        run.write(params, summary(cells, a.workload), {"cells": cells})  # so far
     finally:
         ws.cleanup()
 

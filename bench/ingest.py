@@ -508,7 +508,7 @@ def main() -> None:
                    help="only the bare engine with and without the audit's columns")  # fmt: skip
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
-                   " a subset goes to bench/results/ingest.cells.json, not rendered")  # fmt: skip
+                   " a subset goes to bench/results/ingest.cells.json")  # fmt: skip
     p.add_argument("--sustained-both", action="store_true",
                    help="run the sustained ladder for the before revision too")  # fmt: skip
     p.add_argument("--audit-pairs", type=int, metavar="N",
@@ -557,7 +557,8 @@ def params(a: Any, rounds: int) -> dict[str, Any]:
     return {"before": a.before, "rounds": rounds, "sizes": {"|".join(map(str, k)): v
             for k, v in SIZES.items() if k[0] == a.quick}, "step_s": STEP_S,
             "max_steps": MAX_STEPS, "max_lag_s": MAX_LAG_S, "metrics": HIGHCARD_METRICS,
-            "bare_batches": a.bare_batches, "cells": [":".join(c) for c in a.cells]}  # fmt: skip
+            "bare_batches": a.bare_batches, "cells": [":".join(c) for c in a.cells],
+            "sustained_both": a.sustained_both}  # fmt: skip
 
 
 def series(workers: list[dict[str, Any]]) -> dict[str, Any]:
