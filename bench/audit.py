@@ -144,10 +144,10 @@ def fill_ledger(client: Any, batches: int, seed: int) -> dict[str, Any]:
     return {**ledger_memory(client), "batches": batches}
 
 
-def source_xor(client: Any, cfg: Config, end: dict[str, str]) -> Admitted:
+def source_xor(url: str, client: Any, cfg: Config, end: dict[str, str]) -> Admitted:
     """The audit's source side (the product's own, `RedisStreamsLog.admitted`) over every
-    entry of the shards up to `end`."""
-    log_ = RedisStreamsLog(SourceOptions.from_config(cfg, ""), client)
+    entry of the shards up to `end`, on the Redis at `url`."""
+    log_ = RedisStreamsLog(SourceOptions.from_config(cfg, url), client)
     return log_.admitted([Span(s, ZERO_ID, hi) for s, hi in end.items()])
 
 
@@ -164,13 +164,13 @@ def xor_memory(url: str, cfg: Config, pool: load.LoadPool, n_events: int) -> dic
             end[s] = top[0][0].decode()
             chunk_entries = max(chunk_entries, min(int(client.xlen(s)), SOURCE_CHUNK[fmt]))
     t0 = time.perf_counter()
-    source_xor(client, cfg, end)
+    source_xor(url, client, cfg, end)
     call_ms = (time.perf_counter() - t0) * 1000
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        got = source_xor(client, cfg, end)
+        got = source_xor(url, client, cfg, end)
         events, entries = got.events, got.entries
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
@@ -212,7 +212,7 @@ def xor_scaling(url: str, cfg: Config, pool: load.LoadPool, entries: int) -> dic
     thread.start()
     t0 = time.perf_counter()
     try:
-        got = source_xor(client, cfg, end)
+        got = source_xor(url, client, cfg, end)
         events, n = got.events, got.entries
         call_ms = (time.perf_counter() - t0) * 1000
     finally:
