@@ -18,6 +18,15 @@ from sluice.pipeline.ship import is_local, package_zip
 log = logging.getLogger(__name__)
 
 
+# The driver's thread stack. When a foreachBatch call fails, Spark tells a stop from an error by
+# matching the error's text with a regex that recurses once per character
+# (`StreamExecution.PROXY_ERROR`); with the JVM's default 1 MB stack, a text past a few thousand
+# characters (a Java stack trace in a Python traceback, as a stop mid-batch makes) overflows it,
+# and the stream thread dies of a StackOverflowError instead of stopping or reporting the error.
+# 16 MB matches texts of about 80,000 characters; stacks are reserved, not resident, until used.
+DRIVER_THREAD_STACK = "16m"
+
+
 def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     """Create (or join) the session for `cfg.spark`. Spark's own logs go to stderr as key=value
     lines at SLUICE_SPARK_LOG_LEVEL (default ERROR), so its INFO and WARN chatter stays out.
@@ -60,7 +69,8 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         props = resources.files("sluice.pipeline") / "log4j2.properties"
         builder = builder.config(
             "spark.driver.extraJavaOptions",
-            f"-Dlog4j2.configurationFile={props} -Dsluice.spark.logLevel={level}",
+            f"-Dlog4j2.configurationFile={props} -Dsluice.spark.logLevel={level}"
+            f" -Xss{DRIVER_THREAD_STACK}",
         )
     if local:
         for k, v in local_fs_conf(cfg.spark.conf).items():  # checkpoint writes without chmod
