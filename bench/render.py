@@ -23,7 +23,8 @@ from lib.results import RESULTS_DIR, ROOT
 # The sections in order: the template's name, then the result files (the first one is the
 # section's run, any others follow it). A template's first line is its `## ` heading.
 # The store's section follows the ingest run too, to quote the store's rate in the pipeline.
-SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest.cells"],
+SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest-audit.cells",
+             "ingest.cells"],
             ["store", "ingest"], ["query"], ["durability"], ["burst", "burst-stepwise"], ["audit"],
             ["cluster"], ["spark_cluster"], ["branches"], ["failover"],
             ["freshness", "freshness-highcard"]]  # fmt: skip
