@@ -35,6 +35,7 @@ import yaml
 from lib.freshness import PROBE_EVERY_S, ProbePoller
 from lib.load import (
     HIGHCARD_METRICS,
+    METRICS,
     PacedProducer,
     bench_config_data,
     build_pool,
@@ -58,6 +59,7 @@ CELLS = {
     # six metric groups: batches past `spark.single_task_events: auto` (5,333 events) at 10,000/s
     "highcard": (("fields", 2_000), ("fields", 10_000), ("jsonl", 10_000)),
 }  # fmt: skip
+METRICS_OF = {"zipf": METRICS, "highcard": HIGHCARD_METRICS}
 TARGET_P99_MS = {2_000: 1_000, 10_000: 1_000, 20_000: 1_000, 100_000: 1_500}
 BATCH_CAP = 200_000
 POOL_EVENTS = 100_000  # cycled
@@ -79,9 +81,8 @@ def wait(ok: Any, timeout_s: float, proc: SluiceProcess) -> bool:
 def run_cell(rev: str, src: Path, fmt: str, rate: int, ws: Workspace, a: Any) -> dict[str, Any]:
     root = ws.state_dir(f"{rev}-{fmt}-{rate}")
     with EmbeddedRedis(root / "redis") as server:
-        data = bench_config_data(fmt, root / "state", BATCH_CAP) | {"redis": server.url}
-        if a.workload == "highcard":
-            data["metrics"] = HIGHCARD_METRICS
+        data = bench_config_data(fmt, root / "state", BATCH_CAP) | {
+            "redis": server.url, "metrics": METRICS_OF[a.workload]}  # fmt: skip
         (cfg_path := root / "sluice.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         cfg, client = config_from_dict(data), redis.Redis.from_url(server.url)
         pool = build_pool(cfg, POOL_EVENTS, a.seed, now_ms(), a.workload)
@@ -182,9 +183,8 @@ def main() -> None:
     rounds = a.rounds or (1 if a.quick else 2)
     a.warmup_s, a.measure_s = (8.0, 12.0) if a.quick else (15.0, 30.0)
     cells_of = CELLS[a.workload]
-    metrics = len(HIGHCARD_METRICS) if a.workload == "highcard" else 3
     params = {"before": a.before, "rounds": rounds, "workload": a.workload, "cells": cells_of,
-              "metrics": metrics, "warmup_s": a.warmup_s,
+              "metrics": len(METRICS_OF[a.workload]), "warmup_s": a.warmup_s,
               "measure_s": a.measure_s, "probe_every_ms": PROBE_EVERY_S * 1000,
               "batch_cap": BATCH_CAP, "target_p99_ms": TARGET_P99_MS}  # fmt: skip
     name = "freshness" if a.workload == "zipf" else f"freshness-{a.workload}"
