@@ -33,8 +33,8 @@ from sluice.redis.embedded import EmbeddedRedis
 from sluice.source.ids import ZERO_ID
 from sluice.source.log import Admitted, Span
 from sluice.source.options import SourceOptions
-from sluice.source.streams import AUDIT_CHUNK as SOURCE_CHUNK
 from sluice.source.streams import RedisStreamsLog
+from sluice.source.walk import WALK_CHUNK as SOURCE_CHUNK
 from sluice.status.ledger import LEDGER_KEEP, AuditResult, Ledger
 
 STREAM = "events"

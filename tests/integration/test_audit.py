@@ -260,7 +260,8 @@ def test_the_audit_counts_events_exactly_as_the_decoder(
     """The audit's own count and `entry_event_count` agree on any payload (blank, \\r, \\x0b,
     binary, over the size limit), on entries read back from Redis as the audit reads them."""
     from sluice.source.decode import entry_event_count
-    from sluice.source.streams import audit_event_count, raw_client, read_range
+    from sluice.source.streams import raw_client, read_range
+    from sluice.source.walk import audit_event_count
 
     client = redis.Redis.from_url(redis_server.url)
     client.delete("fuzz")
@@ -277,7 +278,8 @@ def test_the_audit_counts_events_exactly_as_the_decoder(
 def test_the_audit_count_keeps_the_last_value_of_a_repeated_name(redis_server: Any) -> None:
     """A repeated field name: the last value counts, and only it towards the size limit."""
     from sluice.source.decode import entry_event_count
-    from sluice.source.streams import audit_event_count, raw_client, read_range
+    from sluice.source.streams import raw_client, read_range
+    from sluice.source.walk import audit_event_count
 
     client = redis.Redis.from_url(redis_server.url)
     client.delete("dup")

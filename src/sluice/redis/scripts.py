@@ -13,7 +13,6 @@ import redis
 WRITE_SLICES = "write_slices"
 READ_SLICES = "read_slices"
 DEAD_LETTERS = "dead_letters"
-ADVANCE = "advance"
 RECORD_BATCH = "record_batch"
 RECORD_SAMPLE = "record_sample"
 EMIT = "emit"

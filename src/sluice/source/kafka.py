@@ -10,7 +10,7 @@ last stable offsets (read_committed), so an open transaction's records wait unti
   again from its earliest offset, and a warning says so. Both are logged in the batch's offsets
   (`"from"`), so a re-run reads the same records.
 - Budgets count events: a `json` record is one; `jsonl` records are read on the driver to count
-  their lines (`values.record_event_count`), like the Redis log's script does server-side.
+  their lines (`values.record_event_count`), as the Redis log's planner counts its entries'.
 - The audit's source side reads the batch's spans again, on the driver, with its own consumer.
 - After a batch commits, this reader's positions are kept in Redis (`sluice:rd:{kafka:...}`,
   per partition), and the smallest over the topic's readers is committed to `group_id`: Kafka's

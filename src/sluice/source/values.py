@@ -84,8 +84,8 @@ _ARROW_ONLY_INF = re.compile(
 
 def entry_event_count(fields: dict[bytes, bytes], fmt: str, max_entry_bytes: int) -> int:
     """How many events (good or dead-lettered) one stream entry holds: the decoder yields
-    exactly this many rows for it. The completeness audit replicates this rule in Lua, so any
-    change here must be made there too.
+    exactly this many rows for it. The planner and the audit count it with their own code
+    (`source.walk.audit_event_count`), so any change here must be made there too.
 
     1. The entry's size is the sum of `len(name) + len(value)` over `fields`. Over
        `max_entry_bytes`: 1 (one `oversize_entry` dead letter).
