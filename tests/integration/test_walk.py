@@ -111,3 +111,18 @@ def test_jsonl_entries_walked_ahead_plan_as_if_walked_then(
             break
     assert plan.end["a"] == r.xrevrange("a", count=1)[0][0].decode()
     assert plan.end["b"] == r.xrevrange("b", count=1)[0][0].decode()
+
+
+def test_a_plan_takes_what_the_last_one_read_past_its_end(r: redis.Redis, redis_url: str) -> None:
+    """The entry that did not fit a plan's budget, and those walked ahead after it, are not read
+    again by the next plan: with them removed from the stream afterwards (which nothing but a
+    user's XDEL does), the next plan still counts them."""
+    entries = _fill(r, "s", 12)
+    log = RedisStreamsLog(_opts(redis_url, ("s",)))
+    plan = log.plan({"s": "0-0"}, 4, 0)
+    assert plan.end["s"] == entries[1][0] and plan.events == 4  # 3 + 1; the next holds 5
+    assert log._ahead_walk is not None
+    log._ahead_walk.join()
+    r.xdel("s", entries[2][0], entries[3][0])
+    nxt = log.plan(plan.end, 6, 0)
+    assert (nxt.end["s"], nxt.events) == (entries[3][0], 6)  # 5 + 1, both read before the XDEL

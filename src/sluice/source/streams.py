@@ -41,7 +41,7 @@ from sluice.source.ids import (
 from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
 from sluice.source.options import SourceOptions
 from sluice.source.resp import StreamReply
-from sluice.source.walk import WALK_CHUNK, Walked, walk
+from sluice.source.walk import WALK_CHUNK, Walked, read_entries, walk
 from sluice.source.xrange import (
     forget_client,
     raw_client,
@@ -87,9 +87,10 @@ def backlog_share(
 
 @dataclass(frozen=True)
 class _Ahead:
-    """Entries of one shard walked ahead of the next plan: those after `base`. Entries are only
-    appended after `base` (trimming stops at the committed id, which is at or before it), so a
-    plan from `base` may take a prefix of them as if it had walked them itself."""
+    """Entries of one shard already read after `base`, in stream order, none left out: walked
+    ahead of the next plan, or read past a take's end. Entries are only appended after `base`
+    (trimming stops at the committed id, which is at or before it), so a plan from `base` may
+    take a prefix of them as if it had read them itself."""
 
     base: str
     walked: Walked
@@ -132,33 +133,35 @@ class RedisStreamsLog(Log):
             end, entries, events, more = self._newest(ids), None, 0, False
         else:
             end, entries, events, more = self._advance(ids, budget, admitted)
-        self._ahead = {}
         if budget is not None and end != ids:
-            per_shard = -(-budget // len(self.shards))
-            self._ahead_walk = threading.Thread(target=self._walk_ahead, args=(end, per_shard),
+            # Up to twice a shard's even share, so that a shard that takes more than its share
+            # (keys are rarely even) mostly finds its entries walked too.
+            target = min(budget, 2 * -(-budget // len(self.shards)))
+            self._ahead_walk = threading.Thread(target=self._walk_ahead, args=(end, target),
                                                 daemon=True, name="sluice-walk-ahead")  # fmt: skip
             self._ahead_walk.start()
         ref = max(id_ms(v) for v in end.values()) if end else 0
         return Plan(end, {}, entries, events, more, ref, admitted or None)
 
-    def _walk_ahead(self, ends: Mapping[str, str], per_shard: int) -> None:
-        """Walk up to `per_shard` events' entries after each shard's end, for the next plan
-        (`_Ahead`); runs in a thread while the batch just planned runs. A failure only leaves
-        the next plan to walk them itself."""
+    def _walk_ahead(self, ends: Mapping[str, str], target: int) -> None:
+        """Walk the entries after each shard's end until `target` events of them are walked,
+        for the next plan (`_Ahead`); runs in a thread while the batch just planned runs. What
+        the plan read past its end counts. A failure only leaves the next plan to walk them."""
         try:
             client = raw_client(self.opts.url)
+            fmt, limit = self.opts.format, self.opts.max_entry_bytes
             ahead = {}
             for shard, base in ends.items():
-                got, _ = self._walk(client, shard, base, per_shard, True)
-                if len(got):
-                    ahead[shard] = _Ahead(base, got)
+                known = self._ahead.get(shard)
+                walked = known.walked if known is not None and known.base == base else Walked.none()
+                if walked.total < target:
+                    cursor = walked.last_id() if len(walked) else base
+                    more = read_entries(client, shard, cursor, target - walked.total, fmt, limit)
+                    walked = Walked.join([walked, more])
+                ahead[shard] = _Ahead(base, walked)
             self._ahead = ahead
         except Exception as e:  # noqa: BLE001 - the next plan walks the entries itself
             log.debug("walking ahead failed", extra={"error": str(e)})
-
-    def _walk(self, client: Any, shard: str, after: str, budget: int, force_first: bool) -> Any:
-        fmt, limit = self.opts.format, self.opts.max_entry_bytes
-        return walk(client, shard, after, budget, force_first, fmt, limit)
 
     def _newest(self, ids: dict[str, str]) -> dict[str, str]:
         pipe = self._client().pipeline(transaction=False)
@@ -197,18 +200,15 @@ class RedisStreamsLog(Log):
 
     def _take(self, shard: str, after: str, share: int, force_first: bool) -> tuple[Walked, bool]:
         """The entries after `after` that fit in `share` events (`walk.walk`), and whether more
-        wait. Entries walked ahead from `after` (`_walk_ahead`) are taken first."""
-        client = raw_client(self.opts.url)
-        ahead = self._ahead.get(shard)
-        if ahead is None or ahead.base != after or not len(ahead.walked):
-            return self._walk(client, shard, after, share, force_first)
-        k = ahead.walked.fitting(share, force_first)
-        head, rest = ahead.walked.split(k)
-        self._ahead[shard] = _Ahead(head.last_id() if k else after, rest)
-        if len(rest):  # the next entry did not fit
-            return head, True
-        got, more = self._walk(client, shard, head.last_id(), share - head.total, False)
-        return Walked.join([head, got]), more
+        wait. Entries already read after `after` (walked ahead, or read past an earlier take's
+        end) are taken first, and what this take reads past its end is kept for the next."""
+        known = self._ahead.get(shard)
+        read = known.walked if known is not None and known.base == after else None
+        fmt, limit = self.opts.format, self.opts.max_entry_bytes
+        taken, rest = walk(raw_client(self.opts.url), shard, after, share, force_first, fmt, limit,
+                           read)  # fmt: skip
+        self._ahead[shard] = _Ahead(taken.last_id() if len(taken) else after, rest)
+        return taken, bool(len(rest))
 
     def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
         return [Span(span.shard, a, b) for a, b in split_range(span.lo, span.hi, parts)]

@@ -117,6 +117,31 @@ class Walked:
         return Walked(*cols)
 
 
+def read_entries(
+    client: Any, shard: str, after: str, events: int, fmt: str, max_entry_bytes: int
+) -> Walked:
+    """The entries of `shard` after `after`, chunk by chunk, until they hold at least `events`
+    events or the stream ends. A `jsonl` chunk asks for about as many entries as are still
+    wanted, by the events per entry seen so far."""
+    parts: list[Walked] = []
+    got = n_entries = 0
+    cursor = after
+    while got < events:
+        per_entry = max(1, got // n_entries) if n_entries else 1
+        want = min(WALK_CHUNK[fmt], -(-(events - got) // per_entry))
+        chunk = xrange_chunk(client, shard, cursor, "+", want)
+        if not chunk:
+            break
+        part = Walked.of(chunk, shard, fmt, max_entry_bytes)
+        parts.append(part)
+        got += part.total
+        n_entries += len(part)
+        cursor = part.last_id()
+        if len(chunk) < want:  # the end of the stream
+            break
+    return Walked.join(parts)
+
+
 def walk(
     client: Any,
     shard: str,
@@ -125,36 +150,26 @@ def walk(
     force_first: bool,
     fmt: str,
     max_entry_bytes: int,
-) -> tuple[Walked, bool]:
-    """The entries of `shard` after `after` that fit in `budget` events (with `force_first`, at
-    least the first one), and whether more entries wait after them. A `jsonl` chunk asks for
-    about as many entries as the budget has room for, by the events per entry seen so far, so
-    that at most one chunk is read past the budget's end."""
+    read: Walked | None = None,
+) -> tuple[Walked, Walked]:
+    """(taken, rest): the entries of `shard` after `after` that fit in `budget` events (with
+    `force_first`, at least the first one), and the entries read after them, which hold at least
+    the next one when more wait and none at the stream's end. `read`: entries already read
+    after `after` (in stream order, none left out), taken before any are read anew."""
     parts: list[Walked] = []
-    taken = n_entries = 0
-    cursor = after
+    taken = 0
+    rest = read if read is not None else Walked.none()
     while True:
-        left = budget - taken
-        first = force_first and not parts
-        if left <= 0 and not first:
-            return Walked.join(parts), bool(xrange_chunk(client, shard, cursor, "+", 1))
-        if fmt == "fields":
-            want = min(WALK_CHUNK[fmt], max(1, left))
-        else:
-            per_entry = taken / n_entries if n_entries else 1
-            want = min(WALK_CHUNK[fmt], max(1, -(-left // max(1, int(per_entry)))))
-        chunk = xrange_chunk(client, shard, cursor, "+", want)
-        if not chunk:
-            return Walked.join(parts), False
-        got = Walked.of(chunk, shard, fmt, max_entry_bytes)
-        k = got.fitting(left, first)
-        head, _ = got.split(k)
+        if not len(rest):  # all read so far is taken: read on from the last one
+            cursor = parts[-1].last_id() if parts else after
+            wanted = max(1, budget - taken)  # at least the next entry, to tell whether more wait
+            rest = read_entries(client, shard, cursor, wanted, fmt, max_entry_bytes)
+            if not len(rest):
+                return Walked.join(parts), rest
+        k = rest.fitting(budget - taken, force_first and not parts)
+        head, rest = rest.split(k)
         if k:
             parts.append(head)
             taken += head.total
-            n_entries += k
-            cursor = head.last_id()
-        if k < len(got):  # an entry did not fit
-            return Walked.join(parts), True
-        if len(chunk) < want:  # the end of the stream
-            return Walked.join(parts), False
+        if len(rest):  # the next entry did not fit
+            return Walked.join(parts), rest
