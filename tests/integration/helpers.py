@@ -64,3 +64,17 @@ def stream_level(
         max_string_bytes=4096,
     )
     return log_measure(RedisStreamsLog(opts, client), bp, reader)()
+
+
+def same_plan(log: RedisStreamsLog, start: dict[str, str], budget: int) -> Any:
+    """Plan with `log` (which may hold entries walked ahead, or read past an earlier plan's
+    end) and with a fresh log of the same options that walks everything itself: the two plans
+    must agree in every field."""
+    if log._ahead_walk is not None:
+        log._ahead_walk.join()  # so that the fresh log's walk sees the same stream
+    fresh = RedisStreamsLog(log.opts).plan(start, budget, 0)
+    got = log.plan(start, budget, 0)
+    assert (got.end, got.entries, got.events, got.more, got.admitted) == (
+        fresh.end, fresh.entries, fresh.events, fresh.more, fresh.admitted,
+    )  # fmt: skip
+    return got

@@ -13,6 +13,7 @@ from sluice.graph import StreamsSpec
 from sluice.source.options import SourceOptions
 from sluice.source.streams import RedisStreamsLog
 from sluice.source.values import entry_event_count
+from tests.integration.helpers import same_plan
 
 # Lines per entry, blank lines and an entry without `d` included (1 event each).
 SHAPES: list[dict[str, bytes]] = [
@@ -77,19 +78,6 @@ def test_a_jsonl_budget_is_planned_exactly(r: redis.Redis, redis_url: str, budge
         start = end
 
 
-def _same_plan(log: RedisStreamsLog, url: str, start: dict[str, str], budget: int) -> Any:
-    """Plan with `log` (which may hold entries walked ahead) and with a fresh log that walks
-    everything itself: the two plans must agree in every field."""
-    if log._ahead_walk is not None:
-        log._ahead_walk.join()  # so that the fresh log's walk sees the same stream
-    fresh = RedisStreamsLog(_opts(url, ("a", "b"))).plan(start, budget, 0)
-    got = log.plan(start, budget, 0)
-    assert (got.end, got.entries, got.events, got.more, got.admitted) == (
-        fresh.end, fresh.entries, fresh.events, fresh.more, fresh.admitted,
-    )  # fmt: skip
-    return got
-
-
 @pytest.mark.parametrize("budget", [3, 10, 25, 200])
 def test_jsonl_entries_walked_ahead_plan_as_if_walked_then(
     r: redis.Redis, redis_url: str, budget: int
@@ -100,13 +88,13 @@ def test_jsonl_entries_walked_ahead_plan_as_if_walked_then(
     _fill(r, "a", 60)
     _fill(r, "b", 15, offset=2)
     log = RedisStreamsLog(_opts(redis_url, ("a", "b")))
-    plan = _same_plan(log, redis_url, {}, budget)
+    plan = same_plan(log, {}, budget)
     assert log._ahead_walk is not None
     _fill(r, "a", 7, offset=1)
     _fill(r, "b", 20, offset=3)
     for _ in range(200):  # until the streams are drained
         before = plan.end
-        plan = _same_plan(log, redis_url, plan.end, budget)
+        plan = same_plan(log, plan.end, budget)
         if plan.end == before:
             break
     assert plan.end["a"] == r.xrevrange("a", count=1)[0][0].decode()

@@ -18,6 +18,7 @@ from sluice.source.options import SourceOptions
 from sluice.source.resp import StreamReply
 from sluice.source.streams import RedisStreamsLog
 from sluice.source.xrange import _raw_for, forget_client, raw_client, read_range, read_replies
+from tests.integration.helpers import same_plan
 
 REF_MS = 1_700_000_999_000
 
@@ -141,19 +142,6 @@ def _two_shard_opts(url: str) -> SourceOptions:
     )
 
 
-def _same_plan(log: RedisStreamsLog, url: str, start: dict[str, str], budget: int) -> Any:
-    """Plan with `log` (which may hold entries walked ahead) and with a fresh log that walks
-    everything itself: the two plans must agree in every field."""
-    if log._ahead_walk is not None:
-        log._ahead_walk.join()  # so that the fresh log's walk sees the same stream
-    fresh = RedisStreamsLog(_two_shard_opts(url)).plan(start, budget, 0)
-    got = log.plan(start, budget, 0)
-    assert (got.end, got.entries, got.events, got.more, got.admitted) == (
-        fresh.end, fresh.entries, fresh.events, fresh.more, fresh.admitted,
-    )  # fmt: skip
-    return got
-
-
 @pytest.mark.parametrize("budget", [10, 25, 60, 400])
 def test_entries_walked_ahead_plan_as_if_walked_then(
     r: redis.Redis, redis_url: str, budget: int
@@ -165,19 +153,19 @@ def test_entries_walked_ahead_plan_as_if_walked_then(
     _fill(r, "a", 120)
     _fill(r, "b", 30)
     log = RedisStreamsLog(_two_shard_opts(redis_url))
-    plan = _same_plan(log, redis_url, {}, budget)
+    plan = same_plan(log, {}, budget)
     assert log._ahead_walk is not None  # walking ahead from the plan's end
     _fill(r, "a", 15)  # arrives while the batch would run: after what was walked, or not
     _fill(r, "b", 40)
     for _ in range(100):  # until the streams are drained
         before = plan.end
-        plan = _same_plan(log, redis_url, plan.end, budget)
+        plan = same_plan(log, plan.end, budget)
         if plan.end == before:
             break
     assert plan.end["a"] == r.xrevrange("a", count=1)[0][0].decode()
     first = r.xrange("a", count=3)
     other = {"a": first[2][0].decode(), "b": "0-0"}  # not the walk's start: walked anew
-    _same_plan(log, redis_url, other, budget)
+    same_plan(log, other, budget)
 
 
 def test_a_plan_after_walking_ahead_uses_those_entries(r: redis.Redis, redis_url: str) -> None:
