@@ -162,6 +162,27 @@ def test_the_audit_counts_and_xors_what_the_reads_decode(h: Harness) -> None:
     assert decoded.column("_err").to_pylist().count("bad_json") == 1
 
 
+def test_a_budgeted_plan_logs_the_audits_source_side(h: Harness) -> None:
+    """A plan that reads entries to count a budget logs the audit's source side of exactly what
+    it admitted, the same as reading the spans again, and only for those spans."""
+    log = h.log()
+    start = log.start_positions()
+    for i in range(8):
+        h.append(i % 2, 5 + i, bad=(i == 4))
+    plan = log.plan(start, 30, 0)  # 15 a shard: not every entry fits
+    assert plan.more and plan.admitted is not None
+    start_offsets, end = offsets(log, start, plan.end, plan.first)
+    end["admitted"] = plan.admitted
+    spans = log.spans(start_offsets, end)
+    planned = log.planned_source(spans, end)
+    assert planned is not None and planned == log.admitted(spans)
+    assert planned.xor == xor_all(read(log, spans).column("_e").to_pylist())
+    assert planned.events == plan.events
+    later = log.plan(plan.end, 10_000, 0)
+    more_offsets, more_end = offsets(log, plan.end, later.end, later.first)
+    assert log.planned_source(log.spans(more_offsets, more_end), end) is None  # not its spans
+
+
 def test_the_backlog_shrinks_as_readers_release_and_the_slowest_holds_it(h: Harness) -> None:
     slow = h.log("slow", ("slow", "fast"))
     fast = h.log("fast", ("slow", "fast"))

@@ -270,6 +270,8 @@ class FoldQuery(StreamQuery):
                 extra={"batch": batch_id, "residual": f"{audit.residual:#018x}",
                        "attempt": attempt, "attempts": attempts},
             )  # fmt: skip
+            if attempt < attempts:  # and the source side read from the log again
+                audit_source = self._auditor.submit(self._audit_source, batch_id, offsets, True)
         else:
             assert audit is not None
             raise AuditError(batch_id, audit.residual, attempts)
@@ -349,10 +351,14 @@ class FoldQuery(StreamQuery):
             return None
 
     def _audit_source(
-        self, batch_id: int, offsets: Offsets | None
+        self, batch_id: int, offsets: Offsets | None, reread: bool = False
     ) -> tuple[Admitted, float] | None:
-        """The audit's source side and how long it took (ms), or None when it is off. Runs in
-        the audit thread, beside the batch's Spark job."""
+        """The audit's source side and how long it took (ms), or None when it is off: the one
+        the plan logged with the offsets, else (or with `reread`) read from the log again. A
+        batch that did not balance reads it again for its next attempt: a side planned before
+        the batch ran holds records removed since (an XDEL, Kafka's retention), which the
+        batch's read, and a read now, no longer see. Runs in the audit thread, beside the
+        batch's Spark job."""
         if not self.cfg.audit.enabled:
             return None
         if offsets is None:
@@ -360,7 +366,8 @@ class FoldQuery(StreamQuery):
             return None
         t0 = time.perf_counter()
         spans = self.log.spans(*offsets)
-        admitted = self.log.planned_source(spans, offsets[1]) or self.log.admitted(spans)
+        planned = None if reread else self.log.planned_source(spans, offsets[1])
+        admitted = planned or self.log.admitted(spans)
         return admitted, (time.perf_counter() - t0) * 1000
 
     def _audit(

@@ -11,7 +11,10 @@ last stable offsets (read_committed), so an open transaction's records wait unti
   (`"from"`), so a re-run reads the same records.
 - Budgets count events: a `json` record is one; `jsonl` records are read on the driver to count
   their lines (`values.record_event_count`), as the Redis log's planner counts its entries'.
-- The audit's source side reads the batch's spans again, on the driver, with its own consumer.
+- The audit's source side: a `jsonl` plan computes it from the records it reads to count the
+  budget, and logs it with the offsets (`Log.planned_source`); otherwise (`json`, or a batch
+  without a budget) the audit reads the batch's spans again, on the driver, with its own
+  consumer. Either read is the planner's or the audit's own, not the batch's.
 - After a batch commits, this reader's positions are kept in Redis (`sluice:rd:{kafka:...}`,
   per partition), and the smallest over the topic's readers is committed to `group_id`: Kafka's
   own lag tools (kafka-consumer-groups, Burrow, exporters) then show Sluice as a consumer.
@@ -177,41 +180,60 @@ class KafkaLog(Log):
         if budget is None:
             return Plan(end, first, None, 0, False, ref_ms)
         cur = dict(lo)
+        read: dict[str, Admitted] = {}
 
         def take(shard: str, share: int, first_round: bool) -> tuple[int, bool]:
-            n, pos, more = self._take(shard, cur[shard], hi[shard], share, first_round)
+            n, pos, more, got = self._take(shard, cur[shard], hi[shard], share, first_round)
             cur[shard] = pos
+            was = read.get(shard, Admitted(0, 0, 0))
+            read[shard] = Admitted(was.xor ^ got.xor, was.events + got.events,
+                                   was.entries + got.entries)  # fmt: skip
             return n, more
 
         events, wanting = spread_budget(budget, list(hi), take)
         entries = {s: cur[s] - lo[s] for s in hi}
-        return Plan({**lo, **cur}, first, entries, events, bool(wanting), ref_ms)
+        admitted = None
+        if self.opts.format == "jsonl":  # what the takes read: [lo, hi, xor, events, records]
+            admitted = {s: [lo[s], cur[s], f"{a.xor:016x}", a.events, a.entries]
+                        for s, a in read.items() if a.events}  # fmt: skip
+        return Plan({**lo, **cur}, first, entries, events, bool(wanting), ref_ms, admitted)
 
     def _take(
         self, shard: str, pos: int, hi: int, share: int, force_first: bool
-    ) -> tuple[int, int, bool]:
+    ) -> tuple[int, int, bool, Admitted]:
         """Advance one partition from `pos` by at most `share` events: (events, new position,
-        whether records are left)."""
+        whether records are left, the audit's source side of the records taken)."""
+        none = Admitted(0, 0, 0)
         if pos >= hi:
-            return 0, pos, False
+            return 0, pos, False, none
         if self.opts.format == "json":  # one event per record; gaps only lower the count
             n = min(share, hi - pos)
-            return n, pos + n, pos + n < hi
-        events = 0
+            return n, pos + n, pos + n < hi, none
+        events = acc = records = 0
+        salt = shard_name(self.spec.topic, shard)
         for recs in read_span(self.spec, int(shard), pos, hi, "planner"):
             if recs.lost is not None:
                 events, pos = events + 1, recs.lost[1]
+                acc ^= xor_all(event_ids([recs.lost[0]], [0], [0], salt))
                 continue
             self._observe_sizes(recs)
+            counts: list[int] = []
+            stop = False
             for value, off in zip(recs.values, recs.offsets, strict=True):
                 n = record_event_count(value, "jsonl", self.opts.max_entry_bytes)
                 if events + n > share and (events > 0 or not force_first):
-                    return events, off, True
+                    stop = True
+                    break
+                counts.append(n)
                 events += n
                 pos = off + 1
+            acc ^= _records_xor(recs.offsets[: len(counts)], counts, salt)
+            records += len(counts)
+            if stop:
+                return events, pos, True, Admitted(acc, events, records)
             if events >= share:
                 break
-        return events, pos, pos < hi
+        return events, pos, pos < hi, Admitted(acc, events, records)
 
     def split(self, span: Span, entries: int | None, parts: int) -> list[Span]:
         lo, hi = int(span.lo), int(span.hi)
@@ -246,17 +268,10 @@ class KafkaLog(Log):
                     events += 1
                     continue
                 self._observe_sizes(recs)
-                counts = np.fromiter(
-                    (record_event_count(v, fmt, self.opts.max_entry_bytes) for v in recs.values),
-                    dtype=np.int64,
-                    count=len(recs.values),
-                )
-                n = int(counts.sum())
-                starts = np.cumsum(counts) - counts
-                idx = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
-                offs = np.repeat(np.asarray(recs.offsets, dtype=np.int64), counts)
-                acc ^= xor_all(event_ids(offs, np.zeros(n, dtype=np.uint64), idx, salt))
-                events += n
+                counts = [record_event_count(v, fmt, self.opts.max_entry_bytes)
+                          for v in recs.values]  # fmt: skip
+                acc ^= _records_xor(recs.offsets, counts, salt)
+                events += sum(counts)
                 entries += len(recs.offsets)
         return Admitted(acc, events, entries)
 
@@ -415,6 +430,18 @@ class KafkaLog(Log):
             except Exception:
                 log.debug("committer close failed", exc_info=True)
         self._committer = self._admin = None
+
+
+def _records_xor(offsets: Any, counts: list[int], salt: str) -> int:
+    """The XOR of the event ids of records at `offsets` holding `counts` events each."""
+    per = np.asarray(counts, dtype=np.int64)
+    n = int(per.sum())
+    if not n:
+        return 0
+    starts = np.cumsum(per) - per
+    idx = np.arange(n, dtype=np.int64) - np.repeat(starts, per)
+    offs = np.repeat(np.asarray(offsets[: len(per)], dtype=np.int64), per)
+    return xor_all(event_ids(offs, np.zeros(n, dtype=np.uint64), idx, salt))
 
 
 def _no_wait(_: float) -> None:

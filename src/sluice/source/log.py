@@ -150,9 +150,22 @@ class Log(ABC):
 
     def planned_source(self, spans: list[Span], end: Mapping[str, Any]) -> Admitted | None:
         """The audit's source side of `spans` as planning computed it from the log, logged with
-        the batch's end offsets `end` (a log that reads a batch's entries to plan its budget
-        computes it then); None if it did not: `admitted` reads the log."""
-        return None
+        the batch's end offsets `end` as `admitted`, {shard: [lo, hi, xor (hex), events,
+        entries]} (a log that reads a batch's entries to plan its budget computes it then):
+        used when it covers exactly the batch's spans, which a batch re-planned from the offset
+        log after a crash does too. None if it does not: `admitted` reads the log. (Offset logs
+        written before entries were logged hold 4-element `fields` records, an entry per
+        event.)"""
+        planned = end.get("admitted") or {}
+        acc = n = entries = 0
+        for span in spans:
+            got = planned.get(span.shard)
+            if got is None or (str(got[0]), str(got[1])) != (str(span.lo), str(span.hi)):
+                return None
+            acc ^= int(got[2], 16)
+            n += int(got[3])
+            entries += int(got[4]) if len(got) > 4 else int(got[3])
+        return Admitted(acc, n, entries) if spans else None
 
     @abstractmethod
     def admitted(self, spans: list[Span]) -> Admitted:

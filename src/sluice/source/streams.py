@@ -237,22 +237,6 @@ class RedisStreamsLog(Log):
                 entries += len(got)
         return Admitted(acc, events, entries)
 
-    def planned_source(self, spans: list[Span], end: Mapping[str, Any]) -> Admitted | None:
-        """The source side the planner computed for a batch (`_advance`), logged with its end
-        offsets: used when it covers exactly the batch's spans, which a batch re-planned from
-        the offset log after a crash does too. (An offset log written before entries were
-        logged holds `fields` spans alone, one entry per event.)"""
-        planned = end.get("admitted") or {}
-        acc = n = entries = 0
-        for span in spans:
-            got = planned.get(span.shard)
-            if got is None or (got[0], got[1]) != (span.lo, span.hi):
-                return None
-            acc ^= int(got[2], 16)
-            n += int(got[3])
-            entries += int(got[4]) if len(got) > 4 else int(got[3])
-        return Admitted(acc, n, entries) if spans else None
-
     # -- backlog ------------------------------------------------------------------------------
 
     def level(self, reader: str | None = None) -> Backlog:
