@@ -116,3 +116,41 @@ def test_calls_keep_to_one_slot_on_a_cluster(rc: Any) -> None:
     assert _write(rc, 1, "count", rows, cluster=True)[0] == [200, 0, 0]
     assert _write(rc, 1, "count", rows, cluster=True)[0] == [0, 200, 0]
     assert all(rc.hget(k, str(NOW)) == b"1:1" for k in keys)
+
+
+def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis) -> None:
+    """`_m` ("newest:oldest bound"), the stored slices and the expiry after each of many batches
+    of random slices, late ones and ones past retention among them, against a model of the
+    script's rules: `_m` is kept as text and rewritten only from the texts it is made of."""
+    rng = np.random.default_rng(7)
+    keys = [slice_hash_key("m", f"rnd{i}") for i in range(3)]
+    model: dict[str, tuple[int, int, dict[int, int]]] = {}  # key -> (hi, lo, start -> count)
+    span = np.arange(-RETENTION_MS // 2, 2 * RETENTION_MS, SLICE_MS) + NOW
+    for token in range(1, 41):
+        rows, want = [], [0, 0, 0]
+        for key in keys[: 1 + token % 3]:
+            starts = sorted(set(rng.choice(span, size=int(rng.integers(1, 4))).tolist()))
+            hi, lo, counts = model.get(key, (None, None, {}))
+            hi = max(starts) if hi is None else max(hi, *starts)
+            keep_from = hi - RETENTION_MS + SLICE_MS
+            lo = float("inf") if lo is None else lo
+            for s in starts:
+                rows.append((key, s, [1]))
+                if s < keep_from:
+                    want[2] += 1
+                    continue
+                want[0] += 1
+                counts[s] = counts.get(s, 0) + 1
+                lo = min(lo, s)
+            if lo < keep_from:
+                counts = {s: c for s, c in counts.items() if s >= keep_from}
+                lo = keep_from
+            model[key] = (hi, int(lo), counts)
+        assert _write(r, token, "count", rows)[0] == want
+        for key, (hi, lo, counts) in model.items():
+            assert r.hget(key, "_m") == f"{hi}:{lo}".encode()
+            stored = {int(f): int(v.split(b":")[1]) for f, v in r.hgetall(key).items()
+                      if f != b"_m"}  # fmt: skip
+            assert stored == counts
+            left_ms = expire_at_ms(hi, SLICE_MS, RETENTION_MS) - time.time() * 1000
+            assert abs(r.pttl(key) - left_ms) < 5000

@@ -20,7 +20,9 @@
 -- Returns {applied, duplicates, expired} summed over the keys.
 --
 -- The work per key is kept to HMGET, HSET and, when its expiry moves, PEXPIREAT: a key with one
--- slice (most of them when keys are many) goes through a path without tables.
+-- slice (most of them when keys are many) goes through a path without tables. Numbers are parsed
+-- only where they are compared or merged (`tonumber` is strtod, the script's dearest step): a
+-- new hash with one slice parses none, and `_m` is rebuilt from the texts it was made of.
 local token_s = ARGV[1]
 local token = tonumber(token_s)
 local agg = ARGV[2]
@@ -87,22 +89,24 @@ end
 local p = 7 + 2 * #KEYS
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n = tonumber(ARGV[5 + 2 * k])
+  local n_s = ARGV[5 + 2 * k]
+  local n = n_s == '1' and 1 or tonumber(n_s)
   local expire_at = ARGV[6 + 2 * k]
   local base = p
   p = base + stride * n
-  local old, hi
+  local old, hi, hi_s, starts
   if n == 1 then
     old = call('HMGET', key, '_m', ARGV[base])
-    hi = tonumber(ARGV[base])
   else
     local fields = {'_m'}
+    starts = {}
     hi = -1e300
     for i = 1, n do
       local f = ARGV[base + stride * (i - 1)]
       fields[i + 1] = f
       local s = tonumber(f)
-      if s > hi then hi = s end
+      starts[i] = s
+      if s > hi then hi, hi_s = s, f end
     end
     old = call('HMGET', key, unpack(fields))
   end
@@ -120,18 +124,28 @@ for k = 1, #KEYS do
     end
     call('PEXPIREAT', key, expire_at)
   else
-    local old_hi, old_lo
+    local one  -- the start of a key's only slice (its numbers are parsed once)
+    if n == 1 then
+      hi_s = ARGV[base]
+      hi = tonumber(hi_s)
+      one = hi
+    end
+    -- `_m` is rewritten from the texts it was made of (the stored one, or a slice start as the
+    -- writer sent it): no number is formatted unless retention moved its lower bound.
+    local old_hi, old_lo, lo_s
     if m then
       local c = find(m, ':', 1, true)
-      old_hi, old_lo = tonumber(sub(m, 1, c - 1)), tonumber(sub(m, c + 1))
-      if old_hi > hi then hi = old_hi end
+      local old_hi_s
+      old_hi_s, lo_s = sub(m, 1, c - 1), sub(m, c + 1)
+      old_hi, old_lo = tonumber(old_hi_s), tonumber(lo_s)
+      if old_hi >= hi then hi, hi_s = old_hi, old_hi_s end
     end
     local lo = old_lo or 1e300
     local keep_from = hi - retention_ms + slice_ms
     local out, o = {}, 0
     for i = 1, n do
       local at = base + stride * (i - 1)
-      local s = tonumber(ARGV[at])
+      local s = one or starts[i]
       if s < keep_from then
         expired = expired + 1
       else
@@ -140,17 +154,20 @@ for k = 1, #KEYS do
           out[o + 1] = ARGV[at]
           out[o + 2] = packed
           o = o + 2
-          if s < lo then lo = s end
+          if s < lo then lo, lo_s = s, ARGV[at] end
           applied = applied + 1
         else
           dups = dups + 1
         end
       end
     end
-    if lo < keep_from then lo = trim(key, lo, keep_from) end
+    if lo < keep_from then
+      lo = trim(key, lo, keep_from)
+      lo_s = fmt(lo)
+    end
     if hi ~= old_hi or lo ~= old_lo then
       out[o + 1] = '_m'
-      out[o + 2] = fmt(hi) .. ':' .. fmt(lo)
+      out[o + 2] = hi_s .. ':' .. (lo_s or fmt(lo))
       o = o + 2
     end
     if o > 0 then call('HSET', key, unpack(out)) end
