@@ -1,6 +1,7 @@
 """The write_slices.lua calls built on columns (`pipeline.slice_writes.build_calls`): whatever
 the rows, every update is carried by exactly one call, under its own key, with its key's count
-and expiry, and a call's keys fit the limits (and one slot on a cluster)."""
+(written only when over one) and expiry, and a call's keys fit the limits (and one slot on a
+cluster)."""
 
 from __future__ import annotations
 
@@ -76,11 +77,14 @@ def test_every_update_is_in_exactly_one_call(
         if cluster:
             assert len({key_slot(k) for k in call_keys}) == 1
         assert args[:6] == ["7", "sum", str(SLICE_MS), str(RETENTION_MS), str(width), step]
-        per_key = args[6 : 6 + 2 * len(call_keys)]
-        body = args[6 + 2 * len(call_keys) :]
-        assert sum(int(n) for n in per_key[0::2]) == slices == len(body) // (width + 1)
+        heads = args[6 : 6 + len(call_keys)]
+        body = args[6 + len(call_keys) :]
+        # A key's head is its expiry, or "n:expiry" when it carries n > 1 slices.
+        per_key = [h.split(":") if ":" in h else ["1", h] for h in heads]
+        assert all(int(h.split(":")[0]) > 1 for h in heads if ":" in h)
+        assert sum(int(n) for n, _ in per_key) == slices == len(body) // (width + 1)
         at = 0
-        for key, n, expire in zip(call_keys, per_key[0::2], per_key[1::2], strict=True):
+        for key, (n, expire) in zip(call_keys, per_key, strict=True):
             mine = [body[at + i * (width + 1) : at + (i + 1) * (width + 1)] for i in range(int(n))]
             at += int(n) * (width + 1)
             newest = max(int(s[0]) for s in mine)

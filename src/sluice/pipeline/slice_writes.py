@@ -1,13 +1,13 @@
 """The calls of `write_slices.lua`: built from Arrow columns, sent as raw commands.
 
 One call carries up to KEYS_PER_CALL slice hashes of one metric resolution (on Redis Cluster,
-of one slot): per key how many slices it carries and its expiry, then the slices (start and the
-state's numbers as text). `SliceWrites` builds every call of a partition's updates with Arrow
-kernels: rows sorted by key, the RESP encoding of every argument done on whole columns, and a
-call's bytes cut out of those buffers; nothing runs per row in Python. The calls go out
-pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, and each reply must account for
-every slice its call carried (applied + duplicate + expired), or the call counts as failed and
-the audit sees its rows as not applied.
+of one slot): per key its expiry (`n:expiry` when it carries n > 1 slices), then the slices
+(start and the state's numbers as text). `build_calls` makes every call of a partition's
+updates with Arrow kernels: rows sorted by key, the RESP encoding of every argument done on
+whole columns, and a call's bytes cut out of those buffers; nothing runs per row in Python.
+The calls go out pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, and each reply
+must account for every slice its call carried (applied + duplicate + expired), or the call
+counts as failed and the audit sees its rows as not applied.
 
 `run_write_script` takes the same calls as Python lists, one item per key, for the few writes
 that are not made from columns (sketch blobs) and for tools that write slices directly.
@@ -46,6 +46,19 @@ def expire_at_ms(newest_ms: Any, slice_ms: int, retention_ms: int) -> Any:
 
 def _text(values: np.ndarray) -> pa.Array:
     return pc.cast(pa.array(values), pa.string())
+
+
+def _key_heads(counts: np.ndarray, expire: np.ndarray) -> pa.Array:
+    """Each key's argument: its expiry, or `n:expiry` when it carries n > 1 slices."""
+    expire_s = _text(expire)
+    return pc.if_else(
+        pa.array(counts == 1), expire_s, pc.binary_join_element_wise(_text(counts), expire_s, ":")
+    )
+
+
+def key_head(n: int, expire_ms: int) -> str:
+    """`_key_heads` for one key."""
+    return str(expire_ms) if n == 1 else f"{n}:{expire_ms}"
 
 
 def _interleave(columns: Sequence[pa.Array]) -> pa.Array:
@@ -145,7 +158,7 @@ def build_calls(
     starts_s = starts[order]
     counts = np.diff(np.append(run_start, n))
     expire = expire_at_ms(np.maximum.reduceat(starts_s, run_start), slice_ms, retention_ms)
-    per_key = _interleave([_text(counts), _text(expire)])
+    per_key = _key_heads(counts, expire)
     slice_args = _interleave([_text(starts_s), *[st.take(take) for st in states]])
     step = expiry_step_ms(slice_ms, retention_ms)
     head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
@@ -160,19 +173,19 @@ def build_calls(
         ra, rb = int(call_rows[c]), int(call_rows[c + 1])
         calls.slices.append(rb - ra)
         if enc is None:
-            args = [*head_args, *per_key.slice(2 * ka, 2 * (kb - ka)).to_pylist(),
+            args = [*head_args, *per_key.slice(ka, kb - ka).to_pylist(),
                     *slice_args.slice(stride * ra, stride * (rb - ra)).to_pylist()]  # fmt: skip
             calls.argv.append((uniq.slice(ka, kb - ka).to_pylist(), args))
             calls.payloads.append(None)
             continue
         nk = kb - ka
-        size = 3 + nk + len(head_args) + 2 * nk + stride * (rb - ra)
+        size = 3 + nk + len(head_args) + nk + stride * (rb - ra)
         calls.payloads.append(
             b"*%d\r\n" % size
             + _bulk("EVALSHA", script_sha(WRITE_SLICES), str(nk))
             + enc[0].bytes(ka, kb)
             + head_bytes
-            + enc[1].bytes(2 * ka, 2 * kb)
+            + enc[1].bytes(ka, kb)
             + enc[2].bytes(stride * ra, stride * rb)
         )
     return calls
@@ -261,7 +274,7 @@ def run_write_script(
             for _, args, _ in chunk:
                 body = args[5:]
                 newest = max(int(s) for s in body[0 :: width + 1])
-                per_key += [str(args[3]), str(expire_at_ms(newest, slice_ms, retention_ms))]
+                per_key.append(key_head(int(args[3]), expire_at_ms(newest, slice_ms, retention_ms)))
                 flat += body
             head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
             argv.append(([key for key, _, _ in chunk], [*head, *per_key, *flat]))

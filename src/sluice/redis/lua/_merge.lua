@@ -11,7 +11,7 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
-local find, sub = string.find, string.sub
+local find, sub, tonumber = string.find, string.sub, tonumber
 
 -- "token:v1:v2:..." -> token, {v1, v2, ...}. Plain finds, no patterns: the read script calls
 -- this once per slice it merges.

@@ -5,8 +5,9 @@
 -- ARGV[1]     writer token (epoch * 1e12 + batch id). A slice whose stored token is >= this one
 --             already holds this batch's update, which is then skipped: replays are idempotent.
 -- ARGV[2..6]  state, slice_ms, retention_ms, width, expiry step (ms)
--- then per key k, two args: n_k, the slices it carries; and the key's expiry (ms, as text) for
---             its newest slice here (see below);
+-- then per key k, one arg: the key's expiry (ms, as text) for its newest slice here (see
+--             below), prefixed by "n_k:" when the key carries n_k > 1 slices (most keys carry
+--             one, and an argument costs Redis more than the `find` that tells them apart);
 -- then, per key in order, n_k times: slice_start, v1 .. v_width (numbers as exact text).
 -- A slice is stored as "token:v1:...:v_width". A slice that had no state stores the writer's
 -- text as it is; a merged one the numbers as `fmt` writes them. The states (`Agg.state` in
@@ -23,6 +24,8 @@
 -- slice (most of them when keys are many) goes through a path without tables. Numbers are parsed
 -- only where they are compared or merged (`tonumber` is strtod, the script's dearest step): a
 -- new hash with one slice parses none, and `_m` is rebuilt from the texts it was made of.
+-- Globals are table lookups on every use; the loop below uses these thousands of times a call.
+local KEYS, ARGV, tonumber, unpack = KEYS, ARGV, tonumber, unpack
 local token_s = ARGV[1]
 local token = tonumber(token_s)
 local agg = ARGV[2]
@@ -86,12 +89,12 @@ local function trim(key, lo, keep_from)
   return keep_from
 end
 
-local p = 7 + 2 * #KEYS
+local p = 7 + #KEYS
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local n_s = ARGV[5 + 2 * k]
-  local n = n_s == '1' and 1 or tonumber(n_s)
-  local expire_at = ARGV[6 + 2 * k]
+  local expire_at, n = ARGV[6 + k], 1
+  local c = find(expire_at, ':', 1, true)
+  if c then n, expire_at = tonumber(sub(expire_at, 1, c - 1)), sub(expire_at, c + 1) end
   local base = p
   p = base + stride * n
   local old, hi, hi_s, starts
