@@ -5,9 +5,10 @@ of one slot): per key its expiry (`n:expiry` when it carries n > 1 slices), then
 (start and the state's numbers as text). `build_calls` makes every call of a partition's
 updates with Arrow kernels: rows sorted by key, the RESP encoding of every argument done on
 whole columns, and a call's bytes cut out of those buffers; nothing runs per row in Python.
-The calls go out pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, and each reply
-must account for every slice its call carried (applied + duplicate + expired), or the call
-counts as failed and the audit sees its rows as not applied.
+The calls go out pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, the next round
+sent before the replies of the last are read, and each reply must account for every slice its
+call carried (applied + duplicate + expired), or the call counts as failed and the audit sees
+its rows as not applied.
 
 `run_write_script` takes the same calls as Python lists, one item per key, for the few writes
 that are not made from columns (sketch blobs) and for tools that write slices directly.
@@ -216,10 +217,15 @@ def _run_raw(client: Any, payloads: list[bytes]) -> list[Any]:
     conn = pool.get_connection()
     replies: list[Any] = []
     error: Exception | None = None
+    parts = [payloads[i : i + CALLS_PER_ROUND_TRIP]
+             for i in range(0, len(payloads), CALLS_PER_ROUND_TRIP)]  # fmt: skip
     try:
-        for i in range(0, len(payloads), CALLS_PER_ROUND_TRIP):
-            part = payloads[i : i + CALLS_PER_ROUND_TRIP]
-            conn.send_packed_command(part)
+        conn.send_packed_command(parts[0])
+        for j, part in enumerate(parts):
+            # The next round leaves before this one's replies are read, so Redis, which never
+            # waits on a client to read, always has a call to run (replies are 3 integers).
+            if j + 1 < len(parts):
+                conn.send_packed_command(parts[j + 1])
             for _ in part:
                 try:
                     replies.append(conn.read_response())
