@@ -3,6 +3,9 @@ target), with nothing else running on the machine.
 
     .venv/bin/python bench/store.py            # 3 rounds of 5 batches of 50,000 events, ~3 min
     .venv/bin/python bench/store.py --quick    # 1 round of 3 batches of 10,000 events
+    .venv/bin/python bench/store.py --before 9b2bbbd   # that revision's writer beside this one's
+    .venv/bin/python bench/store.py --callgrind --before 9b2bbbd \
+        --out bench/results/store-instructions.json        # Redis's instructions per update
 
 In the pipeline the store shares the cores with Spark's fold (bench/ingest.py): its rate there
 is the pipeline's. This benchmark asks what the write path itself can do on these cores. Per
@@ -19,21 +22,35 @@ with its own token (a replay: every update a duplicate). Per batch: updates appl
 Redis's CPU time (from /proc) and its time in scripts and in the commands they call (`INFO
 commandstats`), and this process's CPU time (building the calls, reading the replies). At the
 end the `txn_count` metric summed over the store must equal the events folded.
+
+With `--before REV`, each round writes the same folded batches twice, into a fresh Redis each
+time: once with REV's writer and script (its src/ exported with `git archive`) and once with the
+working tree's, each in a worker process of its own, in alternating order (REV first in odd
+rounds); the medians of both are reported side by side, with their ratio.
 Writes bench/results/store[.quick].json.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import pickle
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
+from lib import callgrind
 from lib.bare import write_arrow_batch
 from lib.load import HIGHCARD_METRICS, bench_config
 from lib.procs import Workspace, command_usec, count_metric_total, proc_cpu_s
-from lib.results import Run, log, parser
+from lib.results import ROOT, Run, log, parser
+from lib.revisions import REVISIONS, export, order
 from sluice.config import Config
 from sluice.pipeline import plan
 from sluice.pipeline.writer import WriterContext, write_partition
@@ -75,8 +92,10 @@ def fold_batches(ws: Workspace, a: Any) -> dict[str, tuple[Config, list[Any], li
 
 
 def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Table,
-                batch_id: int) -> dict[str, Any]:  # fmt: skip
-    """Write one folded batch through the fold's writer; its counters and costs."""
+                batch_id: int, counter: callgrind.Counter | None = None
+                ) -> dict[str, Any]:  # fmt: skip
+    """Write one folded batch through the fold's writer; its counters and costs (with
+    `counter`, Redis's instructions too)."""
     import redis
 
     ctx = WriterContext(url=srv.url, token=EPOCH + batch_id, specs=tuple(specs),
@@ -85,10 +104,13 @@ def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Tab
     with redis.Redis.from_url(srv.url) as c:
         c.config_resetstat()
         assert srv.pid is not None
+        if counter:
+            counter.zero()
         redis0, own0, t0 = proc_cpu_s(srv.pid), time.process_time(), time.perf_counter()
         rows = [r for b in write_partition(ctx, iter(table.to_batches())) for r in b.to_pylist()]
         wall = time.perf_counter() - t0
         redis_s, own_s = proc_cpu_s(srv.pid) - redis0, time.process_time() - own0
+        instructions = counter.dump() if counter else None
         usec = command_usec(c)
     stats = next(r for r in rows if r["kind"] == "stats")
     updates = stats["updates_applied"] + stats["updates_duplicate"] + stats["updates_expired"]
@@ -100,20 +122,27 @@ def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Tab
         "expired": stats["updates_expired"], "wall_s": wall,
         "per_s": updates / wall if wall else None, "redis_cpu_s": redis_s, "own_cpu_s": own_s,
         "script_s": script_s, "script_per_s": updates / script_s if script_s else None,
-        "called_s": sum(called.values()) / 1e6, "called": called,
+        "called_s": sum(called.values()) / 1e6, "called": called, "instructions": instructions,
     }  # fmt: skip
 
 
 def round_of(ws: Workspace, workload: str, folded: tuple[Config, list[Any], list[pa.Table]],
-             rnd: int, conf: list[str]) -> dict[str, Any]:  # fmt: skip
-    """One round: a fresh embedded Redis, every batch in order, then the first one replayed."""
+             rnd: int, conf: list[str], count: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One round: a fresh embedded Redis, every batch in order, then the first one replayed.
+    With `count`, Redis runs under callgrind and each batch's instructions are counted."""
     import redis
 
     cfg, specs, tables = folded
-    srv = EmbeddedRedis(ws.state_dir(f"redis-{workload}-{rnd}"), extra_config=conf).start()
+    data = ws.state_dir(f"redis-{workload}-{rnd}")
+    if count:
+        from sluice.redis.embedded import find_server_binary
+
+        os.environ["SLUICE_REDIS_SERVER"] = str(callgrind.wrapper(find_server_binary(), data))
+    srv = EmbeddedRedis(data, extra_config=conf).start(timeout_s=120 if count else 15)
+    counter = callgrind.Counter(srv.pid, data) if count and srv.pid else None
     try:
-        batches = [write_batch(srv, cfg, specs, t, i + 1) for i, t in enumerate(tables)]
-        replay = write_batch(srv, cfg, specs, tables[0], 1)
+        batches = [write_batch(srv, cfg, specs, t, i + 1, counter) for i, t in enumerate(tables)]
+        replay = write_batch(srv, cfg, specs, tables[0], 1, counter)
         with redis.Redis.from_url(srv.url) as c:
             stored = count_metric_total(c, "txn_count")
             version = c.info("server")["redis_version"]
@@ -129,6 +158,56 @@ def round_of(ws: Workspace, workload: str, folded: tuple[Config, list[Any], list
             "redis_version": version}  # fmt: skip
 
 
+def save_folded(ws: Workspace, folded: dict[str, tuple[Config, list[Any], list[pa.Table]]]
+                ) -> dict[str, Path]:  # fmt: skip
+    """Each workload's folded batches (Arrow files) and its config and specs (pickled), for
+    the workers: one directory per workload."""
+    out = {}
+    for workload, (cfg, specs, tables) in folded.items():
+        d = ws.state_dir(f"folded-{workload}")
+        for i, t in enumerate(tables):
+            with pa.OSFile(str(d / f"{i}.arrow"), "wb") as f, pa.ipc.new_file(f, t.schema) as w:
+                w.write_table(t)
+        (d / "spec.pickle").write_bytes(pickle.dumps((cfg, specs, len(tables))))
+        out[workload] = d
+    return out
+
+
+def worker(job_path: Path) -> None:
+    """`--worker JOB`: one round of one revision (the `sluice` this process imports), its
+    result written as JSON next to the job."""
+    import sluice
+
+    job = json.loads(job_path.read_text())
+    log(f"worker: sluice from {Path(sluice.__file__).parent}")
+    d = Path(job["folded"])
+    cfg, specs, n = pickle.loads((d / "spec.pickle").read_bytes())
+    tables = []
+    for i in range(n):
+        with pa.OSFile(str(d / f"{i}.arrow"), "rb") as f:
+            tables.append(pa.ipc.open_file(f).read_all())
+    ws = Workspace()
+    try:
+        out = round_of(ws, job["workload"], (cfg, specs, tables), job["round"], job["conf"],
+                       job["count"])  # fmt: skip
+    finally:
+        ws.cleanup()
+    Path(job["out"]).write_text(json.dumps(out))
+
+
+def revision_round(ws: Workspace, src: Path, folded_dir: Path, workload: str, rnd: int,
+                   revision: str, conf: list[str], count: bool) -> dict[str, Any]:  # fmt: skip
+    """One round of one revision in a worker process that imports `sluice` from `src`."""
+    job = ws.state_dir(f"job-{workload}-{rnd}-{revision}") / "job.json"
+    out = job.with_name("out.json")
+    job.write_text(json.dumps({"folded": str(folded_dir), "workload": workload, "round": rnd,
+                               "conf": conf, "out": str(out), "count": count}))  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT / "bench")])}
+    log(f"{workload} round {rnd + 1}: {revision}")
+    subprocess.run([sys.executable, __file__, "--worker", str(job)], env=env, check=True)
+    return dict(json.loads(out.read_text()))
+
+
 def summarize(workload: str, tables: list[pa.Table], events: int,
               rounds: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
     """Medians over the rounds: the first batch (every hash new) apart from the later ones."""
@@ -141,6 +220,7 @@ def summarize(workload: str, tables: list[pa.Table], events: int,
         updates = sum(r["updates"] for r in rows)
         per = {k: sum(r[k] for r in rows) for k in ("wall_s", "redis_cpu_s", "own_cpu_s",
                                                      "script_s", "called_s")}  # fmt: skip
+        counted = [r["instructions"] for r in rows if r.get("instructions") is not None]
         return {
             "updates": updates,
             **per,
@@ -149,6 +229,7 @@ def summarize(workload: str, tables: list[pa.Table], events: int,
             "own_cpu_us": per["own_cpu_s"] * 1e6 / updates,
             "script_per_s": updates / per["script_s"] if per["script_s"] else None,
             "called_share": per["called_s"] / per["script_s"] if per["script_s"] else None,
+            "instr_per_update": sum(counted) / updates if len(counted) == len(rows) else None,
         }
 
     kinds = {
@@ -163,7 +244,8 @@ def summarize(workload: str, tables: list[pa.Table], events: int,
                            "events_folded": events * len(tables)}  # fmt: skip
     for kind, rows in kinds.items():
         out[kind] = {k: med(rows, k) for k in ("per_s", "redis_cpu_us", "own_cpu_us",
-                                               "script_per_s", "called_share")}  # fmt: skip
+                                               "script_per_s", "called_share",
+                                               "instr_per_update")}  # fmt: skip
         out[kind]["each"] = [r["per_s"] for r in rows]
     out["exact"] = all(r["stored_txn_count"] == events * len(tables) for r in rounds)
     out["stored_txn_count"] = [r["stored_txn_count"] for r in rounds]
@@ -184,6 +266,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, help="rounds, each on a fresh Redis (default 3; quick 1)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--before", help="a revision whose writer to measure beside the working tree's")
+    p.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="run Redis under valgrind's callgrind and count its instructions per"
+        " update (one round, slow; rates are then valgrind's, not Redis's)",
+    )
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument(
         "--redis-conf",
         action="append",
@@ -192,9 +282,14 @@ def main() -> None:
         help="a redis.conf line for the embedded Redis, e.g. 'appendonly no'",
     )
     a = p.parse_args()
+    if a.worker:
+        worker(a.worker)
+        return
     a.events = a.events or (10_000 if a.quick else 50_000)
     a.batches = a.batches or (3 if a.quick else 5)
-    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.rounds = a.rounds or (1 if a.quick or a.callgrind else 3)
+    if a.callgrind:
+        callgrind.require()
     a.workloads = [w.strip() for w in a.workloads.split(",") if w.strip()]
     if unknown := [w for w in a.workloads if w not in WORKLOADS]:
         p.error(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
@@ -204,16 +299,31 @@ def main() -> None:
     ws = Workspace()
     try:
         folded = fold_batches(ws, a)
-        results = []
-        for workload in a.workloads:
-            rounds = [
-                round_of(ws, workload, folded[workload], r, a.redis_conf) for r in range(a.rounds)
-            ]
-            results.append(summarize(workload, folded[workload][2], a.events, rounds))
         params = {"events": a.events, "batches": a.batches, "rounds": a.rounds,
-                  "redis_conf": a.redis_conf,
+                  "redis_conf": a.redis_conf, "before": a.before, "callgrind": a.callgrind,
                   "metrics": HIGHCARD_METRICS}  # fmt: skip
-        run.write(params, {"workloads": results})
+        if not a.before:
+            results = []
+            for workload in a.workloads:
+                rounds = [round_of(ws, workload, folded[workload], r, a.redis_conf, a.callgrind)
+                          for r in range(a.rounds)]  # fmt: skip
+                results.append(summarize(workload, folded[workload][2], a.events, rounds))
+            run.write(params, {"workloads": results})
+            return
+        (ws.root / "before").mkdir()
+        srcs = {"before": export(a.before, ws.root / "before"), "after": ROOT / "src"}
+        dirs = save_folded(ws, folded)
+        by_rev: dict[str, list[Any]] = {rev: [] for rev in REVISIONS}
+        for workload in a.workloads:
+            rounds: dict[str, list[Any]] = {rev: [] for rev in REVISIONS}
+            for r in range(a.rounds):
+                for rev in order(r):
+                    rounds[rev].append(revision_round(ws, srcs[rev], dirs[workload], workload, r,
+                                                      rev, a.redis_conf, a.callgrind))  # fmt: skip
+            for rev in REVISIONS:
+                by_rev[rev].append(summarize(workload, folded[workload][2], a.events,
+                                             rounds[rev]))  # fmt: skip
+        run.write(params, {"workloads": by_rev["after"], "before_workloads": by_rev["before"]})
     finally:
         ws.cleanup()
 
