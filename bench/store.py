@@ -110,8 +110,9 @@ def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Tab
         rows = [r for b in write_partition(ctx, iter(table.to_batches())) for r in b.to_pylist()]
         wall = time.perf_counter() - t0
         redis_s, own_s = proc_cpu_s(srv.pid) - redis0, time.process_time() - own0
-        instructions = counter.dump() if counter else None
+        instructions, dump = counter.dump() if counter else (None, None)
         usec = command_usec(c)
+    where = callgrind.parts(dump, instructions) if dump and instructions else None
     stats = next(r for r in rows if r["kind"] == "stats")
     updates = stats["updates_applied"] + stats["updates_duplicate"] + stats["updates_expired"]
     script_s = usec.get("evalsha", 0) / 1e6
@@ -123,6 +124,7 @@ def write_batch(srv: EmbeddedRedis, cfg: Config, specs: list[Any], table: pa.Tab
         "per_s": updates / wall if wall else None, "redis_cpu_s": redis_s, "own_cpu_s": own_s,
         "script_s": script_s, "script_per_s": updates / script_s if script_s else None,
         "called_s": sum(called.values()) / 1e6, "called": called, "instructions": instructions,
+        "instructions_where": where,
     }  # fmt: skip
 
 
@@ -230,6 +232,12 @@ def summarize(workload: str, tables: list[pa.Table], events: int,
             "script_per_s": updates / per["script_s"] if per["script_s"] else None,
             "called_share": per["called_s"] / per["script_s"] if per["script_s"] else None,
             "instr_per_update": sum(counted) / updates if len(counted) == len(rows) else None,
+            "instr_where": {
+                k: sum(r["instructions_where"][k] for r in rows) / updates
+                for k in rows[0]["instructions_where"]
+            }
+            if all(r.get("instructions_where") for r in rows)
+            else None,
         }
 
     kinds = {
@@ -246,6 +254,7 @@ def summarize(workload: str, tables: list[pa.Table], events: int,
         out[kind] = {k: med(rows, k) for k in ("per_s", "redis_cpu_us", "own_cpu_us",
                                                "script_per_s", "called_share",
                                                "instr_per_update")}  # fmt: skip
+        out[kind]["instr_where"] = rows[0]["instr_where"] if rows else None  # one round
         out[kind]["each"] = [r["per_s"] for r in rows]
     out["exact"] = all(r["stored_txn_count"] == events * len(tables) for r in rounds)
     out["stored_txn_count"] = [r["stored_txn_count"] for r in rounds]
