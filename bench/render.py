@@ -22,10 +22,11 @@ from lib.results import RESULTS_DIR, ROOT
 
 # The sections in order: the template's name, then the result files (the first one is the
 # section's run, any others follow it). A template's first line is its `## ` heading.
-# The store's section follows the ingest run too, to quote the store's rate in the pipeline.
+# The store's section follows the ingest run too, to quote the store's rate in the pipeline, and
+# its instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest-audit.cells",
              "ingest.cells"],
-            ["store", "ingest"], ["query"], ["durability"], ["burst", "burst-stepwise"], ["audit"],
+            ["store", "ingest", "store-instructions"], ["query"], ["durability"], ["burst", "burst-stepwise"], ["audit"],
             ["cluster"], ["spark_cluster"], ["branches"], ["failover"],
             ["freshness", "freshness-highcard"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
