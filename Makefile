@@ -27,6 +27,7 @@ test: lint
 bench: $(STAMP)
 	$(PY) bench/throughput.py
 	$(PY) bench/ingest.py
+	$(PY) bench/store.py
 	$(PY) bench/query.py
 	$(PY) bench/burst.py
 	$(PY) bench/audit.py
