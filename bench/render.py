@@ -26,8 +26,8 @@ from lib.results import RESULTS_DIR, ROOT
 # its instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest-audit.cells",
              "ingest.cells"],
-            ["store", "ingest", "store-instructions"], ["query"], ["durability"], ["burst", "burst-stepwise"], ["audit"],
-            ["cluster"], ["spark_cluster"], ["branches"], ["failover"],
+            ["store", "ingest", "store-instructions"], ["query"], ["durability"],
+            ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"], ["failover"],
             ["freshness", "freshness-highcard"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
