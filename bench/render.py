@@ -27,7 +27,8 @@ from lib.results import RESULTS_DIR, ROOT
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest-audit.cells",
              "ingest.cells"],
             ["store", "ingest", "store-instructions"], ["query"], ["durability"],
-            ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"], ["failover"],
+            ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
+            ["failover"],
             ["freshness", "freshness-highcard"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
