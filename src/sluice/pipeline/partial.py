@@ -6,10 +6,9 @@ step pays only when cells repeat within a task. With many keys and events spread
 nearly every exploded row is a cell of its own (bench/ingest.py's high-cardinality workload
 folds 0.7 rows per exploded row): the partial step then builds a hash map that reduces nothing.
 Spark 4.3 can skip it (`spark.sql.execution.bypassPartialAggregation`: one aggregation after the
-shuffle). Skipping it folded that workload 13–23 % faster in the bare engine, and cost the
-few-keys workload (0.07 rows per exploded row) 13 % (bench/partial.py), so it is chosen per
-batch: a batch skips the partial step when the last batch written folded at least `BYPASS_AT`
-rows per exploded row.
+shuffle). Skipping it folded that workload 6–23 % faster in the bare engine, and cost the
+few-keys workload (0.1 rows per exploded row) 14 %, so it is chosen per batch: a batch skips the
+partial step when the last batch written folded at least `BYPASS_AT` rows per exploded row.
 
 The answer is the same either way; only where Spark merges changes. Setting the Spark option in
 `spark.conf` fixes the choice; a Spark that lacks the option is left alone.
