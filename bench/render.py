@@ -26,7 +26,7 @@ from lib.results import RESULTS_DIR, ROOT
 # its instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest-audit.cells",
              "ingest.cells"],
-            ["store", "ingest", "store-instructions"], ["partial"], ["query"], ["durability"],
+            ["store", "ingest", "store-instructions"], ["query"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover"],
             ["freshness", "freshness-highcard"]]  # fmt: skip

@@ -53,7 +53,6 @@ from sluice.pipeline.behind import (
     write_behind,
     write_mark,
 )
-from sluice.pipeline.partial import PartialAggregation
 from sluice.pipeline.plan import (
     check_expressions,
     explode_updates,
@@ -121,7 +120,6 @@ class FoldQuery(StreamQuery):
         self.store = StoreMonitor(redis.client, cfg.backpressure, self.role.store, clock)
         self._folds: list[Any] = []
         self._single_task = 0  # spark.single_task_events in events, once the plan is known
-        self.partial = PartialAggregation(spark, cfg.spark.conf)
         # The audit's source side reads the log again while Spark folds and writes the batch.
         self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit")
         self._flow_thread: threading.Thread | None = None
@@ -211,7 +209,6 @@ class FoldQuery(StreamQuery):
         )
         events = offsets[1].get("events") if offsets is not None else None
         small = events is not None and events <= self._single_task
-        self.partial.apply(exploded.sparkSession)
         if small:
             exploded = exploded.coalesce(1)  # one task, no shuffle (module docstring)
         done = functools.partial(self._finish, batch_id, token, started, offsets, audit_source)
@@ -317,7 +314,6 @@ class FoldQuery(StreamQuery):
                 },
             )  # fmt: skip
         self._observe_store(rec["write_ms"], rec["write_updates"])
-        self.partial.observe(rec["rows_in"], rec["rows_out"])
         in_job = wait_ms is None
         self._time_batch(batch_id, offsets, rec, (time.perf_counter() - t_done) * 1000, in_job)
         if not in_job:

@@ -60,15 +60,12 @@ RESULT_SCHEMA = pa.schema(
         ("write_ms", pa.float64()),
         ("fan_x", pa.int64()),
         ("applied_x", pa.int64()),
-        ("rows_in", pa.int64()),
-        ("rows_out", pa.int64()),
     ]
 )
 RESULT_DDL = (
     "kind string, m int, updates_applied long, updates_duplicate long, updates_expired long,"
     " events long,"
-    " min_ems long, max_ems long, reason string, write_ms double, fan_x long, applied_x long,"
-    " rows_in long, rows_out long"
+    " min_ems long, max_ems long, reason string, write_ms double, fan_x long, applied_x long"
 )
 
 
@@ -108,17 +105,13 @@ class PartitionRows:
         return np.flatnonzero((self.g == sp.group) & self.k_valid & (n > 0))
 
     def stats(self) -> dict[str, Any]:
-        """Good events, event-time range, the audit's fan-out and applied XORs, and how many
-        exploded rows the fold took in (`rows_in`) for the folded rows here (`rows_out`)."""
+        """Good events, event-time range, and the audit's fan-out and applied XORs."""
         out: dict[str, Any] = {"events": 0, "min_ems": None, "max_ems": None,
-                               "fan_x": None, "applied_x": None, "rows_in": 0,
-                               "rows_out": 0}  # fmt: skip
+                               "fan_x": None, "applied_x": None}  # fmt: skip
         if self.table is None:
             return out
         cnt = self.col("cnt").to_numpy(zero_copy_only=False)
         out["events"] = int(cnt[self.g == 0].sum())
-        good = self.g != DEAD_G
-        out["rows_in"], out["rows_out"] = int(cnt[good].sum()), int(good.sum())
         out["min_ems"] = pc.min(self.col("min_ems")).as_py()
         out["max_ems"] = pc.max(self.col("max_ems")).as_py()
         if "ux" in self.table.column_names:
@@ -325,8 +318,6 @@ def summarize(
         "done_ms": done_ms,
         "write_ms": None,
         "write_updates": 0,
-        "rows_in": 0,
-        "rows_out": 0,
         "dead_by_reason": {},
     }
     for r in rows:
@@ -340,8 +331,8 @@ def summarize(
                 v = r[key]
                 if v is not None:
                     rec[key] = v if rec[key] is None else pick(rec[key], v)
-            for name in (*UPDATE_COUNTS, "rows_in", "rows_out"):
-                rec[name] += r.get(name) or 0
+            for name in UPDATE_COUNTS:
+                rec[name] += r[name]
         elif r["kind"] == "dead":
             rec["dead"] += r["events"]
             rec["events"] += r["events"]
