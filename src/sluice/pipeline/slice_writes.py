@@ -107,25 +107,24 @@ class Calls:
 
 
 def _key_runs(keys: pa.Array, cluster: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(order, run_start, key_call): the rows sorted by key (by slot, then key, on a cluster),
+    """(order, run_start, key_call): the rows grouped by key (by slot, then key, on a cluster),
     where each key's run of rows starts in that order, and the call of each key: a new call
-    every KEYS_PER_CALL keys and wherever the slot changes."""
+    every KEYS_PER_CALL keys and wherever the slot changes. Keys are grouped by their codes in a
+    dictionary encoding (a hash table), not sorted as strings: a call needs a key's rows
+    together, not the keys in order."""
     n = len(keys)
+    coded = keys.dictionary_encode()
+    codes = coded.indices.to_numpy()
     row_slot = None
     if cluster:
-        coded = keys.dictionary_encode()
         slots = np.array([key_slot(k) for k in coded.dictionary.to_pylist()], dtype=np.int64)
-        row_slot = slots[coded.indices.to_numpy()]
-        by = pa.table({"slot": row_slot, "key": keys})
-        order = pc.sort_indices(by, sort_keys=[("slot", "ascending"), ("key", "ascending")])
+        row_slot = slots[codes]
+        order = np.lexsort((codes, row_slot))
     else:
-        order = pc.sort_indices(keys)
-    order = order.to_numpy()
-    keys_s = keys.take(pa.array(order))
+        order = np.argsort(codes, kind="stable")
+    codes_s = codes[order]
     new_key = np.ones(n, dtype=bool)
-    if n > 1:
-        same = pc.equal(keys_s.slice(1), keys_s.slice(0, n - 1))
-        new_key[1:] = ~same.to_numpy(zero_copy_only=False)
+    new_key[1:] = codes_s[1:] != codes_s[:-1]
     run_start = np.flatnonzero(new_key)
     new_group = np.zeros(len(run_start), dtype=bool)
     new_group[0] = True
