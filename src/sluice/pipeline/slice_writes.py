@@ -3,7 +3,7 @@
 One call carries up to KEYS_PER_CALL slice hashes of one metric resolution (on Redis Cluster,
 of one slot): per key its expiry (`n:expiry` when it carries n > 1 slices), then the slices
 (start and the state's numbers as text). `build_calls` makes every call of a partition's
-updates with Arrow kernels: rows sorted by key, the RESP encoding of every argument done on
+updates with Arrow kernels: rows grouped by key, the RESP encoding of every argument done on
 whole columns, and a call's bytes cut out of those buffers; nothing runs per row in Python.
 The calls go out pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, the next round
 sent before the replies of the last are read, and each reply must account for every slice its
@@ -107,7 +107,7 @@ class Calls:
 
 
 def _key_runs(keys: pa.Array, cluster: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(order, run_start, key_call): the rows grouped by key (by slot, then key, on a cluster),
+    """(order, run_start, key_call): the rows grouped by key (by slot first, on a cluster),
     where each key's run of rows starts in that order, and the call of each key: a new call
     every KEYS_PER_CALL keys and wherever the slot changes. Keys are grouped by their codes in a
     dictionary encoding (a hash table), not sorted as strings: a call needs a key's rows
