@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from pyspark.errors import AnalysisException, ParseException
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -176,28 +175,17 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
 
     Stateless, so it is applied once to the streaming DataFrame; the per-batch work is then only
     `fold_updates`, and no expression tree is rebuilt (over py4j) for every micro-batch.
-    Output columns: g, k, s, ems, and v{i} for every metric i.
+    Output columns: g, k, s, ems, t, (with the audit) u, fx, and v{i} for every metric i.
+
+    What a row needs more than once (each metric's value, whether an event touches a group, the
+    audit's ids) is computed once per event in a projection of its own (`_per_event`) before the
+    explode: written inline, each would be evaluated again in every row and in `fx`, and with
+    six groups that tripled the cost of reading and exploding a batch.
     """
-    ts, ref = F.col("_ts"), F.col("_ref")
-    max_ret = max(m.retention for m in cfg.metrics)
-    reason = F.coalesce(
-        F.col("_err"),
-        F.when(ts > ref + F.lit(cfg.source.max_future), F.lit("future")),
-        F.when(ts <= ref - F.lit(max_ret), F.lit("expired")),
-    )
-    flagged = events.withColumn("_reason", reason)
-    good = F.col("_reason").isNull()
-    values = {sp.index: _value_column(cfg, sp, good) for sp in specs}
-    n_groups = max(sp.group for sp in specs) + 1
-    touched_by: dict[int, Column] = {}
-    for g in range(n_groups):
-        members = [sp for sp in specs if sp.group == g]
-        touched_by[g] = good
-        if g != 0:
-            touched_by[g] = functools.reduce(
-                Column.__or__, [values[sp.index].isNotNull() for sp in members]
-            )
-    audit = _audit_columns(touched_by, ~good) if cfg.audit.enabled else None
+    ts = F.col("_ts")
+    pre, n_groups = _per_event(events, cfg, specs)
+    good, audit = F.col("_reason").isNull(), cfg.audit.enabled
+    zero = F.lit(0).cast("bigint")
     rows: list[Column] = []
     for g in range(n_groups):
         members = [sp for sp in specs if sp.group == g]
@@ -210,13 +198,12 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
             F.col("_ems").alias("ems"),
             ts.alias("t"),
         ]
-        if audit is not None:
-            u, fx = audit
-            cols += [u(g).alias("u"), (fx if g == 0 else F.lit(0).cast("bigint")).alias("fx")]
+        if audit:
+            cols += [F.col(f"_u{g}").alias("u"), (F.col("_fx") if g == 0 else zero).alias("fx")]
         for sp in specs:
-            v = values[sp.index] if sp.group == g else F.lit(None)
+            v = F.col(f"_v{sp.index}") if sp.group == g else F.lit(None)
             cols.append(v.cast(value_type(sp)).alias(f"v{sp.index}"))
-        rows.append(F.when(touched_by[g], F.struct(*cols)))
+        rows.append(F.when(F.col(f"_t{g}"), F.struct(*cols)))
     dead = dead_letter_json(F.col("_reason"), cfg.source.schema_)
     dead_cols = [
         F.lit(DEAD_G).alias("g"),
@@ -225,34 +212,60 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
         F.col("_ems").alias("ems"),
         F.col("_ts").alias("t"),
     ]
-    if audit is not None:
-        u, fx = audit
-        dead_cols += [u(DEAD_G).alias("u"), fx.alias("fx")]
+    if audit:
+        dead_cols += [F.col("_ud").alias("u"), F.col("_fx").alias("fx")]
     dead_cols += [F.lit(None).cast(value_type(sp)).alias(f"v{sp.index}") for sp in specs]
     rows.append(F.when(~good, F.struct(*dead_cols)))
-    exploded = flagged.select(F.explode(F.array(*rows)).alias("u")).where(F.col("u").isNotNull())
+    exploded = pre.select(F.explode(F.array(*rows)).alias("u")).where(F.col("u").isNotNull())
     return exploded.select("u.*")
 
 
-def _audit_columns(touched_by: dict[int, Column], bad: Column) -> tuple[Any, Column]:
-    """The completeness audit's ids (see pipeline.audit).
+def _per_event(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> tuple[DataFrame, int]:
+    """`events` with, per event: `_reason` (why it is dead-lettered, or null), `_v{i}` (metric
+    i's value, null where the event does not count for it), `_t{g}` (whether it touches group
+    g) and, with the audit, `_u{g}`, `_ud` and `_fx` (`_audit_columns`). Returns it and the
+    number of groups. Each step is a projection of its own, so that Spark computes a column once
+    and the next one reads it (names starting with `_` are reserved: no event field has one)."""
+    ts, ref = F.col("_ts"), F.col("_ref")
+    max_ret = max(m.retention for m in cfg.metrics)
+    reason = F.coalesce(
+        F.col("_err"),
+        F.when(ts > ref + F.lit(cfg.source.max_future), F.lit("future")),
+        F.when(ts <= ref - F.lit(max_ret), F.lit("expired")),
+    )
+    good = F.col("_reason").isNull()
+    out = events.withColumn("_reason", reason)
+    out = out.select("*", *[_value_column(cfg, sp, good).alias(f"_v{sp.index}") for sp in specs])
+    n_groups = max(sp.group for sp in specs) + 1
+    touched: list[Column] = []
+    for g in range(n_groups):
+        members = [F.col(f"_v{sp.index}").isNotNull() for sp in specs if sp.group == g]
+        t = good if g == 0 else functools.reduce(Column.__or__, members)
+        touched.append(t.alias(f"_t{g}"))
+    out = out.select("*", *touched)
+    if cfg.audit.enabled:
+        out = _audit_columns(out, n_groups)
+    return out, n_groups
 
-    `u(g)`: the id of the update event `_e` fans out into for group g: xxhash64(_e, g).
-    `fx`: `_e` XOR the ids of every update it fans out into (every touched group, or the
+
+def _audit_columns(events: DataFrame, n_groups: int) -> DataFrame:
+    """The completeness audit's ids (see pipeline.audit), as columns of `events`.
+
+    `_u{g}`: the id of the update event `_e` fans out into for group g: xxhash64(_e, g); `_ud`,
+    that of its dead-letter record (group DEAD_G).
+    `_fx`: `_e` XOR the ids of every update it fans out into (every touched group, or the
     dead-letter row). It rides on one row per event (group 0 for a good event, which always
     touches it; the dead-letter row for a bad one), so the XOR of `fx` over a batch is the XOR of
     the events and all their updates, computed before any update is written.
     """
-    e = F.col("_e")
-
-    def u(g: int) -> Column:
-        return F.xxhash64(e, F.lit(g))
-
+    e, zero = F.col("_e"), F.lit(0).cast("bigint")
+    ids = [F.xxhash64(e, F.lit(g)).alias(f"_u{g}") for g in range(n_groups)]
+    out = events.select("*", *ids, F.xxhash64(e, F.lit(DEAD_G)).alias("_ud"))
     fx = e
-    for g, touched in touched_by.items():
-        fx = fx.bitwiseXOR(F.when(touched, u(g)).otherwise(F.lit(0).cast("bigint")))
-    fx = fx.bitwiseXOR(F.when(bad, u(DEAD_G)).otherwise(F.lit(0).cast("bigint")))
-    return u, fx
+    for g in range(n_groups):
+        fx = fx.bitwiseXOR(F.when(F.col(f"_t{g}"), F.col(f"_u{g}")).otherwise(zero))
+    fx = fx.bitwiseXOR(F.when(F.col("_reason").isNotNull(), F.col("_ud")).otherwise(zero))
+    return out.withColumn("_fx", fx)
 
 
 def fold_columns(specs: list[MetricSpec], audit: bool = True) -> list[Column]:
