@@ -284,9 +284,9 @@ def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
 
 
 def bare_audit(a: Any) -> None:
-    """`--bare-audit`: the bare engine (zipf) with the audit's columns and without, per format,
-    `rounds` times in alternating order, in this process (the working tree's src/); writes
-    bench/results/ingest-bare-audit[.quick].json."""
+    """`--bare-audit`: the bare engine with the audit's columns and without, per cell of
+    `--cells`, `rounds` times in alternating order, in this process (the working tree's src/);
+    writes bench/results/ingest-bare-audit[.quick|.cells].json."""
     from sluice.pipeline.spark import build_spark
     from sluice.testing.arrow_source import ArrowFileSource
 
@@ -296,70 +296,72 @@ def bare_audit(a: Any) -> None:
         spark.dataSource.register(ArrowFileSource)
         bare_cell(spark, ws, "fields", "zipf", a)  # warm-up, not counted
         for rnd in range(a.rounds or 3):
-            for fmt in FORMATS:
+            for fmt, wl in a.cells:
                 for audit in (True, False) if rnd % 2 == 0 else (False, True):
-                    cells.append(bare_cell(spark, ws, fmt, "zipf", a, audit) | {"round": rnd + 1})
+                    cells.append(bare_cell(spark, ws, fmt, wl, a, audit) | {"round": rnd + 1})
     finally:
         if spark is not None:
             spark.stop()
         ws.cleanup()
     rows = []
-    for fmt in FORMATS:
-        on, off = ([c["bare"]["per_s"] for c in cells if c["format"] == fmt and c["audit"] == x
-                    and c["bare"].get("per_s")] for x in (True, False))  # fmt: skip
+    for fmt, wl in a.cells:
+        mine = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
+        on, off = ([c["bare"]["per_s"] for c in mine if c["audit"] == x and c["bare"].get("per_s")]
+                   for x in (True, False))  # fmt: skip
         m_on, m_off = median(on), median(off)
         cost = 1 - m_on / m_off if m_on and m_off else None
-        rows.append({"format": fmt, "on_per_s": m_on, "off_per_s": m_off, "on_each": on,
-                     "off_each": off, "cost": cost})  # fmt: skip
-    run.write({"bare_batches": a.bare_batches, "sizes": {f: SIZES[(a.quick, f, "zipf")][0]
-               for f in FORMATS}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
+        rows.append({"format": fmt, "workload": wl, "on_per_s": m_on, "off_per_s": m_off,
+                     "on_each": on, "off_each": off, "cost": cost})  # fmt: skip
+    sizes = {f"{f} {w}": SIZES[(a.quick, f, w)][0] for f, w in a.cells}
+    run.write({"bare_batches": a.bare_batches, "sizes": sizes},
+              {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
 def audit_pairs(a: Any) -> None:
-    """`--audit-pairs N`: the audit's cost in the pipeline, per format: after a warm-up drain,
-    N pairs of zipf drains with the audit on and off, in alternating order, in one Spark session
-    (the working tree's src/). A pair's ratio (on / off) is taken in one stretch of the
-    machine's load, so its median is steadier than a ratio of medians. Writes
-    bench/results/ingest-audit[.quick].json."""
+    """`--audit-pairs N`: the audit's cost in the pipeline, per cell of `--cells`: after a
+    warm-up drain, N pairs of drains with the audit on and off, in alternating order, in one
+    Spark session (the working tree's src/). A pair's ratio (on / off) is taken in one stretch
+    of the machine's load, so its median is steadier than a ratio of medians. Writes
+    bench/results/ingest-audit[.quick|.cells].json."""
     from sluice.pipeline.spark import build_spark
 
     run, ws, cells, spark = Run("ingest-audit", a), Workspace(), [], None
-    formats = [f for f in FORMATS if (f, "zipf") in a.cells]  # `--cells`: the zipf ones
     a = argparse.Namespace(**{**vars(a), "worker": "audit pairs"})
     warm = argparse.Namespace(**{**vars(a), "quick": True, "worker": "warm-up"})
     try:
         spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
-        for fmt in formats:
+        for fmt, wl in a.cells:
             drain_cell(spark, ws, fmt, "zipf", warm)
             for pair in range(a.audit_pairs):
-                log(f"audit pairs: {fmt}, pair {pair + 1} of {a.audit_pairs}")
+                log(f"audit pairs: {fmt} {wl}, pair {pair + 1} of {a.audit_pairs}")
                 for audit in (True, False) if pair % 2 == 0 else (False, True):
-                    c = drain_cell(spark, ws, fmt, "zipf", a, audit)
-                    cells.append({k: c.get(k) for k in ("format", "audit", "per_s", "exact",
-                                  "audit_ok")} | {"pair": pair + 1})  # fmt: skip
+                    c = drain_cell(spark, ws, fmt, wl, a, audit)
+                    cells.append({k: c.get(k) for k in ("format", "workload", "audit", "per_s",
+                                  "exact", "audit_ok")} | {"pair": pair + 1})  # fmt: skip
     finally:
         if spark is not None:
             spark.stop()
         ws.cleanup()
     rows = []
-    for fmt in formats:
+    for fmt, wl in a.cells:
         pairs = []
         for pair in range(1, a.audit_pairs + 1):
-            on, off = ([c["per_s"] for c in cells if c["format"] == fmt and c["pair"] == pair
-                        and c["audit"] == x] for x in (True, False))  # fmt: skip
+            mine = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
+            on, off = ([c["per_s"] for c in mine if c["pair"] == pair and c["audit"] == x]
+                       for x in (True, False))  # fmt: skip
             if on and off and on[0] and off[0]:
                 pairs.append({"pair": pair, "on": on[0], "off": off[0], "ratio": on[0] / off[0]})
         ratio = median([x["ratio"] for x in pairs])
-        ran = [c for c in cells if c["format"] == fmt]
-        rows.append({"format": fmt, "pairs": pairs, "ratio": ratio,
+        ran = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
+        rows.append({"format": fmt, "workload": wl, "pairs": pairs, "ratio": ratio,
                      "cost": None if ratio is None else 1 - ratio,
                      "on_per_s": median([x["on"] for x in pairs]),
                      "off_per_s": median([x["off"] for x in pairs]),
                      "exact": all(c["exact"] for c in ran) if ran else None,
                      "audit_ok": all(c["audit_ok"] for c in ran if c["audit"]) if ran
                      else None})  # fmt: skip
-    run.write({"pairs": a.audit_pairs, "sizes": {f: SIZES[(a.quick, f, "zipf")]
-               for f in formats}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
+    run.write({"pairs": a.audit_pairs, "sizes": {f"{f} {w}": SIZES[(a.quick, f, w)]
+               for f, w in a.cells}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
 def worker(a: Any) -> None:
@@ -385,8 +387,7 @@ def worker(a: Any) -> None:
                 if after and workload == "zipf":
                     off = (drain_cell, (spark, ws, fmt, workload, a, False))
                     runs.insert(a.round % 2, off)  # the order alternates between rounds
-                if after:
-                    runs.append((bare_cell, (spark, ws, fmt, workload, a)))
+                runs.append((bare_cell, (spark, ws, fmt, workload, a)))  # its own plan
                 for fn, args in runs:
                     try:
                         cells.append(fn(*args))
@@ -423,7 +424,8 @@ def run_worker(label: str, src: Path, tmp: Path, a: Any, rnd: int) -> dict[str, 
 
 def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the rounds, per revision, format and workload; ratios against the bare
-    engine's median (measured by the `after` workers; the plan is the same in both)."""
+    engine's median with that revision's plan (results from before every worker ran the bare
+    engine have it from the `after` workers only, and use it for both)."""
     rows = []
     for fmt in FORMATS:
         for wl in WORKLOADS:
@@ -433,11 +435,14 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
                         if c["format"] == f and c["workload"] == w and "bare" not in c
                         and "error" not in c and c["audit"] == audit]  # fmt: skip
 
-            bare = median([c["bare"]["per_s"] for x in workers for c in x["cells"]
-                           if c["format"] == fmt and c["workload"] == wl and "bare" in c
-                           and c["bare"].get("per_s")])  # fmt: skip
+            def bares(rev: str | None, f: str = fmt, w: str = wl) -> float | None:
+                return median([c["bare"]["per_s"] for x in workers for c in x["cells"]
+                               if rev in (None, x["revision"]) and c["format"] == f
+                               and c["workload"] == w and "bare" in c
+                               and c["bare"].get("per_s")])  # fmt: skip
+
             for rev in REVISIONS:
-                cs = cells(rev)
+                cs, bare = cells(rev), bares(rev) or bares(None)
 
                 def med(key: str, cs: list[Any] = cs) -> float | None:
                     return median([c[key] for c in cs if c.get(key) is not None])
@@ -516,7 +521,9 @@ def main() -> None:
     a = p.parse_args()
     a.cells_arg, a.cells = a.cells, cells_of(p, a.cells)
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
-        name = "ingest-audit" if a.audit_pairs else "ingest"
+        name = (
+            "ingest-audit" if a.audit_pairs else "ingest-bare-audit" if a.bare_audit else "ingest"
+        )
         a.out = Path(__file__).parent / "results" / f"{name}.cells.json"
     a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
     if a.worker:
@@ -558,7 +565,7 @@ def params(a: Any, rounds: int) -> dict[str, Any]:
             for k, v in SIZES.items() if k[0] == a.quick}, "step_s": STEP_S,
             "max_steps": MAX_STEPS, "max_lag_s": MAX_LAG_S, "metrics": HIGHCARD_METRICS,
             "bare_batches": a.bare_batches, "cells": [":".join(c) for c in a.cells],
-            "sustained_both": a.sustained_both}  # fmt: skip
+            "sustained_both": a.sustained_both, "bare_each_revision": True}  # fmt: skip
 
 
 def series(workers: list[dict[str, Any]]) -> dict[str, Any]:

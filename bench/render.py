@@ -24,8 +24,9 @@ from lib.results import RESULTS_DIR, ROOT
 # section's run, any others follow it). A template's first line is its `## ` heading.
 # The store's section follows the ingest run too, to quote the store's rate in the pipeline, and
 # its instruction counts (a `bench/store.py --callgrind` run).
-SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-audit", "ingest-audit.cells",
-             "ingest.cells"],
+SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.cells",
+                             "ingest-audit", "ingest-audit.cells", "ingest-audit.highcard",
+                             "ingest.cells"],
             ["store", "ingest", "store-instructions"], ["query"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover"],
