@@ -25,12 +25,6 @@ class SparkConfig(_Model):
         description="a fold writes a batch from the driver while Spark folds the next one;"
         " auto = on a local master only (on a cluster the executors write)",
     )
-    nice: Annotated[int, Field(ge=0, le=19)] | Literal["auto"] = Field(
-        "auto",
-        description="the scheduling nice value of a local Spark's JVM and its Python workers:"
-        " above 0, the store's writes (Redis on this machine, the driver's writer) get a"
-        " contended core first; auto = 10 on a local master, 0 (left alone) otherwise",
-    )
     conf: dict[str, str] = Field(default_factory=dict)
 
 

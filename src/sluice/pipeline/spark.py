@@ -12,7 +12,6 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.logs import SPARK_LOG_LEVEL_ENV
-from sluice.pipeline import priority
 from sluice.pipeline.jvm import local_fs_conf
 from sluice.pipeline.ship import is_local, package_zip
 
@@ -35,8 +34,7 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     The master is `spark.master`, unless this process was launched by `spark-submit`, whose
     `--master` then wins. On any master but a local one, Sluice's own code is shipped to the
     executors (see `sluice.pipeline.ship`). A local Spark that this call starts writes its
-    checkpoint logs without a child process per file (see `sluice.pipeline.jvm`), and
-    runs at the lower priority `spark.nice` gives it (see `sluice.pipeline.priority`).
+    checkpoint logs without a child process per file (see `sluice.pipeline.jvm`).
     """
     # Executors run this interpreter unless `spark.pyspark.python` says otherwise (a cluster
     # whose workers keep Python elsewhere sets it in `spark.conf`).
@@ -81,7 +79,6 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(level)
-    priority.apply(spark, cfg.spark.nice, local)  # the store's writes first (pipeline.priority)
     master = spark.sparkContext.master or cfg.spark.master
     if not is_local(master):
         shipped = package_zip(Path(cfg.state_dir) / "dist")
