@@ -26,6 +26,7 @@ from lib.results import RESULTS_DIR, ROOT
 # its instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.cells",
                              "ingest-audit", "ingest-audit.cells", "ingest-audit.highcard",
+                             "ingest-audit.highcard-fields",
                              "ingest.cells"],
             ["store", "ingest", "store-instructions"], ["query"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
