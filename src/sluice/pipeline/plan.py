@@ -179,8 +179,8 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
 
     What a row needs more than once (each metric's value, whether an event touches a group, the
     audit's ids) is computed once per event in a projection of its own (`_per_event`) before the
-    explode: written inline, each would be evaluated again in every row and in `fx`, and with
-    six groups that tripled the cost of reading and exploding a batch.
+    explode: written inline, each was evaluated again in every row and in `fx`, which with six
+    groups cost the bare engine a third of its speed (docs/audit.md).
     """
     ts = F.col("_ts")
     pre, n_groups = _per_event(events, cfg, specs)
@@ -252,7 +252,8 @@ def _audit_columns(events: DataFrame, n_groups: int) -> DataFrame:
     """The completeness audit's ids (see pipeline.audit), as columns of `events`.
 
     `_u{g}`: the id of the update event `_e` fans out into for group g: xxhash64(_e, g); `_ud`,
-    that of its dead-letter record (group DEAD_G).
+    that of its dead-letter record (group DEAD_G) for a bad event, 0 for a good one (hashed only
+    for the few bad events).
     `_fx`: `_e` XOR the ids of every update it fans out into (every touched group, or the
     dead-letter row). It rides on one row per event (group 0 for a good event, which always
     touches it; the dead-letter row for a bad one), so the XOR of `fx` over a batch is the XOR of
@@ -260,12 +261,12 @@ def _audit_columns(events: DataFrame, n_groups: int) -> DataFrame:
     """
     e, zero = F.col("_e"), F.lit(0).cast("bigint")
     ids = [F.xxhash64(e, F.lit(g)).alias(f"_u{g}") for g in range(n_groups)]
-    out = events.select("*", *ids, F.xxhash64(e, F.lit(DEAD_G)).alias("_ud"))
-    fx = e
+    dead = F.when(F.col("_reason").isNotNull(), F.xxhash64(e, F.lit(DEAD_G))).otherwise(zero)
+    out = events.select("*", *ids, dead.alias("_ud"))
+    fx = F.col("_ud")
     for g in range(n_groups):
         fx = fx.bitwiseXOR(F.when(F.col(f"_t{g}"), F.col(f"_u{g}")).otherwise(zero))
-    fx = fx.bitwiseXOR(F.when(F.col("_reason").isNotNull(), F.col("_ud")).otherwise(zero))
-    return out.withColumn("_fx", fx)
+    return out.withColumn("_fx", e.bitwiseXOR(fx))
 
 
 def fold_columns(specs: list[MetricSpec], audit: bool = True) -> list[Column]:
