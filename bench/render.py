@@ -22,12 +22,13 @@ from lib.results import RESULTS_DIR, ROOT
 
 # The sections in order: the template's name, then the result files (the first one is the
 # section's run, any others follow it). A template's first line is its `## ` heading.
-# The store's section follows the ingest run too, to quote the store's rate in the pipeline, and
+# The ingest section follows the store's run (the bound it puts on a drain), and the store's
+# section follows the ingest run too, to quote the store's rate in the pipeline, and
 # its instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.cells",
                              "ingest-audit", "ingest-audit.cells", "ingest-audit.highcard",
                              "ingest-audit.highcard-fields",
-                             "ingest.cells"],
+                             "ingest.cells", "store"],
             ["store", "ingest", "store-instructions"], ["query"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover"],
