@@ -22,9 +22,9 @@ from lib.results import RESULTS_DIR, ROOT
 
 # The sections in order: the template's name, then the result files (the first one is the
 # section's run, any others follow it). A template's first line is its `## ` heading.
-# The ingest section follows the store's run (the bound it puts on a drain), and the store's
-# section follows the ingest run too, to quote the store's rate in the pipeline, and
-# its instruction counts (a `bench/store.py --callgrind` run).
+# The ingest and store sections each follow the other's run: the ingest findings quote the bound
+# the store puts on a drain, the store's section the store's rate in the pipeline and its
+# instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.cells",
                              "ingest-audit", "ingest-audit.cells", "ingest-audit.highcard",
                              "ingest-audit.highcard-fields",
