@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from sluice.source.ids import entry_id_columns, event_ids, format_id, xor_all
-from sluice.source.xrange import xrange_chunk
+from sluice.source.xrange import gc_paused, xrange_chunk
 
 # Entries per XRANGE call of a walk: a `fields` entry is one small event; a `jsonl` entry holds
 # hundreds of events and tens of KB, so fewer of them keep a reply's memory small.
@@ -129,15 +129,17 @@ def read_entries(
     while got < events:
         per_entry = max(1, got // n_entries) if n_entries else 1
         want = min(WALK_CHUNK[fmt], -(-(events - got) // per_entry))
-        chunk = xrange_chunk(client, shard, cursor, "+", want)
-        if not chunk:
+        with gc_paused():  # until the chunk's lists are freed (see `gc_paused`)
+            chunk = xrange_chunk(client, shard, cursor, "+", want)
+            part = Walked.of(chunk, shard, fmt, max_entry_bytes) if chunk else Walked.none()
+            del chunk
+        if not len(part):
             break
-        part = Walked.of(chunk, shard, fmt, max_entry_bytes)
         parts.append(part)
         got += part.total
         n_entries += len(part)
         cursor = part.last_id()
-        if len(chunk) < want:  # the end of the stream
+        if len(part) < want:  # the end of the stream
             break
     return Walked.join(parts)
 
