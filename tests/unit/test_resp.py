@@ -3,8 +3,6 @@ against its entry-by-entry path: same entries, same values, same rows, whatever 
 
 from __future__ import annotations
 
-import gc
-import threading
 from typing import Any
 
 import hiredis
@@ -16,7 +14,7 @@ from sluice.graph import StreamsSpec
 from sluice.source.decode import Decoder
 from sluice.source.options import SourceOptions
 from sluice.source.resp import parse_xrange
-from sluice.source.xrange import _parse, gc_paused
+from sluice.source.xrange import _parse
 
 FUZZ = settings(
     max_examples=150,
@@ -171,38 +169,3 @@ def test_columnar_decode_gives_the_rows_of_entry_decode(
         assert pa.Table.from_batches(got).equals(pa.Table.from_batches(want))
     else:
         assert sum(b.num_rows for b in got) == 0
-
-
-def test_the_collector_is_held_off_while_a_reply_is_parsed_and_restored_after() -> None:
-    """`gc_paused` (the walk's and the hiredis fallback's parse): off inside, nested and from two
-    threads at once; on again after the last pause if it was on, left off if it was off."""
-    assert gc.isenabled()
-    started, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with gc_paused():
-            started.set()
-            release.wait(5)
-
-    t = threading.Thread(target=other)
-    with gc_paused():
-        assert not gc.isenabled()
-        t.start()
-        assert started.wait(5)
-        with gc_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()
-    assert not gc.isenabled()  # the other thread's pause still runs
-    release.set()
-    t.join(5)
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with gc_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # it was off: a pause does not turn it on
-    finally:
-        gc.enable()
-    raw = encode([[b"1-0", [b"card", b"a\r\nb"]]])  # a CRLF: the hiredis path, paused
-    assert _parse(raw) == [[b"1-0", [b"card", b"a\r\nb"]]]
-    assert gc.isenabled()

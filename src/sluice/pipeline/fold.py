@@ -40,6 +40,7 @@ import orjson
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
+from sluice import collector
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import AuditError, PipelineError
@@ -88,7 +89,9 @@ def _sample(kind: str, i: int, now_ms: int) -> Any:
 
 def warm_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow body of the warm-up batch (`FoldQuery.warm_up`): takes its input as a write
-    would, in a Python worker that has imported what a write imports, and writes nothing."""
+    would, in a Python worker that has imported what a write imports, and writes nothing.
+    The worker settles its objects here (`collector.settle`), before the first real batch."""
+    collector.settle()
     for _ in batches:
         pass
     yield from ()

@@ -34,6 +34,7 @@ from pyspark import TaskContext
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from sluice import collector
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, StageConfig
 from sluice.graph import Graph, StreamsSpec
@@ -69,6 +70,7 @@ class EmitContext:
 def emit_partition(ctx: EmitContext, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: append this partition's JSON lines to its shard, chunk by chunk, each
     chunk at most once per writer token. Yields one row of counters."""
+    collector.settle()
     task = TaskContext.get()
     part = task.partitionId() if task is not None else 0
     shard = ctx.shards[part % len(ctx.shards)]
@@ -124,6 +126,7 @@ def dead_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: write this partition's dead letters (once per token and content)."""
+    collector.settle()
     dead: list[str] = []
     for b in batches:
         dead.extend(b.column("k").to_pylist())

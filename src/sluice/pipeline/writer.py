@@ -29,6 +29,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sluice import collector
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import build_calls, run_write_script, send_calls
 from sluice.redis.connection import client_for
@@ -127,6 +128,7 @@ def write_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: apply every slice update of this partition, yield counters."""
+    collector.settle()
     rows = PartitionRows(batches)
     client = client_for(ctx.url, timeout_s=60, connect_timeout_s=10)
     t0 = time.perf_counter()

@@ -9,7 +9,6 @@ JSON in and out; every error is {"error": {"code", "message"}} (`middleware.erro
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +20,7 @@ from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+from sluice import collector
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, load_config
 from sluice.errors import BackpressureError, QueryError, SluiceError
@@ -59,8 +59,7 @@ def create_app(
         # Everything built so far (modules, the app, the config) lives as long as the process.
         # Frozen, the cyclic collector stops re-scanning it in its full collections: under load
         # those were tens of milliseconds each, and they made the tail of the latency.
-        gc.collect()
-        gc.freeze()
+        collector.freeze()
         sampler = Sampler(client, cfg, clock).start() if history else None
         try:
             yield

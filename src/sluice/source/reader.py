@@ -31,6 +31,7 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from sluice import collector
 from sluice.clock import SYSTEM_CLOCK
 from sluice.redis.connection import client_for
 from sluice.redis.keys import decode_times_key
@@ -208,6 +209,7 @@ class LogStreamReader(DataSourceStreamReader):
     # -- executor side ----------------------------------------------------------------------
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        collector.settle()
         shard, lo, hi, ref_ms = partition.value
         batches = iter(self.log.read(Span(shard, lo, hi), ref_ms, self.state.waiting))
         spent = 0.0  # in the log's reads and the decoder, not in Spark taking the batches

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from sluice.collector import paused
 from sluice.source.ids import entry_id_columns, event_ids, format_id, xor_all
-from sluice.source.xrange import gc_paused, xrange_chunk
+from sluice.source.xrange import xrange_chunk
 
 # Entries per XRANGE call of a walk: a `fields` entry is one small event; a `jsonl` entry holds
 # hundreds of events and tens of KB, so fewer of them keep a reply's memory small.
@@ -129,7 +130,7 @@ def read_entries(
     while got < events:
         per_entry = max(1, got // n_entries) if n_entries else 1
         want = min(WALK_CHUNK[fmt], -(-(events - got) // per_entry))
-        with gc_paused():  # until the chunk's lists are freed (see `gc_paused`)
+        with paused():  # until the chunk's lists are freed (see `sluice.collector`)
             chunk = xrange_chunk(client, shard, cursor, "+", want)
             part = Walked.of(chunk, shard, fmt, max_entry_bytes) if chunk else Walked.none()
             del chunk

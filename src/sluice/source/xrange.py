@@ -14,16 +14,15 @@ Two ways to read, both over (lo, hi] in chunks of at most `count` entries:
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import hiredis
 import redis
 
+from sluice.collector import paused
 from sluice.redis.cluster import node_clients
 from sluice.redis.connection import client_for
 from sluice.source.resp import StreamReply, parse_xrange
@@ -31,8 +30,6 @@ from sluice.source.resp import StreamReply, parse_xrange
 _clients: dict[str, Any] = {}
 _raw: dict[tuple[str, str], RawReplies] = {}
 _raw_lock = threading.Lock()
-_gc_lock = threading.Lock()
-_gc_pause = {"depth": 0, "restore": False}
 
 
 def _unparsed(reply: Any, **kw: Any) -> Any:
@@ -76,31 +73,9 @@ def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while hiredis builds a reply. A chunk of
-    10,000 `fields` entries is some 20,000 lists, and the collections their allocation sets off
-    (the older generations' traverse every tracked object of the process) made a walk's parse
-    cost about three times its CPU. The lists form no cycles: reference counting frees them
-    once the chunk is dropped. Nested and concurrent pauses (the walk ahead runs beside the
-    planner) end together: the collector is enabled again, if it was on, when the last ends."""
-    with _gc_lock:
-        if _gc_pause["depth"] == 0:
-            _gc_pause["restore"] = gc.isenabled()
-            gc.disable()
-        _gc_pause["depth"] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pause["depth"] -= 1
-            if _gc_pause["depth"] == 0 and _gc_pause["restore"]:
-                gc.enable()
-
-
 def xrange_chunk(client: Any, shard: str, after: str, hi: str, count: int) -> Any:
     """Entries (after, hi], at most `count`, parsed by hiredis (see `_raw_entries`)."""
-    with gc_paused():
+    with paused():
         reply = client.execute_command("XRANGE", shard, f"({after}", hi, "COUNT", count)
         return _raw_entries(reply)
 
@@ -181,7 +156,7 @@ def _parse(raw: bytes) -> StreamReply | list[Any] | None:
         return reply
     reader = hiredis.Reader()
     reader.feed(raw)
-    with gc_paused():
+    with paused():
         entries = reader.gets()
     return entries if isinstance(entries, list) else None
 
