@@ -29,7 +29,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
                              "ingest-audit", "ingest-audit.cells", "ingest-audit.highcard",
                              "ingest-audit.highcard-fields",
                              "ingest.cells", "store"],
-            ["store", "ingest", "store-instructions"], ["query"], ["durability"],
+            ["store", "ingest", "store-instructions"], ["collector"], ["query"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover"],
             ["freshness", "freshness-highcard"]]  # fmt: skip
