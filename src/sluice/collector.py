@@ -5,8 +5,8 @@ tracked object of the process. Two places paid for that on every batch:
 
 - A walk's XRANGE chunk parsed by hiredis (`source.walk`) is some 20,000 lists per 10,000
   `fields` entries, and the collections their allocation set off made a walk cost 2.6 times
-  the CPU (bench/collector.py). `paused()` holds the collector off until the chunk is dropped: its lists
-  form no cycles, and reference counting frees them.
+  the CPU (bench/collector.py). `paused()` holds the collector off until the chunk is
+  dropped: its lists form no cycles, and reference counting frees them.
 - A Spark Python worker runs one task after another in a process that holds some 115,000
   objects (pyspark, pyarrow, pandas, Sluice), and collected its oldest generation about once a
   batch, at 55-80 ms of CPU each. `settle()` moves the objects a worker holds when its first
