@@ -58,9 +58,11 @@ def test_a_process_settles_once_and_a_forked_one_again(monkeypatch: pytest.Monke
         settle()
         frozen = gc.get_freeze_count()
         assert frozen > 1000
-        kept = [object() for _ in range(10)]  # made after: not frozen by a second call
+        kept = [[i] for i in range(1000)]  # made after: not frozen by a second call
         settle()
-        assert gc.get_freeze_count() == frozen
+        # Frozen objects still die (the count may fall); the kept lists were not frozen.
+        assert gc.get_freeze_count() < frozen + 500
+        assert id(kept[0]) in {id(o) for o in gc.get_objects()}
         # The child only counts its freeze: a collection there could run finalizers that talk
         # over sockets it shares with this process (a Spark session's, in the full suite).
         calls: list[int] = []
