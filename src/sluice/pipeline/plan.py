@@ -10,12 +10,18 @@ null where its filter does not match. The number of rows entering the aggregatio
 number of groups an event touches, not the number of metrics. Group 0's row is emitted for every
 good event, so the sum of its `cnt` is the number of good events in the batch.
 
+Metrics of different groups that fold alike (the same value type and aggregates) share their
+columns, a *slot*: the fold groups by g first, so a cell only ever holds one group's values, and
+each aggregate runs once per slot rather than once per metric. Six metrics in six groups fold
+with three value columns instead of six (`MetricSpec.slot`).
+
 All of it is Spark expressions: no Python UDF touches an event, and the input is read and
 decoded once per batch however many metrics there are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,7 +45,7 @@ DEAD_G = -1
 class MetricSpec:
     """What the executor-side writer needs to know about a metric: plain, picklable values."""
 
-    index: int  # the column index of this (metric, resolution) in the exploded rows
+    index: int  # this (metric, resolution)'s own per-event value column, `_v{index}`
     name: str
     agg: str
     slice_ms: int
@@ -48,6 +54,35 @@ class MetricSpec:
     group: int = 0
     metric: int = 0  # index in cfg.metrics
     resolution_ms: int | None = None  # None: the metric's own (finest) slice
+    slot: int | None = None  # its columns in the exploded and folded rows; None: `index`
+
+    def column(self, prefix: str) -> str:
+        """The name of this metric's `prefix` column in the exploded or folded rows: its value
+        `v`, its count `n`, or a fold's column (`Fold.column`), in its slot."""
+        return f"{prefix}{self.index if self.slot is None else self.slot}"
+
+
+def slot_signature(spec: MetricSpec) -> tuple[str, tuple[str, ...]]:
+    """What metrics must have in common to share a slot: the value's type and the folds."""
+    return value_type(spec), tuple(f.column for f in AGGS[spec.agg].folds)
+
+
+def assign_slots(specs: list[MetricSpec]) -> list[MetricSpec]:
+    """`specs` with their slots: each takes the first slot of its signature that no metric of
+    its own group holds yet, or a new one (module docstring)."""
+    holders: list[tuple[tuple[str, tuple[str, ...]], set[int]]] = []  # per slot
+    out = []
+    for sp in specs:
+        sig = slot_signature(sp)
+        slot = next(
+            (i for i, (s, groups) in enumerate(holders) if s == sig and sp.group not in groups),
+            len(holders),
+        )
+        if slot == len(holders):
+            holders.append((sig, set()))
+        holders[slot][1].add(sp.group)
+        out.append(dataclasses.replace(sp, slot=slot))
+    return out
 
 
 def _escaped(col: Column) -> Column:
@@ -118,7 +153,7 @@ def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[M
                     resolution_ms=None if r == 0 else slice_ms,
                 )
             )
-    return out
+    return assign_slots(out)
 
 
 def value_type(spec: MetricSpec) -> str:
@@ -175,7 +210,8 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
 
     Stateless, so it is applied once to the streaming DataFrame; the per-batch work is then only
     `fold_updates`, and no expression tree is rebuilt (over py4j) for every micro-batch.
-    Output columns: g, k, s, ems, t, (with the audit) u, fx, and v{i} for every metric i.
+    Output columns: g, k, s, ems, t, (with the audit) u, fx, and a value column `v{slot}` per
+    slot (`MetricSpec.column("v")`), which in group g's rows holds its metric of that slot.
 
     What a row needs more than once (each metric's value, whether an event touches a group, the
     audit's ids) is computed once per event in a projection of its own (`_per_event`) before the
@@ -186,6 +222,7 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
     pre, n_groups = _per_event(events, cfg, specs)
     good, audit = F.col("_reason").isNull(), cfg.audit.enabled
     zero = F.lit(0).cast("bigint")
+    slots = _slot_types(specs)
     rows: list[Column] = []
     for g in range(n_groups):
         members = [sp for sp in specs if sp.group == g]
@@ -200,9 +237,11 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
         ]
         if audit:
             cols += [F.col(f"_u{g}").alias("u"), (F.col("_fx") if g == 0 else zero).alias("fx")]
-        for sp in specs:
-            v = F.col(f"_v{sp.index}") if sp.group == g else F.lit(None)
-            cols.append(v.cast(value_type(sp)).alias(f"v{sp.index}"))
+        held = {sp.column("v"): sp for sp in specs if sp.group == g}
+        for name, type_ in slots.items():
+            sp_g = held.get(name)
+            v = F.col(f"_v{sp_g.index}") if sp_g is not None else F.lit(None)
+            cols.append(v.cast(type_).alias(name))
         rows.append(F.when(F.col(f"_t{g}"), F.struct(*cols)))
     dead = dead_letter_json(F.col("_reason"), cfg.source.schema_)
     dead_cols = [
@@ -214,10 +253,15 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
     ]
     if audit:
         dead_cols += [F.col("_ud").alias("u"), F.col("_fx").alias("fx")]
-    dead_cols += [F.lit(None).cast(value_type(sp)).alias(f"v{sp.index}") for sp in specs]
+    dead_cols += [F.lit(None).cast(type_).alias(name) for name, type_ in slots.items()]
     rows.append(F.when(~good, F.struct(*dead_cols)))
     exploded = pre.select(F.explode(F.array(*rows)).alias("u")).where(F.col("u").isNotNull())
     return exploded.select("u.*")
+
+
+def _slot_types(specs: list[MetricSpec]) -> dict[str, str]:
+    """Each slot's value column name and its Spark type."""
+    return {sp.column("v"): value_type(sp) for sp in specs}
 
 
 def _per_event(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> tuple[DataFrame, int]:
@@ -280,19 +324,24 @@ def fold_columns(specs: list[MetricSpec], audit: bool = True) -> list[Column]:
         # Per folded row: the XOR of the update ids it carries (what the store must apply), and
         # of the events' fan-out ids (what the plan produced).
         aggs += [F.bit_xor("u").alias("ux"), F.bit_xor("fx").alias("fx")]
-    for sp in specs:
-        v = F.col(f"v{sp.index}")
-        aggs.append(F.count(v).alias(f"n{sp.index}"))
+    seen: set[str] = set()
+    for sp in specs:  # one set of aggregates per slot (module docstring)
+        if sp.column("v") in seen:
+            continue
+        seen.add(sp.column("v"))
+        v = F.col(sp.column("v"))
+        aggs.append(F.count(v).alias(sp.column("n")))
         for column, folded in AGGS[sp.agg].fold_columns(v, F.col("t")):
-            aggs.append(folded.alias(f"{column}{sp.index}"))
+            aggs.append(folded.alias(sp.column(column)))
     return aggs
 
 
 def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:
     """One micro-batch of exploded updates -> one row per (g, k, s) with every metric's state.
 
-    Output columns: g, k, s, cnt, min_ems, max_ems, and per metric i: n{i} (values folded),
-    plus `{fold column}{i}` for each fold of its agg (`sluice.slices.aggs`). For DEAD_G rows,
-    k is the dead-letter record as JSON, one row per bad event.
+    Output columns: g, k, s, cnt, min_ems, max_ems, and per slot (`MetricSpec.column`): `n`
+    (values folded) and a column per fold of its agg (`sluice.slices.aggs`); in group g's rows,
+    a slot's columns hold its metric of group g. For DEAD_G rows, k is the dead-letter record as
+    JSON, one row per bad event.
     """
     return exploded.groupBy("g", "k", "s").agg(*aggs)

@@ -102,7 +102,7 @@ class PartitionRows:
 
     def rows_of(self, sp: MetricSpec) -> np.ndarray:
         """The rows that carry an update of `sp`: its group's, with a key and a value."""
-        n = np.nan_to_num(self.col(f"n{sp.index}").to_numpy(zero_copy_only=False))
+        n = np.nan_to_num(self.col(sp.column("n")).to_numpy(zero_copy_only=False))
         return np.flatnonzero((self.g == sp.group) & self.k_valid & (n > 0))
 
     def stats(self) -> dict[str, Any]:
@@ -193,8 +193,8 @@ def _apply_lua(
     take = pa.array(idx)
     prefix = slice_hash_key(sp.name, "\x00", sp.resolution_ms).split("\x00")
     keys = pc.binary_join_element_wise(prefix[0], rows.col("k").take(take), prefix[1], "")
-    folded = [rows.col(f"{f.column}{sp.index}").take(take) for f in agg.folds]
-    states = agg.encode(rows.col(f"n{sp.index}").take(take), *folded)
+    folded = [rows.col(sp.column(f.column)).take(take) for f in agg.folds]
+    states = agg.encode(rows.col(sp.column("n")).take(take), *folded)
     starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
     calls = build_calls(ctx.token, head, keys, starts, states, ctx.cluster)
@@ -215,7 +215,7 @@ def _apply_hll(client: Any, rows: PartitionRows, sp: MetricSpec) -> int:
     take = pa.array(idx)
     ks = rows.col("k").take(take).to_pylist()
     ss = rows.col("s").take(take).to_pylist()
-    sets = rows.col(f"set{sp.index}").take(take).to_pylist()
+    sets = rows.col(sp.column("set")).take(take).to_pylist()
     pipe = client.pipeline(transaction=False)
     for n, (k, s, values) in enumerate(zip(ks, ss, sets, strict=True), start=1):
         key = slice_hll_key(sp.name, k, s, sp.resolution_ms)
@@ -240,7 +240,7 @@ def _apply_blob(client: Any, ctx: WriterContext, rows: PartitionRows, sp: Metric
         raise ValueError(f"agg {sp.agg!r} has no blob union")
     take = pa.array(idx)
     cells: dict[str, list[tuple[int, bytes, int]]] = {}
-    folded = rows.col(f"{AGGS[sp.agg].folds[0].column}{sp.index}").take(take).to_pylist()
+    folded = rows.col(sp.column(AGGS[sp.agg].folds[0].column)).take(take).to_pylist()
     for row, k, s, value in zip(
         idx.tolist(), rows.col("k").take(take).to_pylist(),
         rows.col("s").take(take).to_pylist(), folded, strict=True,

@@ -55,8 +55,9 @@ MergeColumns = Callable[[Columns], list[float]]
 
 
 class Fold(NamedTuple):
-    """One aggregate column a metric needs besides its count `n{i}`; the plan names it
-    `{column}{i}`, and the writer hands the folded columns to `Agg.encode` in `folds` order."""
+    """One aggregate column a metric needs besides its count `n`; the plan names both after the
+    metric's slot (`MetricSpec.column`), and the writer hands the folded columns to
+    `Agg.encode` in `folds` order."""
 
     column: str
     build: Callable[[Any, Column, Column], Column]  # (pyspark.sql.functions, value, event time)
