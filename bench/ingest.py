@@ -1,12 +1,11 @@
 """Ingest against the bare engine, before and after a change, in one run (issue 15's targets).
 
-    .venv/bin/python bench/ingest.py                    # 3 rounds, about 28 minutes on 2 cores
+    .venv/bin/python bench/ingest.py                    # 3 rounds, about 40 minutes on 2 cores
     .venv/bin/python bench/ingest.py --quick            # 1 round, small sizes, about 8 minutes
     .venv/bin/python bench/ingest.py --before db2d2f0   # the revision to compare with
     .venv/bin/python bench/ingest.py --bare-audit       # the bare engine, audit columns or not
     .venv/bin/python bench/ingest.py --audit-pairs 8    # the audit's cost: 8 on/off drain pairs
     .venv/bin/python bench/ingest.py --cells fields:zipf --rounds 1   # some cells only
-    .venv/bin/python bench/ingest.py --sustained-both   # the rate ladder for both revisions
 
 Two revisions of src/ are measured: `--before` (exported with `git archive` into a temporary
 directory) and the working tree (`after`). Each round starts one worker process per revision, in
@@ -14,13 +13,14 @@ alternating order (before first in odd rounds, after first in even ones), so bot
 machine; the load average is recorded around every worker. A worker holds one Spark session and, per
 format (Redis Streams `fields` and `jsonl`) and workload (`zipf`, the throughput benchmark's events;
 `highcard`, `lib.load.highcard_frame` with the six metrics of `lib.load.HIGHCARD_METRICS`), drains a
-pre-filled backlog on a fresh embedded Redis. The `after` worker (with `--sustained-both`, both)
-also runs a short rate ladder (sustained); the `after` worker runs the same drain with the audit off
-(`zipf`; before the audited drain in odd rounds, after it in even ones), and the bare engine
-(`lib.bare.bare_run`, the same Spark plan fed from in-memory Arrow with a no-op write; the plan is
-the same in both revisions, so both are divided by it). Every worker first drains a small backlog of
-each format, not measured, so that no cell pays for the JVM's warm-up (the first drain of a fresh
-session ran about a quarter slower than the same drain after it).
+pre-filled backlog on a fresh embedded Redis, then runs a short rate ladder (sustained), the same
+drain with the audit off (`zipf`; before the audited drain in odd rounds, after it in even ones),
+and the bare engine (`lib.bare.bare_run`, the same Spark plan fed from in-memory Arrow with a no-op
+write, with the worker's own plan). Both workers do the same work in the same order: a session that
+has run more is warmer, and when only the `after` worker ran the ladder and the audit-off drain, it
+came out 15-25 % ahead on the zipf cells of a change that left their plan alone. Every worker first
+drains a small backlog of each format, not measured, so that no cell pays for the JVM's warm-up
+(the first drain of a fresh session ran about a quarter slower than the same drain after it).
 
 Per drain: events/s, slice updates per event, store updates/s, exact counts (events counted,
 and the `txn_count` metric summed in the store, against the events written; every batch
@@ -369,7 +369,6 @@ def worker(a: Any) -> None:
     from sluice.pipeline.spark import build_spark
     from sluice.testing.arrow_source import ArrowFileSource
 
-    after = a.worker == "after"
     ws, cells, spark = Workspace(), [], None
     try:
         spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
@@ -382,9 +381,9 @@ def worker(a: Any) -> None:
             for workload in WORKLOADS:
                 if (fmt, workload) not in a.cells:
                     continue
-                ladder_too = after or a.sustained_both
-                runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, ladder_too))]
-                if after and workload == "zipf":
+                # The same work in both revisions' workers (module docstring).
+                runs: list[Any] = [(drain_cell, (spark, ws, fmt, workload, a, True, True))]
+                if workload == "zipf":
                     off = (drain_cell, (spark, ws, fmt, workload, a, False))
                     runs.insert(a.round % 2, off)  # the order alternates between rounds
                 runs.append((bare_cell, (spark, ws, fmt, workload, a)))  # its own plan
@@ -409,8 +408,7 @@ def run_worker(label: str, src: Path, tmp: Path, a: Any, rnd: int) -> dict[str, 
     result = tmp / f"{label}-{rnd}.json"
     args = [sys.executable, __file__, "--worker", label, "--result", str(result), "--seed",
             str(a.seed + rnd), "--round", str(rnd), "--cells", a.cells_arg] + (
-            ["--quick"] if a.quick else []) + (
-            ["--sustained-both"] if a.sustained_both else [])  # fmt: skip
+            ["--quick"] if a.quick else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{ROOT / 'bench'}"}
     load0, t0 = os.getloadavg(), time.monotonic()
     log(f"round {rnd + 1}: {label} ({src})")
@@ -514,8 +512,6 @@ def main() -> None:
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
                    " a subset goes to bench/results/ingest.cells.json")  # fmt: skip
-    p.add_argument("--sustained-both", action="store_true",
-                   help="run the sustained ladder for the before revision too")  # fmt: skip
     p.add_argument("--audit-pairs", type=int, metavar="N",
                    help="only the audit's cost: N pairs of drains with it on and off")  # fmt: skip
     a = p.parse_args()
@@ -565,7 +561,7 @@ def params(a: Any, rounds: int) -> dict[str, Any]:
             for k, v in SIZES.items() if k[0] == a.quick}, "step_s": STEP_S,
             "max_steps": MAX_STEPS, "max_lag_s": MAX_LAG_S, "metrics": HIGHCARD_METRICS,
             "bare_batches": a.bare_batches, "cells": [":".join(c) for c in a.cells],
-            "sustained_both": a.sustained_both, "bare_each_revision": True}  # fmt: skip
+            "same_work": True, "bare_each_revision": True}  # fmt: skip
 
 
 def series(workers: list[dict[str, Any]]) -> dict[str, Any]:
