@@ -4,6 +4,8 @@
     .venv/bin/python bench/ingest.py --quick            # 1 round, small sizes, about 8 minutes
     .venv/bin/python bench/ingest.py --before db2d2f0   # the revision to compare with
     .venv/bin/python bench/ingest.py --bare-audit       # the bare engine, audit columns or not
+    .venv/bin/python bench/ingest.py --bare-slots --cells fields:highcard,jsonl:highcard --rounds 6
+                                                        # ... columns shared between groups or not
     .venv/bin/python bench/ingest.py --audit-pairs 8    # the audit's cost: 8 on/off drain pairs
     .venv/bin/python bench/ingest.py --cells fields:zipf --rounds 1   # some cells only
 
@@ -270,35 +272,40 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
 
 
 def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
-              audit: bool = True) -> dict[str, Any]:  # fmt: skip
+              audit: bool = True, slots: bool = True) -> dict[str, Any]:  # fmt: skip
     """The bare engine on batches of the cell's cap (`lib.bare.bare_run`); its plan carries
-    the audit's columns unless `audit` is False, as the fold's does."""
+    the audit's columns unless `audit` is False, and shares columns between metric groups
+    unless `slots` is False, as the fold's does."""
     cap = SIZES[(a.quick, fmt, workload)][0]
     extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
     if not audit:
         extra["audit"] = {"enabled": False}
     cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap, **extra)
-    bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload)
-    log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}: {bare}")
-    return {"format": fmt, "workload": workload, "bare": bare, "audit": audit}
+    bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload,
+                       slots)  # fmt: skip
+    log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}{'' if slots else ' (no slots)'}:"
+        f" {bare}")  # fmt: skip
+    return {"format": fmt, "workload": workload, "bare": bare, "audit": audit, "slots": slots}
 
 
-def bare_audit(a: Any) -> None:
-    """`--bare-audit`: the bare engine with the audit's columns and without, per cell of
-    `--cells`, `rounds` times in alternating order, in this process (the working tree's src/);
-    writes bench/results/ingest-bare-audit[.quick|.cells].json."""
+def bare_ab(a: Any, toggle: str) -> None:
+    """`--bare-audit` (toggle "audit") and `--bare-slots` ("slots"): the bare engine with the
+    audit's columns and without, or with columns shared between metric groups and without,
+    per cell of `--cells`, `rounds` times in alternating order, in this process (the working
+    tree's src/); writes bench/results/ingest-bare-<toggle>[.quick|.cells].json."""
     from sluice.pipeline.spark import build_spark
     from sluice.testing.arrow_source import ArrowFileSource
 
-    run, ws, cells, spark = Run("ingest-bare-audit", a), Workspace(), [], None
+    run, ws, cells, spark = Run(f"ingest-bare-{toggle}", a), Workspace(), [], None
     try:
         spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
         spark.dataSource.register(ArrowFileSource)
         bare_cell(spark, ws, "fields", "zipf", a)  # warm-up, not counted
         for rnd in range(a.rounds or 3):
             for fmt, wl in a.cells:
-                for audit in (True, False) if rnd % 2 == 0 else (False, True):
-                    cells.append(bare_cell(spark, ws, fmt, wl, a, audit) | {"round": rnd + 1})
+                for on in (True, False) if rnd % 2 == 0 else (False, True):
+                    c = bare_cell(spark, ws, fmt, wl, a, **{toggle: on})
+                    cells.append(c | {"round": rnd + 1, "on": on})
     finally:
         if spark is not None:
             spark.stop()
@@ -306,7 +313,7 @@ def bare_audit(a: Any) -> None:
     rows = []
     for fmt, wl in a.cells:
         mine = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
-        on, off = ([c["bare"]["per_s"] for c in mine if c["audit"] == x and c["bare"].get("per_s")]
+        on, off = ([c["bare"]["per_s"] for c in mine if c["on"] == x and c["bare"].get("per_s")]
                    for x in (True, False))  # fmt: skip
         m_on, m_off = median(on), median(off)
         cost = 1 - m_on / m_off if m_on and m_off else None
@@ -509,6 +516,9 @@ def main() -> None:
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--bare-audit", action="store_true",
                    help="only the bare engine with and without the audit's columns")  # fmt: skip
+    p.add_argument("--bare-slots", action="store_true",
+                   help="only the bare engine with and without columns shared between metric"
+                   " groups")  # fmt: skip
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
                    " a subset goes to bench/results/ingest.cells.json")  # fmt: skip
@@ -518,15 +528,18 @@ def main() -> None:
     a.cells_arg, a.cells = a.cells, cells_of(p, a.cells)
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
         name = (
-            "ingest-audit" if a.audit_pairs else "ingest-bare-audit" if a.bare_audit else "ingest"
-        )
+            "ingest-audit" if a.audit_pairs
+            else "ingest-bare-audit" if a.bare_audit
+            else "ingest-bare-slots" if a.bare_slots
+            else "ingest"
+        )  # fmt: skip
         a.out = Path(__file__).parent / "results" / f"{name}.cells.json"
     a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
     if a.worker:
         worker(a)
         return
-    if a.bare_audit:
-        bare_audit(a)
+    if a.bare_audit or a.bare_slots:
+        bare_ab(a, "audit" if a.bare_audit else "slots")
         return
     if a.audit_pairs:
         audit_pairs(a)

@@ -31,13 +31,16 @@ def bare_run(
     batches: int,
     timeout_s: float,
     workload: str = "zipf",
+    share_columns: bool = True,
 ) -> tuple[dict[str, Any], list[Any]]:
     """explode_updates + fold_updates + a no-op write over `batches` micro-batches of
     `n_events` events of `workload`, from the Arrow source, back to back (trigger 0, so the
     500 ms trigger does not cap small fast batches); each batch timed. Returns (the rate with
-    the events the warm-up batch counted, the batch records)."""
+    the events the warm-up batch counted, the batch records). `share_columns=False`: the plan
+    without slots (`plan.metric_specs`)."""
     n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload)
-    specs = spark_plan.metric_specs(cfg, spark_plan.check_expressions(spark, cfg))
+    types = spark_plan.check_expressions(spark, cfg)
+    specs = spark_plan.metric_specs(cfg, types, share_columns)
     folds = spark_plan.fold_columns(specs, cfg.audit.enabled)  # as the fold builds them
     records: list[dict[str, Any]] = []
     checked: list[int] = []

@@ -78,3 +78,13 @@ def test_a_spec_without_a_slot_names_its_columns_by_index() -> None:
     assert (sp.column("v"), sp.column("sum")) == ("v4", "sum4")
     [slotted] = assign_slots([sp])
     assert (slotted.column("v"), slotted.column("sum")) == ("v0", "sum0")
+
+
+def test_without_shared_columns_each_metric_keeps_its_own(tmp_path: Path) -> None:
+    cfg = make_config("redis://unused", tmp_path, derived=[], metrics=[
+        _metric("a", ["card"], "count", "10s"), _metric("b", ["merchant"], "count", "10s"),
+    ])  # fmt: skip
+    shared = metric_specs(cfg, {"a": None, "b": None})
+    alone = metric_specs(cfg, {"a": None, "b": None}, share_columns=False)
+    assert [sp.column("v") for sp in shared] == ["v0", "v0"]
+    assert [sp.column("v") for sp in alone] == ["v0", "v1"]

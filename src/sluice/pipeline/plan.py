@@ -134,8 +134,12 @@ def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | 
     return types
 
 
-def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[MetricSpec]:
-    """One spec per (metric, slice length): a metric with `resolutions` is folded at each."""
+def metric_specs(
+    cfg: Config, value_types: dict[str, DataType | None], share_columns: bool = True
+) -> list[MetricSpec]:
+    """One spec per (metric, slice length): a metric with `resolutions` is folded at each.
+    `share_columns=False` gives each metric columns of its own instead of slots (module
+    docstring), as plans were before slots; benchmarks compare the two."""
     groups: dict[tuple[tuple[str, ...], int], int] = {}
     out: list[MetricSpec] = []
     for i, m in enumerate(cfg.metrics):
@@ -153,7 +157,7 @@ def metric_specs(cfg: Config, value_types: dict[str, DataType | None]) -> list[M
                     resolution_ms=None if r == 0 else slice_ms,
                 )
             )
-    return assign_slots(out)
+    return assign_slots(out) if share_columns else out
 
 
 def value_type(spec: MetricSpec) -> str:
