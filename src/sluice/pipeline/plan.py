@@ -226,7 +226,7 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
     pre, n_groups = _per_event(events, cfg, specs)
     good, audit = F.col("_reason").isNull(), cfg.audit.enabled
     zero = F.lit(0).cast("bigint")
-    slots = _slot_types(specs)
+    slots = {name: value_type(sp) for name, sp in _slot_heads(specs).items()}
     rows: list[Column] = []
     for g in range(n_groups):
         members = [sp for sp in specs if sp.group == g]
@@ -263,9 +263,13 @@ def explode_updates(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> 
     return exploded.select("u.*")
 
 
-def _slot_types(specs: list[MetricSpec]) -> dict[str, str]:
-    """Each slot's value column name and its Spark type."""
-    return {sp.column("v"): value_type(sp) for sp in specs}
+def _slot_heads(specs: list[MetricSpec]) -> dict[str, MetricSpec]:
+    """Each slot's value column name and the first metric that holds it: the metrics of a slot
+    share its value type and folds (`slot_signature`), so any one of them stands for all."""
+    heads: dict[str, MetricSpec] = {}
+    for sp in specs:
+        heads.setdefault(sp.column("v"), sp)
+    return heads
 
 
 def _per_event(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> tuple[DataFrame, int]:
@@ -328,11 +332,7 @@ def fold_columns(specs: list[MetricSpec], audit: bool = True) -> list[Column]:
         # Per folded row: the XOR of the update ids it carries (what the store must apply), and
         # of the events' fan-out ids (what the plan produced).
         aggs += [F.bit_xor("u").alias("ux"), F.bit_xor("fx").alias("fx")]
-    seen: set[str] = set()
-    for sp in specs:  # one set of aggregates per slot (module docstring)
-        if sp.column("v") in seen:
-            continue
-        seen.add(sp.column("v"))
+    for sp in _slot_heads(specs).values():  # one set of aggregates per slot (module docstring)
         v = F.col(sp.column("v"))
         aggs.append(F.count(v).alias(sp.column("n")))
         for column, folded in AGGS[sp.agg].fold_columns(v, F.col("t")):
