@@ -1,6 +1,7 @@
 """A small batch folded in one task (`spark.single_task_events`): its plan has no shuffle, and a
-stream folded that way answers every metric exactly as when every batch is shuffled. Real
-Redis, real Spark, streaming queries reading the log."""
+stream folded that way answers every metric exactly as when every batch is shuffled. Likewise a
+fold without Spark's partial aggregation (`spark.partial_aggregation`). Real Redis, real Spark,
+streaming queries reading the log."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import orjson
 import pytest
 import redis
 
+from sluice.config.runtime import BYPASS_PARTIAL_AGGREGATION
 from sluice.pipeline.fold import FoldQuery
-from sluice.pipeline.plan import explode_updates, fold_updates
+from sluice.pipeline.plan import PartialAggregation, explode_updates, fold_updates
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
@@ -56,9 +58,28 @@ def test_a_coalesced_batch_is_folded_without_a_shuffle(
     assert "Exchange" not in _plan(fold_updates(exploded.coalesce(1), fold._folds))
 
 
-def _answers(spark: Any, r: redis.Redis, redis_url: str, state: Path, single: int) -> Any:
+def test_without_partial_aggregation_the_plan_folds_once(
+    spark: Any, redis_url: str, tmp_path: Path
+) -> None:
+    fold = FoldQuery(make_config(redis_url, tmp_path), RedisHandle(redis_url), spark)
+    fold.prepare()
+    df = spark.createDataFrame(decoded_table(fold.cfg, EVENTS[:20], NOW))
+    exploded = explode_updates(df, fold.cfg, list(fold.specs))
+    try:
+        for setting, partial in (("on", True), ("off", False)):
+            PartialAggregation(setting).apply(spark)
+            plan = _plan(fold_updates(exploded, fold._folds))
+            assert ("partial_" in plan) is partial, plan
+            assert "Exchange" in plan  # shuffled either way
+    finally:
+        spark.conf.unset(BYPASS_PARTIAL_AGGREGATION)
+
+
+def _answers(spark: Any, r: redis.Redis, redis_url: str, state: Path, single: int,
+             partial: str = "auto") -> Any:  # fmt: skip
     r.flushall()
-    cfg = make_config(redis_url, state, spark={"single_task_events": single},
+    cfg = make_config(redis_url, state, spark={"single_task_events": single,
+                                               "partial_aggregation": partial},
                       source={"max_events_per_batch": 150})  # fmt: skip
     fold = FoldQuery(cfg, RedisHandle(redis_url), spark)
     fold.start()
@@ -88,3 +109,12 @@ def test_one_task_or_a_shuffle_the_answers_are_the_same(
     one_task = _answers(spark, r, redis_url, tmp_path / "one-task", single=1_000_000)
     assert one_task == shuffled
     assert shuffled[("txn_count", ("c0",))] == sum(1 for e in EVENTS if e["card"] == "c0")
+
+
+def test_with_or_without_partial_aggregation_the_answers_are_the_same(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    partial = _answers(spark, r, redis_url, tmp_path / "partial", single=0, partial="on")
+    once = _answers(spark, r, redis_url, tmp_path / "once", single=0, partial="off")
+    assert once == partial
+    assert once[("txn_count", ("c0",))] == sum(1 for e in EVENTS if e["card"] == "c0")

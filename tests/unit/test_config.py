@@ -600,3 +600,28 @@ def test_single_task_events_is_auto_or_a_count() -> None:
     assert config_from_dict(data).spark.single_task_events == 9000
     assert "single_task_events" in str(bad(lambda d: d["spark"].update(single_task_events=-1)))
     assert "single_task_events" in str(bad(lambda d: d["spark"].update(single_task_events="x")))
+
+
+def test_partial_aggregation_is_auto_and_follows_the_last_batch() -> None:
+    from sluice.pipeline.plan import PartialAggregation
+
+    assert config_from_dict(design()).spark.partial_aggregation == "auto"
+    auto = PartialAggregation("auto")
+    assert auto.on  # no batch seen: Spark's default
+    auto.observe(rows=300_000, cells=214_000)  # six groups over many keys: most cells once
+    assert not auto.on
+    auto.observe(rows=0, cells=0)  # an empty batch says nothing
+    assert not auto.on
+    auto.observe(rows=200_000, cells=18_000)  # few keys, events of one moment
+    assert auto.on
+    auto.observe(rows=1_000, cells=500)  # half as many cells as rows: off
+    assert not auto.on
+    for setting, on in (("on", True), ("off", False)):
+        fixed = PartialAggregation(setting)
+        for rows, cells in ((300_000, 214_000), (200_000, 18_000)):
+            fixed.observe(rows, cells)
+            assert fixed.on is on
+    assert "partial_aggregation" in str(bad(lambda d: d["spark"].update(partial_aggregation="x")))
+    err = str(bad(lambda d: d["spark"].update(
+        conf={"spark.sql.execution.bypassPartialAggregation": "true"})))  # fmt: skip
+    assert "spark.conf" in err and "spark.partial_aggregation" in err

@@ -22,6 +22,8 @@ def stats(
     dups: int = 0,
     expired: int = 0,
     write_ms: float | None = None,
+    fold_rows: int = 0,
+    fold_cells: int = 0,
 ) -> dict[str, Any]:
     """A `stats` row as the writer emits it (see writer.write_partition)."""
     return {
@@ -31,6 +33,8 @@ def stats(
         "updates_duplicate": dups,
         "updates_expired": expired,
         "events": events,
+        "fold_rows": fold_rows,
+        "fold_cells": fold_cells,
         "min_ems": min_ems,
         "max_ems": max_ems,
         "reason": None,
@@ -78,6 +82,8 @@ def test_no_rows() -> None:
         "done_ms": 250,
         "write_ms": None,
         "write_updates": 0,
+        "fold_rows": 0,
+        "fold_cells": 0,
         "dead_by_reason": {},
     }
 
@@ -121,13 +127,17 @@ def test_unknown_kinds_are_ignored() -> None:
 
 
 stats_rows = st.builds(
-    lambda n, lo, width, a, d, e: stats(n, lo, None if lo is None else lo + width, a, d, e),
+    lambda n, lo, width, a, d, e, rows, cells: stats(
+        n, lo, None if lo is None else lo + width, a, d, e, None, rows, cells
+    ),
     st.integers(0, 10_000),
     st.one_of(st.none(), st.integers(0, 2 * 10**12)),
     st.integers(0, 10**6),
     st.integers(0, 10**5),
     st.integers(0, 10**5),
     st.integers(0, 10**5),
+    st.integers(0, 10**6),
+    st.integers(0, 10**6),
 )
 dead_rows = st.builds(
     dead, st.sampled_from(["bad_type", "missing_field", "too_long"]), st.integers(1, 100)
@@ -145,6 +155,8 @@ def test_summarize_matches_a_direct_fold(rows: list[dict[str, Any]]) -> None:
     assert rec["updates_applied"] == sum(r["updates_applied"] for r in s)
     assert rec["updates_duplicate"] == sum(r["updates_duplicate"] for r in s)
     assert rec["updates_expired"] == sum(r["updates_expired"] for r in s)
+    assert rec["fold_rows"] == sum(r["fold_rows"] for r in s)
+    assert rec["fold_cells"] == sum(r["fold_cells"] for r in s)
     lows = [r["min_ems"] for r in s if r["min_ems"] is not None]
     highs = [r["max_ems"] for r in s if r["max_ems"] is not None]
     assert rec["min_ems"] == (min(lows) if lows else None)

@@ -8,6 +8,9 @@ from pydantic import AliasChoices, Field, model_validator
 
 from sluice.config.base import DurationMs, SizeBytes, _FieldError, _Model
 
+# Spark's switch for the partial aggregation before a shuffle (`spark.partial_aggregation`).
+BYPASS_PARTIAL_AGGREGATION = "spark.sql.execution.bypassPartialAggregation"
+
 
 class SparkConfig(_Model):
     master: str = "local[2]"
@@ -25,7 +28,24 @@ class SparkConfig(_Model):
         description="a fold writes a batch from the driver while Spark folds the next one;"
         " auto = on a local master only (on a cluster the executors write)",
     )
+    partial_aggregation: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="each task folds its own rows by (group, key, slice) before the fold's"
+        " shuffle (Spark's partial aggregation); auto = off after a batch whose exploded rows"
+        " folded into at least half as many cells (many keys, or times over many slices), on"
+        " otherwise; needs Spark 4.3 or later, where earlier ones always fold partially",
+    )
     conf: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _partial(self) -> SparkConfig:
+        if BYPASS_PARTIAL_AGGREGATION in self.conf:
+            raise _FieldError(
+                "conf",
+                f"`{BYPASS_PARTIAL_AGGREGATION}` is set per batch by the fold: use"
+                " `spark.partial_aggregation` (auto, on or off) instead",
+            )
+        return self
 
 
 class AimdConfig(_Model):

@@ -55,6 +55,7 @@ from sluice.pipeline.behind import (
     write_mark,
 )
 from sluice.pipeline.plan import (
+    PartialAggregation,
     check_expressions,
     explode_updates,
     fold_columns,
@@ -123,6 +124,7 @@ class FoldQuery(StreamQuery):
         self.store = StoreMonitor(redis.client, cfg.backpressure, self.role.store, clock)
         self._folds: list[Any] = []
         self._single_task = 0  # spark.single_task_events in events, once the plan is known
+        self.partial = PartialAggregation(cfg.spark.partial_aggregation)
         # The audit's source side reads the log again while Spark folds and writes the batch.
         self._auditor = ThreadPoolExecutor(1, thread_name_prefix="sluice-audit")
         self._flow_thread: threading.Thread | None = None
@@ -214,6 +216,7 @@ class FoldQuery(StreamQuery):
         small = events is not None and events <= self._single_task
         if small:
             exploded = exploded.coalesce(1)  # one task, no shuffle (module docstring)
+        self.partial.apply(exploded.sparkSession)  # as the batches before it folded (plan.py)
         done = functools.partial(self._finish, batch_id, token, started, offsets, audit_source)
         if self.behind is not None and offsets is not None and not small:
             t0 = time.perf_counter()
@@ -280,6 +283,7 @@ class FoldQuery(StreamQuery):
             raise AuditError(batch_id, audit.residual, attempts)
         t_done = time.perf_counter()
         rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
+        self.partial.observe(rec["fold_rows"], rec["fold_cells"])
         if wait_ms is not None:  # written behind
             rec |= {"behind": True, "wait_ms": round(wait_ms, 1)}
         counters: list[Any] = [

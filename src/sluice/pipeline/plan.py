@@ -17,6 +17,13 @@ with three value columns instead of six (`MetricSpec.slot`).
 
 All of it is Spark expressions: no Python UDF touches an event, and the input is read and
 decoded once per batch however many metrics there are.
+
+Spark folds in two steps around the shuffle: each task first folds its own rows (partial
+aggregation), then the cells are folded again after the shuffle. The first step pays when cells
+repeat within a task; when most rows are a cell of their own (many keys, or times spread over
+many slices) it is a hash table built for nothing. `PartialAggregation` turns it off for the
+next batch when the last one's rows folded into at least half as many cells
+(`spark.partial_aggregation`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, IntegralType, NumericType
 
 from sluice.config import Config
+from sluice.config.runtime import BYPASS_PARTIAL_AGGREGATION
 from sluice.errors import ConfigError
 from sluice.redis.keys import ESCAPES, KEY_SEP
 from sluice.slices.aggs import AGGS
@@ -39,6 +47,8 @@ from sluice.source.decode import spark_schema_ddl
 from sluice.source.options import SourceOptions
 
 DEAD_G = -1
+# `auto` folds without the partial step after a batch with at least this many cells per row.
+PARTIAL_OFF_CELLS_PER_ROW = 0.5
 
 
 @dataclass(frozen=True)
@@ -349,3 +359,23 @@ def fold_updates(exploded: DataFrame, aggs: list[Column]) -> DataFrame:
     JSON, one row per bad event.
     """
     return exploded.groupBy("g", "k", "s").agg(*aggs)
+
+
+class PartialAggregation:
+    """`spark.partial_aggregation` for one fold: whether Spark folds each task's rows before the
+    shuffle (module docstring). `on` and `off` are fixed; `auto` starts on and, after each
+    batch (`observe`: its exploded rows and the cells they folded into), is off for the next
+    batches while cells per row are at least PARTIAL_OFF_CELLS_PER_ROW. Either way the fold's
+    result is the same; only the work differs."""
+
+    def __init__(self, setting: str) -> None:
+        self.setting = setting
+        self.on = setting != "off"
+
+    def observe(self, rows: int, cells: int) -> None:
+        if self.setting == "auto" and rows > 0:
+            self.on = cells < PARTIAL_OFF_CELLS_PER_ROW * rows
+
+    def apply(self, session: SparkSession) -> None:
+        """Set it in `session` (a batch's) before its fold is planned."""
+        session.conf.set(BYPASS_PARTIAL_AGGREGATION, "false" if self.on else "true")

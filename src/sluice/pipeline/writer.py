@@ -55,6 +55,8 @@ RESULT_SCHEMA = pa.schema(
         ("updates_duplicate", pa.int64()),
         ("updates_expired", pa.int64()),
         ("events", pa.int64()),
+        ("fold_rows", pa.int64()),
+        ("fold_cells", pa.int64()),
         ("min_ems", pa.int64()),
         ("max_ems", pa.int64()),
         ("reason", pa.string()),
@@ -65,7 +67,7 @@ RESULT_SCHEMA = pa.schema(
 )
 RESULT_DDL = (
     "kind string, m int, updates_applied long, updates_duplicate long, updates_expired long,"
-    " events long,"
+    " events long, fold_rows long, fold_cells long,"
     " min_ems long, max_ems long, reason string, write_ms double, fan_x long, applied_x long"
 )
 
@@ -106,13 +108,16 @@ class PartitionRows:
         return np.flatnonzero((self.g == sp.group) & self.k_valid & (n > 0))
 
     def stats(self) -> dict[str, Any]:
-        """Good events, event-time range, and the audit's fan-out and applied XORs."""
-        out: dict[str, Any] = {"events": 0, "min_ems": None, "max_ems": None,
+        """Good events, the exploded rows folded and the cells (rows here) they folded into,
+        event-time range, and the audit's fan-out and applied XORs."""
+        out: dict[str, Any] = {"events": 0, "fold_rows": 0, "fold_cells": self.n,
+                               "min_ems": None, "max_ems": None,
                                "fan_x": None, "applied_x": None}  # fmt: skip
         if self.table is None:
             return out
         cnt = self.col("cnt").to_numpy(zero_copy_only=False)
         out["events"] = int(cnt[self.g == 0].sum())
+        out["fold_rows"] = int(cnt.sum())
         out["min_ems"] = pc.min(self.col("min_ems")).as_py()
         out["max_ems"] = pc.max(self.col("max_ems")).as_py()
         if "ux" in self.table.column_names:
@@ -320,11 +325,15 @@ def summarize(
         "done_ms": done_ms,
         "write_ms": None,
         "write_updates": 0,
+        "fold_rows": 0,
+        "fold_cells": 0,
         "dead_by_reason": {},
     }
     for r in rows:
         if r["kind"] == "stats":
             rec["events"] += r["events"]
+            rec["fold_rows"] += r.get("fold_rows") or 0
+            rec["fold_cells"] += r.get("fold_cells") or 0
             w = r.get("write_ms")
             if w is not None and w >= (rec["write_ms"] or 0.0):
                 rec["write_ms"] = round(w, 1)  # the slowest partition's, and its updates
