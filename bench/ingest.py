@@ -175,16 +175,22 @@ def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
 
 
 def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
-               audit: bool = True, sustained: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Pre-fill, start the fold, wait until idle: the drain's numbers (and the ladder's)."""
+               audit: bool = True, sustained: bool = False,
+               partial: str = "auto") -> dict[str, Any]:  # fmt: skip
+    """Pre-fill, start the fold, wait until idle: the drain's numbers (and the ladder's).
+    `partial`: `spark.partial_aggregation` (left out of the config when `auto`, the default,
+    so that a revision without the setting runs too)."""
     cap, n_events = SIZES[(a.quick, fmt, workload)]
     label = f"{fmt}-{workload}{'' if audit else '-noaudit'}"
+    label += "" if partial == "auto" else f"-partial-{partial}"
     extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
     if not audit:
         extra["audit"] = {"enabled": False}
+    if partial != "auto":
+        extra["spark"] = {"partial_aggregation": partial}
     cfg = bench_config(fmt, ws.state_dir(label), cap, **extra)
     out: dict[str, Any] = {"format": fmt, "workload": workload, "audit": audit,
-                           "batch_events": cap}  # fmt: skip
+                           "partial": partial, "batch_events": cap}  # fmt: skip
     with pipeline_run(spark, cfg) as (pipeline, handle):
         pool_n = n_events if workload == "highcard" else POOL_EVENTS
         pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload)
@@ -213,6 +219,7 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
             "pipeline_updates_per_s": (rate.get("per_s") or 0) * updates / sent if sent else None,
             "store_updates_per_s": updates / write_s if write_s else None,
             "batch_sizes": [r["events"] for r in records],
+            "cells_per_row": cells_per_row(records),
             "breakdown": breakdown(records, durations, usec),
         }  # fmt: skip
         log(f"{a.worker} {label}: {rate.get('per_s') or 0:,.0f} events/s, exact {out['exact']},"
@@ -272,27 +279,37 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
 
 
 def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
-              audit: bool = True, slots: bool = True) -> dict[str, Any]:  # fmt: skip
+              audit: bool = True, slots: bool = True,
+              partial: str = "auto") -> dict[str, Any]:  # fmt: skip
     """The bare engine on batches of the cell's cap (`lib.bare.bare_run`); its plan carries
-    the audit's columns unless `audit` is False, and shares columns between metric groups
-    unless `slots` is False, as the fold's does."""
+    the audit's columns unless `audit` is False, shares columns between metric groups unless
+    `slots` is False, and sets Spark's partial aggregation as `partial` says, as the fold's
+    does."""
     cap = SIZES[(a.quick, fmt, workload)][0]
     extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
     if not audit:
         extra["audit"] = {"enabled": False}
     cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap, **extra)
     bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload,
-                       slots)  # fmt: skip
-    log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}{'' if slots else ' (no slots)'}:"
-        f" {bare}")  # fmt: skip
-    return {"format": fmt, "workload": workload, "bare": bare, "audit": audit, "slots": slots}
+                       slots, partial)  # fmt: skip
+    log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}{'' if slots else ' (no slots)'}"
+        f"{'' if partial == 'auto' else f' (partial {partial})'}: {bare}")  # fmt: skip
+    return {"format": fmt, "workload": workload, "bare": bare, "audit": audit, "slots": slots,
+            "partial": partial}  # fmt: skip
+
+
+# What `--bare-<toggle>` and `--<toggle>-pairs` compare: (the value measured as "on", as "off").
+TOGGLES: dict[str, tuple[Any, Any]] = {
+    "audit": (True, False), "slots": (True, False), "partial": ("on", "off"),
+}  # fmt: skip
 
 
 def bare_ab(a: Any, toggle: str) -> None:
-    """`--bare-audit` (toggle "audit") and `--bare-slots` ("slots"): the bare engine with the
-    audit's columns and without, or with columns shared between metric groups and without,
-    per cell of `--cells`, `rounds` times in alternating order, in this process (the working
-    tree's src/); writes bench/results/ingest-bare-<toggle>[.quick|.cells].json."""
+    """`--bare-audit`, `--bare-slots` and `--bare-partial` (TOGGLES): the bare engine with the
+    audit's columns and without, with columns shared between metric groups and without, or
+    with Spark's partial aggregation and without, per cell of `--cells`, `rounds` times in
+    alternating order, in this process (the working tree's src/); writes
+    bench/results/ingest-bare-<toggle>[.quick|.cells].json."""
     from sluice.pipeline.spark import build_spark
     from sluice.testing.arrow_source import ArrowFileSource
 
@@ -304,7 +321,8 @@ def bare_ab(a: Any, toggle: str) -> None:
         for rnd in range(a.rounds or 3):
             for fmt, wl in a.cells:
                 for on in (True, False) if rnd % 2 == 0 else (False, True):
-                    c = bare_cell(spark, ws, fmt, wl, a, **{toggle: on})
+                    value = TOGGLES[toggle][0 if on else 1]
+                    c = bare_cell(spark, ws, fmt, wl, a, **{toggle: value})
                     cells.append(c | {"round": rnd + 1, "on": on})
     finally:
         if spark is not None:
@@ -324,50 +342,60 @@ def bare_ab(a: Any, toggle: str) -> None:
               {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
-def audit_pairs(a: Any) -> None:
-    """`--audit-pairs N`: the audit's cost in the pipeline, per cell of `--cells`: after a
-    warm-up drain, N pairs of drains with the audit on and off, in alternating order, in one
-    Spark session (the working tree's src/). A pair's ratio (on / off) is taken in one stretch
-    of the machine's load, so its median is steadier than a ratio of medians. Writes
-    bench/results/ingest-audit[.quick|.cells].json."""
+PAIR_KEYS = ("format", "workload", "audit", "per_s", "exact", "audit_ok", "cells_per_row")
+
+
+def cells_per_row(records: list[dict[str, Any]]) -> list[float]:
+    """Per batch, the cells its exploded rows folded into per row (what `auto` judges by)."""
+    return [round(r["fold_cells"] / r["fold_rows"], 3) for r in records if r.get("fold_rows")]
+
+
+def drain_pairs(a: Any, toggle: str, n_pairs: int) -> None:
+    """`--audit-pairs N` and `--partial-pairs N`: per cell of `--cells`, after a warm-up
+    drain, N pairs of drains with the audit (or Spark's partial aggregation) on and off, in
+    alternating order, in one Spark session (the working tree's src/). A pair's ratio (on /
+    off) is taken in one stretch of the machine's load, so its median is steadier than a ratio
+    of medians. Writes bench/results/ingest-<toggle>[.quick|.cells].json."""
     from sluice.pipeline.spark import build_spark
 
-    run, ws, cells, spark = Run("ingest-audit", a), Workspace(), [], None
-    a = argparse.Namespace(**{**vars(a), "worker": "audit pairs"})
+    run, ws, cells, spark = Run(f"ingest-{toggle}", a), Workspace(), [], None
+    a = argparse.Namespace(**{**vars(a), "worker": f"{toggle} pairs"})
     warm = argparse.Namespace(**{**vars(a), "quick": True, "worker": "warm-up"})
     try:
         spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
         for fmt, wl in a.cells:
             drain_cell(spark, ws, fmt, "zipf", warm)
-            for pair in range(a.audit_pairs):
-                log(f"audit pairs: {fmt} {wl}, pair {pair + 1} of {a.audit_pairs}")
-                for audit in (True, False) if pair % 2 == 0 else (False, True):
-                    c = drain_cell(spark, ws, fmt, wl, a, audit)
-                    cells.append({k: c.get(k) for k in ("format", "workload", "audit", "per_s",
-                                  "exact", "audit_ok")} | {"pair": pair + 1})  # fmt: skip
+            for pair in range(n_pairs):
+                log(f"{toggle} pairs: {fmt} {wl}, pair {pair + 1} of {n_pairs}")
+                for on in (True, False) if pair % 2 == 0 else (False, True):
+                    value = TOGGLES[toggle][0 if on else 1]
+                    c = drain_cell(spark, ws, fmt, wl, a, **{toggle: value})
+                    kept = {k: c.get(k) for k in PAIR_KEYS}
+                    cells.append(kept | {"pair": pair + 1, "on": on})
     finally:
         if spark is not None:
             spark.stop()
         ws.cleanup()
     rows = []
     for fmt, wl in a.cells:
+        ran = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
         pairs = []
-        for pair in range(1, a.audit_pairs + 1):
-            mine = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
-            on, off = ([c["per_s"] for c in mine if c["pair"] == pair and c["audit"] == x]
+        for pair in range(1, n_pairs + 1):
+            on, off = ([c["per_s"] for c in ran if c["pair"] == pair and c["on"] == x]
                        for x in (True, False))  # fmt: skip
             if on and off and on[0] and off[0]:
                 pairs.append({"pair": pair, "on": on[0], "off": off[0], "ratio": on[0] / off[0]})
         ratio = median([x["ratio"] for x in pairs])
-        ran = [c for c in cells if (c["format"], c["workload"]) == (fmt, wl)]
+        cells_per_row = [x for c in ran for x in (c.get("cells_per_row") or [])]
         rows.append({"format": fmt, "workload": wl, "pairs": pairs, "ratio": ratio,
                      "cost": None if ratio is None else 1 - ratio,
                      "on_per_s": median([x["on"] for x in pairs]),
                      "off_per_s": median([x["off"] for x in pairs]),
+                     "cells_per_row": median(cells_per_row) if cells_per_row else None,
                      "exact": all(c["exact"] for c in ran) if ran else None,
                      "audit_ok": all(c["audit_ok"] for c in ran if c["audit"]) if ran
                      else None})  # fmt: skip
-    run.write({"pairs": a.audit_pairs, "sizes": {f"{f} {w}": SIZES[(a.quick, f, w)]
+    run.write({"pairs": n_pairs, "sizes": {f"{f} {w}": SIZES[(a.quick, f, w)]
                for f, w in a.cells}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
@@ -519,6 +547,12 @@ def main() -> None:
     p.add_argument("--bare-slots", action="store_true",
                    help="only the bare engine with and without columns shared between metric"
                    " groups")  # fmt: skip
+    p.add_argument("--bare-partial", action="store_true",
+                   help="only the bare engine with and without Spark's partial"
+                   " aggregation")  # fmt: skip
+    p.add_argument("--partial-pairs", type=int, metavar="N",
+                   help="only N pairs of drains with Spark's partial aggregation on and"
+                   " off")  # fmt: skip
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
                    " a subset goes to bench/results/ingest.cells.json")  # fmt: skip
@@ -529,8 +563,10 @@ def main() -> None:
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
         name = (
             "ingest-audit" if a.audit_pairs
+            else "ingest-partial" if a.partial_pairs
             else "ingest-bare-audit" if a.bare_audit
             else "ingest-bare-slots" if a.bare_slots
+            else "ingest-bare-partial" if a.bare_partial
             else "ingest"
         )  # fmt: skip
         a.out = Path(__file__).parent / "results" / f"{name}.cells.json"
@@ -538,11 +574,11 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
-    if a.bare_audit or a.bare_slots:
-        bare_ab(a, "audit" if a.bare_audit else "slots")
+    if a.bare_audit or a.bare_slots or a.bare_partial:
+        bare_ab(a, "audit" if a.bare_audit else "slots" if a.bare_slots else "partial")
         return
-    if a.audit_pairs:
-        audit_pairs(a)
+    if a.audit_pairs or a.partial_pairs:
+        drain_pairs(a, "audit" if a.audit_pairs else "partial", a.audit_pairs or a.partial_pairs)
         return
     rounds = a.rounds or (1 if a.quick else 3)
     a.worker_timeout_s = 900 if a.quick else 1200

@@ -10,6 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
 from lib.load import now_ms, xrange_entries
 from lib.stats import batch_rate
@@ -32,24 +33,35 @@ def bare_run(
     timeout_s: float,
     workload: str = "zipf",
     share_columns: bool = True,
+    partial: str = "auto",
 ) -> tuple[dict[str, Any], list[Any]]:
     """explode_updates + fold_updates + a no-op write over `batches` micro-batches of
     `n_events` events of `workload`, from the Arrow source, back to back (trigger 0, so the
     500 ms trigger does not cap small fast batches); each batch timed. Returns (the rate with
     the events the warm-up batch counted, the batch records). `share_columns=False`: the plan
-    without slots (`plan.metric_specs`)."""
+    without slots (`plan.metric_specs`). `partial`: Spark's partial aggregation as the fold's
+    `spark.partial_aggregation` sets it (`auto` from the warm-up batch's rows and cells, as
+    the fold from its last batch's), where the revision has that setting."""
     n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload)
     types = spark_plan.check_expressions(spark, cfg)
     specs = spark_plan.metric_specs(cfg, types, share_columns)
     folds = spark_plan.fold_columns(specs, cfg.audit.enabled)  # as the fold builds them
     records: list[dict[str, Any]] = []
     checked: list[int] = []
+    mode = getattr(spark_plan, "PartialAggregation", None)  # None: a revision without it
+    partial_agg = mode(partial) if mode is not None else None
 
     def on_batch(exploded: DataFrame, batch_id: int) -> None:
         started = now_ms()
+        if partial_agg is not None:
+            partial_agg.apply(exploded.sparkSession)
         updates = spark_plan.fold_updates(exploded, folds)
         if not records and not checked:  # warm-up batch: check every row arrived (untimed)
-            checked.append(int(updates.where("g = 0").agg({"cnt": "sum"}).collect()[0][0] or 0))
+            good = F.sum(F.when(F.col("g") == 0, F.col("cnt")))
+            row = updates.agg(good, F.sum("cnt"), F.count(F.lit(1))).collect()[0]
+            checked.append(int(row[0] or 0))
+            if partial_agg is not None:
+                partial_agg.observe(int(row[1] or 0), int(row[2]))
             started = now_ms()
         updates.write.format("noop").mode("overwrite").save()
         records.append({"batch": batch_id, "events": n_rows, "started_ms": started,
