@@ -4,6 +4,8 @@ target), with nothing else running on the machine.
     .venv/bin/python bench/store.py            # 3 rounds of 5 batches of 50,000 events, ~3 min
     .venv/bin/python bench/store.py --quick    # 1 round of 3 batches of 10,000 events
     .venv/bin/python bench/store.py --before 9b2bbbd   # that revision's writer beside this one's
+    .venv/bin/python bench/store.py --server-before /usr/bin/redis-server \
+        --out bench/results/store-servers.json   # another redis-server beside the default
     .venv/bin/python bench/store.py --callgrind --before 9b2bbbd \
         --out bench/results/store-instructions.json        # Redis's instructions per update
 
@@ -26,7 +28,9 @@ end the `txn_count` metric summed over the store must equal the events folded.
 With `--before REV`, each round writes the same folded batches twice, into a fresh Redis each
 time: once with REV's writer and script (its src/ exported with `git archive`) and once with the
 working tree's, each in a worker process of its own, in alternating order (REV first in odd
-rounds); the medians of both are reported side by side, with their ratio.
+rounds); the medians of both are reported side by side, with their ratio. With
+`--server-before PATH` the two workers run the working tree's writer, the before one against the
+redis-server binary PATH and the after one against the default (`$SLUICE_REDIS_SERVER` unset).
 Writes bench/results/store[.quick].json.
 """
 
@@ -198,14 +202,18 @@ def worker(job_path: Path) -> None:
 
 
 def revision_round(ws: Workspace, src: Path, folded_dir: Path, workload: str, rnd: int,
-                   revision: str, conf: list[str], count: bool) -> dict[str, Any]:  # fmt: skip
-    """One round of one revision in a worker process that imports `sluice` from `src`."""
+                   revision: str, conf: list[str], count: bool,
+                   server: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One round of one revision in a worker process that imports `sluice` from `src` (and
+    starts the redis-server binary `server`, when given: `$SLUICE_REDIS_SERVER`)."""
     job = ws.state_dir(f"job-{workload}-{rnd}-{revision}") / "job.json"
     out = job.with_name("out.json")
     job.write_text(json.dumps({"folded": str(folded_dir), "workload": workload, "round": rnd,
                                "conf": conf, "out": str(out), "count": count}))  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT / "bench")])}
-    log(f"{workload} round {rnd + 1}: {revision}")
+    if server:
+        env["SLUICE_REDIS_SERVER"] = server
+    log(f"{workload} round {rnd + 1}: {revision}{f' ({server})' if server else ''}")
     subprocess.run([sys.executable, __file__, "--worker", str(job)], env=env, check=True)
     return dict(json.loads(out.read_text()))
 
@@ -282,6 +290,12 @@ def main() -> None:
         help="run Redis under valgrind's callgrind and count its instructions per"
         " update (one round, slow; rates are then valgrind's, not Redis's)",
     )
+    p.add_argument(
+        "--server-before",
+        metavar="PATH",
+        help="instead of a revision: the working tree's writer against this redis-server"
+        " binary (before) and against the default one (after)",
+    )
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument(
         "--redis-conf",
@@ -304,14 +318,18 @@ def main() -> None:
         p.error(f"--workloads: unknown {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     if a.events < 1 or a.batches < 1 or a.rounds < 1:
         p.error("--events, --batches and --rounds must be at least 1")
+    if a.server_before and a.before:
+        p.error("--server-before compares two servers with one writer: leave out --before")
+    if a.server_before and not os.access(a.server_before, os.X_OK):
+        p.error(f"--server-before: {a.server_before} is not an executable file")
     run = Run("store", a)
     ws = Workspace()
     try:
         folded = fold_batches(ws, a)
         params = {"events": a.events, "batches": a.batches, "rounds": a.rounds,
                   "redis_conf": a.redis_conf, "before": a.before, "callgrind": a.callgrind,
-                  "metrics": HIGHCARD_METRICS}  # fmt: skip
-        if not a.before:
+                  "server_before": a.server_before, "metrics": HIGHCARD_METRICS}  # fmt: skip
+        if not a.before and not a.server_before:
             results = []
             for workload in a.workloads:
                 rounds = [round_of(ws, workload, folded[workload], r, a.redis_conf, a.callgrind)
@@ -320,7 +338,9 @@ def main() -> None:
             run.write(params, {"workloads": results})
             return
         (ws.root / "before").mkdir()
-        srcs = {"before": export(a.before, ws.root / "before"), "after": ROOT / "src"}
+        before = ROOT / "src" if a.server_before else export(a.before, ws.root / "before")
+        srcs = {"before": before, "after": ROOT / "src"}
+        servers = {"before": a.server_before, "after": None}
         dirs = save_folded(ws, folded)
         by_rev: dict[str, list[Any]] = {rev: [] for rev in REVISIONS}
         for workload in a.workloads:
@@ -328,7 +348,8 @@ def main() -> None:
             for r in range(a.rounds):
                 for rev in order(r):
                     rounds[rev].append(revision_round(ws, srcs[rev], dirs[workload], workload, r,
-                                                      rev, a.redis_conf, a.callgrind))  # fmt: skip
+                                                      rev, a.redis_conf, a.callgrind,
+                                                      servers[rev]))  # fmt: skip
             for rev in REVISIONS:
                 by_rev[rev].append(summarize(workload, folded[workload][2], a.events,
                                              rounds[rev]))  # fmt: skip

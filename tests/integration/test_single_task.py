@@ -47,13 +47,18 @@ def _plan(frame: Any) -> str:
     return str(frame._jdf.queryExecution().executedPlan().toString())
 
 
-def test_a_coalesced_batch_is_folded_without_a_shuffle(
-    spark: Any, redis_url: str, tmp_path: Path
-) -> None:
+def _exploded(spark: Any, redis_url: str, tmp_path: Path) -> tuple[FoldQuery, Any]:
+    """A fold of the test config (planned, not started) and 20 events exploded by its plan."""
     fold = FoldQuery(make_config(redis_url, tmp_path), RedisHandle(redis_url), spark)
     fold.prepare()
     df = spark.createDataFrame(decoded_table(fold.cfg, EVENTS[:20], NOW))
-    exploded = explode_updates(df, fold.cfg, list(fold.specs))
+    return fold, explode_updates(df, fold.cfg, list(fold.specs))
+
+
+def test_a_coalesced_batch_is_folded_without_a_shuffle(
+    spark: Any, redis_url: str, tmp_path: Path
+) -> None:
+    fold, exploded = _exploded(spark, redis_url, tmp_path)
     assert "Exchange" in _plan(fold_updates(exploded, fold._folds))
     assert "Exchange" not in _plan(fold_updates(exploded.coalesce(1), fold._folds))
 
@@ -61,16 +66,16 @@ def test_a_coalesced_batch_is_folded_without_a_shuffle(
 def test_without_partial_aggregation_the_plan_folds_once(
     spark: Any, redis_url: str, tmp_path: Path
 ) -> None:
-    fold = FoldQuery(make_config(redis_url, tmp_path), RedisHandle(redis_url), spark)
-    fold.prepare()
-    df = spark.createDataFrame(decoded_table(fold.cfg, EVENTS[:20], NOW))
-    exploded = explode_updates(df, fold.cfg, list(fold.specs))
+    fold, exploded = _exploded(spark, redis_url, tmp_path)
     try:
         for setting, partial in (("on", True), ("off", False)):
             PartialAggregation(setting).apply(spark)
             plan = _plan(fold_updates(exploded, fold._folds))
             assert ("partial_" in plan) is partial, plan
             assert "Exchange" in plan  # shuffled either way
+            # In one task there is no shuffle, and Spark folds once whatever the setting.
+            one_task = _plan(fold_updates(exploded.coalesce(1), fold._folds))
+            assert "partial_" not in one_task and "Exchange" not in one_task, one_task
     finally:
         spark.conf.unset(BYPASS_PARTIAL_AGGREGATION)
 
