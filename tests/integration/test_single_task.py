@@ -76,6 +76,15 @@ def test_without_partial_aggregation_the_plan_folds_once(
             # In one task there is no shuffle, and Spark folds once whatever the setting.
             one_task = _plan(fold_updates(exploded.coalesce(1), fold._folds))
             assert "partial_" not in one_task and "Exchange" not in one_task, one_task
+        # A batch that runs again folds as its first attempt did, also in a new fold.
+        auto = PartialAggregation("auto")
+        assert auto.apply(spark, tmp_path, 7) is True
+        auto.observe(rows=300, cells=214)
+        assert auto.apply(spark, tmp_path, 7) is True
+        assert spark.conf.get(BYPASS_PARTIAL_AGGREGATION) == "false"
+        assert auto.apply(spark, tmp_path, 8) is False
+        assert spark.conf.get(BYPASS_PARTIAL_AGGREGATION) == "true"
+        assert PartialAggregation("auto").apply(spark, tmp_path, 8) is False
     finally:
         spark.conf.unset(BYPASS_PARTIAL_AGGREGATION)
 

@@ -216,7 +216,7 @@ class FoldQuery(StreamQuery):
         small = events is not None and events <= self._single_task
         if small:
             exploded = exploded.coalesce(1)  # one task, no shuffle (module docstring)
-        self.partial.apply(exploded.sparkSession)  # as the batches before it folded (plan.py)
+        self.partial.apply(exploded.sparkSession, self.ckpt, batch_id)  # plan.PartialAggregation
         done = functools.partial(self._finish, batch_id, token, started, offsets, audit_source)
         if self.behind is not None and offsets is not None and not small:
             t0 = time.perf_counter()

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from pyspark.errors import AnalysisException, ParseException
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -49,6 +50,8 @@ from sluice.source.options import SourceOptions
 DEAD_G = -1
 # `auto` folds without the partial step after a batch with at least this many cells per row.
 PARTIAL_OFF_CELLS_PER_ROW = 0.5
+# Each batch's choice, under the checkpoint, for a batch that runs again; the newest kept.
+PARTIAL_DIR, PARTIAL_KEEP = "sluice-partial", 100
 
 
 @dataclass(frozen=True)
@@ -365,8 +368,12 @@ class PartialAggregation:
     """`spark.partial_aggregation` for one fold: whether Spark folds each task's rows before the
     shuffle (module docstring). `on` and `off` are fixed; `auto` starts on and, after each
     batch (`observe`: its exploded rows and the cells they folded into), is off for the next
-    batches while cells per row are at least PARTIAL_OFF_CELLS_PER_ROW. Either way the fold's
-    result is the same; only the work differs."""
+    batches while cells per row are at least PARTIAL_OFF_CELLS_PER_ROW.
+
+    The answers are the same either way, but a float sum adds in another order and a sketch
+    takes its values in another order, so a batch that runs again (after a crash, or a write
+    that did not balance) folds as its first attempt did: `apply` records each batch's choice
+    under the checkpoint (PARTIAL_DIR) and reads it back for a batch that has one."""
 
     def __init__(self, setting: str) -> None:
         self.setting = setting
@@ -376,6 +383,22 @@ class PartialAggregation:
         if self.setting == "auto" and rows > 0:
             self.on = cells < PARTIAL_OFF_CELLS_PER_ROW * rows
 
-    def apply(self, session: SparkSession) -> None:
-        """Set it in `session` (a batch's) before its fold is planned."""
-        session.conf.set(BYPASS_PARTIAL_AGGREGATION, "false" if self.on else "true")
+    def apply(self, session: SparkSession, ckpt: Path | None = None, batch_id: int = 0) -> bool:
+        """Set it in `session` (a batch's) before its fold is planned: as recorded for
+        `batch_id` under `ckpt`, else as it stands now (then recorded). Returns it."""
+        on = self.on if ckpt is None else self._recorded(ckpt / PARTIAL_DIR, batch_id)
+        session.conf.set(BYPASS_PARTIAL_AGGREGATION, "false" if on else "true")
+        return on
+
+    def _recorded(self, where: Path, batch_id: int) -> bool:
+        path = where / str(batch_id)
+        try:
+            return path.read_text(encoding="utf-8") == "on"
+        except FileNotFoundError:
+            pass
+        where.mkdir(parents=True, exist_ok=True)
+        tmp = where / f".{batch_id}.tmp"
+        tmp.write_text("on" if self.on else "off", encoding="utf-8")
+        tmp.replace(path)  # atomic: a crash leaves no half-written choice
+        (where / str(batch_id - PARTIAL_KEEP)).unlink(missing_ok=True)
+        return self.on
