@@ -19,7 +19,7 @@ from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
 from sluice.source.options import SourceOptions
 from sluice.source.producer import Producer
-from sluice.source.reader import FORMAT, LogStreamReader
+from sluice.source.reader import FORMAT, START_FILE, LogStreamReader
 from tests.conftest import make_config
 
 NOW = time.time_ns() // 1_000_000
@@ -260,3 +260,16 @@ def test_flow_control_falls_back_to_the_static_limit_while_redis_refuses_writes_
         "flow control failed; admitting with the static limit until it recovers",
         "flow control recovered",
     ]
+
+
+def test_start_positions_are_kept_beside_the_checkpoint(redis_url: str, tmp_path: Path) -> None:
+    """A re-run first batch starts where the first attempt did, even if the log's start moved:
+    the first answer is kept under the checkpoint, written whole, and read back from there."""
+    cfg = make_config(redis_url, tmp_path)
+    ckpt = tmp_path / "ckpt"
+    first = _reader(cfg, redis_url, checkpoint=str(ckpt)).initialOffset()
+    assert orjson.loads((ckpt / START_FILE).read_bytes()) == first["ids"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [START_FILE]  # no temporary file left
+    moved = {"events:0": "5-0", "events:1": "7-0"}  # as if the log's start had moved since
+    (ckpt / START_FILE).write_bytes(orjson.dumps(moved))
+    assert _reader(cfg, redis_url, checkpoint=str(ckpt)).initialOffset()["ids"] == moved

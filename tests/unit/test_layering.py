@@ -13,7 +13,7 @@ ROOT = Path(sluice.__file__).parent
 # docs/architecture.md, "What may import what": a package may import its own modules and those
 # of lower layers only.
 LAYERS = {
-    "errors": 0, "clock": 0, "units": 0, "logs": 0, "formula": 0, "collector": 0,
+    "errors": 0, "clock": 0, "units": 0, "logs": 0, "formula": 0, "collector": 0, "files": 0,
     "redis": 1, "slices": 1,
     "config": 2,
     "graph": 3,

@@ -36,6 +36,7 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.errors import PipelineError
+from sluice.files import read_text, replace_text
 from sluice.pipeline.audit import logged_batches
 from sluice.pipeline.ship import is_local
 
@@ -61,19 +62,13 @@ def describe(err: BaseException) -> str:
 
 def read_mark(ckpt: Path) -> int | None:
     """The newest batch known written, or None when the checkpoint has no mark yet."""
-    path = ckpt / MARK_FILE
-    try:
-        return int(path.read_text(encoding="utf-8").strip())
-    except FileNotFoundError:
-        return None
+    text = read_text(ckpt / MARK_FILE)
+    return None if text is None else int(text.strip())
 
 
 def write_mark(ckpt: Path, batch_id: int) -> None:
     """Mark `batch_id` written (atomically: a crash leaves the old mark or the new one)."""
-    ckpt.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt / f".{MARK_FILE}.tmp"
-    tmp.write_text(str(batch_id), encoding="utf-8")
-    tmp.replace(ckpt / MARK_FILE)
+    replace_text(ckpt / MARK_FILE, str(batch_id))
 
 
 def _drop(ckpt: Path, log_name: str, batch_id: int) -> None:

@@ -42,6 +42,7 @@ from pyspark.sql.types import DataType, IntegralType, NumericType
 from sluice.config import Config
 from sluice.config.runtime import BYPASS_PARTIAL_AGGREGATION
 from sluice.errors import ConfigError
+from sluice.files import read_text, replace_text
 from sluice.redis.keys import ESCAPES, KEY_SEP
 from sluice.slices.aggs import AGGS
 from sluice.source.decode import spark_schema_ddl
@@ -391,14 +392,9 @@ class PartialAggregation:
         return on
 
     def _recorded(self, where: Path, batch_id: int) -> bool:
-        path = where / str(batch_id)
-        try:
-            return path.read_text(encoding="utf-8") == "on"
-        except FileNotFoundError:
-            pass
-        where.mkdir(parents=True, exist_ok=True)
-        tmp = where / f".{batch_id}.tmp"
-        tmp.write_text("on" if self.on else "off", encoding="utf-8")
-        tmp.replace(path)  # atomic: a crash leaves no half-written choice
+        recorded = read_text(where / str(batch_id))
+        if recorded is not None:
+            return recorded == "on"
+        replace_text(where / str(batch_id), "on" if self.on else "off")
         (where / str(batch_id - PARTIAL_KEEP)).unlink(missing_ok=True)
         return self.on

@@ -33,6 +33,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from sluice import collector
 from sluice.clock import SYSTEM_CLOCK
+from sluice.files import read_text, replace_text
 from sluice.redis.connection import client_for
 from sluice.redis.keys import decode_times_key
 from sluice.source.admission import Admission
@@ -100,8 +101,9 @@ class LogStreamReader(DataSourceStreamReader):
         after a crash, and a Kafka topic's start moves, so the first answer is kept beside
         the checkpoint. Waits (shown as waiting) while the log cannot be read."""
         path = Path(self.opts.checkpoint) / START_FILE if self.opts.checkpoint else None
-        if path is not None and path.exists():
-            positions: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        kept = None if path is None else read_text(path)
+        if kept is not None:
+            positions: dict[str, Any] = json.loads(kept)
             return positions
         while True:
             try:
@@ -112,10 +114,7 @@ class LogStreamReader(DataSourceStreamReader):
                 time.sleep(WAIT_S)
         self.state.ok()
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(positions), encoding="utf-8")
-            tmp.replace(path)
+            replace_text(path, json.dumps(positions))
         return positions
 
     def getDefaultReadLimit(self) -> ReadLimit:
