@@ -7,6 +7,7 @@
     .venv/bin/python bench/ingest.py --bare-slots --cells fields:highcard,jsonl:highcard --rounds 6
                                                         # ... columns shared between groups or not
     .venv/bin/python bench/ingest.py --audit-pairs 8    # the audit's cost: 8 on/off drain pairs
+    .venv/bin/python bench/ingest.py --partial-sweep    # partial aggregation or not, by cells/row
     .venv/bin/python bench/ingest.py --cells fields:zipf --rounds 1   # some cells only
 
 Two revisions of src/ are measured: `--before` (exported with `git archive` into a temporary
@@ -44,8 +45,10 @@ from typing import Any
 
 from lib.bare import bare_run
 from lib.load import (
+    HIGHCARD,
     HIGHCARD_METRICS,
     WORKLOADS,
+    KeySpace,
     PacedProducer,
     bench_config,
     build_pool,
@@ -279,19 +282,19 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
 
 
 def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
-              audit: bool = True, slots: bool = True,
-              partial: str = "auto") -> dict[str, Any]:  # fmt: skip
+              audit: bool = True, slots: bool = True, partial: str = "auto",
+              space: KeySpace = HIGHCARD) -> dict[str, Any]:  # fmt: skip
     """The bare engine on batches of the cell's cap (`lib.bare.bare_run`); its plan carries
     the audit's columns unless `audit` is False, shares columns between metric groups unless
     `slots` is False, and sets Spark's partial aggregation as `partial` says, as the fold's
-    does."""
+    does; `highcard` events fall over `space`."""
     cap = SIZES[(a.quick, fmt, workload)][0]
     extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
     if not audit:
         extra["audit"] = {"enabled": False}
     cfg = bench_config(fmt, (d := ws.state_dir(f"{fmt}-{workload}-bare")), cap, **extra)
     bare, _ = bare_run(spark, cfg, d, cap, a.seed + 7, a.bare_batches, a.timeout_s, workload,
-                       slots, partial)  # fmt: skip
+                       slots, partial, space)  # fmt: skip
     log(f"bare {fmt}-{workload}{'' if audit else ' (audit off)'}{'' if slots else ' (no slots)'}"
         f"{'' if partial == 'auto' else f' (partial {partial})'}: {bare}")  # fmt: skip
     return {"format": fmt, "workload": workload, "bare": bare, "audit": audit, "slots": slots,
@@ -339,6 +342,62 @@ def bare_ab(a: Any, toggle: str) -> None:
                      "on_each": on, "off_each": off, "cost": cost})  # fmt: skip
     sizes = {f"{f} {w}": SIZES[(a.quick, f, w)][0] for f, w in a.cells}
     run.write({"bare_batches": a.bare_batches, "sizes": sizes},
+              {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
+
+
+# `--partial-sweep`: key spaces of the high-cardinality workload from dense to sparse, so that a
+# batch's exploded rows fold into from a few hundredths of a cell per row up to HIGHCARD's 0.72.
+SWEEP = (
+    KeySpace(100, 20, 60_000), KeySpace(100, 20, 300_000), KeySpace(300, 20, 300_000),
+    KeySpace(300, 50, 600_000), KeySpace(1_000, 200, 600_000), KeySpace(3_000, 200, 600_000),
+    HIGHCARD,
+)  # fmt: skip
+
+
+def partial_sweep(a: Any) -> None:
+    """`--partial-sweep`: where Spark's partial aggregation stops paying. The bare engine on the
+    high-cardinality workload's metrics, per format of `--cells` and key space of SWEEP, with
+    the partial step and without, in alternating order, `rounds` times, in one Spark session
+    (the working tree's src/). Cells per row: the warm-up batch's, what `auto` judges by.
+    Writes bench/results/ingest-partial-sweep[.quick].json."""
+    from sluice.pipeline.plan import PARTIAL_OFF_CELLS_PER_ROW
+    from sluice.pipeline.spark import build_spark
+    from sluice.testing.arrow_source import ArrowFileSource
+
+    run, ws, cells, spark = Run("ingest-partial-sweep", a), Workspace(), [], None
+    formats = [f for f in FORMATS if (f, "highcard") in a.cells]
+    spaces = SWEEP[::3] if a.quick else SWEEP
+    try:
+        spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
+        spark.dataSource.register(ArrowFileSource)
+        bare_cell(spark, ws, "fields", "highcard", a)  # warm-up, not counted
+        for rnd in range(a.rounds or 3):
+            for fmt in formats:
+                for i, space in enumerate(spaces):
+                    log(f"partial sweep: round {rnd + 1}, {fmt}, {space}")
+                    for on in (True, False) if (rnd + i) % 2 == 0 else (False, True):
+                        c = bare_cell(spark, ws, fmt, "highcard", a, partial="on" if on else "off",
+                                      space=space)  # fmt: skip
+                        cells.append(c | {"round": rnd + 1, "on": on, "space": space._asdict()})
+    finally:
+        if spark is not None:
+            spark.stop()
+        ws.cleanup()
+    rows = []
+    for fmt in formats:
+        for space in spaces:
+            mine = [c for c in cells if c["format"] == fmt and c["space"] == space._asdict()]
+            on, off = ([c["bare"]["per_s"] for c in mine if c["on"] == x and c["bare"].get("per_s")]
+                       for x in (True, False))  # fmt: skip
+            per_row = [c["bare"]["fold_cells"] / c["bare"]["fold_rows"] for c in mine
+                       if c["bare"].get("fold_rows")]  # fmt: skip
+            m_on, m_off = median(on), median(off)
+            rows.append({"format": fmt, "space": space._asdict(),
+                         "cells_per_row": median(per_row), "on_per_s": m_on, "off_per_s": m_off,
+                         "on_each": on, "off_each": off,
+                         "ratio": m_off / m_on if m_on and m_off else None})  # fmt: skip
+    run.write({"bare_batches": a.bare_batches, "events": SIZES[(a.quick, "fields", "highcard")][0],
+               "metrics": HIGHCARD_METRICS, "threshold": PARTIAL_OFF_CELLS_PER_ROW},
               {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
@@ -550,6 +609,9 @@ def main() -> None:
     p.add_argument("--bare-partial", action="store_true",
                    help="only the bare engine with and without Spark's partial"
                    " aggregation")  # fmt: skip
+    p.add_argument("--partial-sweep", action="store_true",
+                   help="only the bare engine with and without Spark's partial aggregation,"
+                   " over key spaces from dense to sparse")  # fmt: skip
     p.add_argument("--partial-pairs", type=int, metavar="N",
                    help="only N pairs of drains with Spark's partial aggregation on and"
                    " off")  # fmt: skip
@@ -567,12 +629,16 @@ def main() -> None:
             else "ingest-bare-audit" if a.bare_audit
             else "ingest-bare-slots" if a.bare_slots
             else "ingest-bare-partial" if a.bare_partial
+            else "ingest-partial-sweep" if a.partial_sweep
             else "ingest"
         )  # fmt: skip
         a.out = Path(__file__).parent / "results" / f"{name}.cells.json"
     a.timeout_s, a.bare_batches = (120.0, 4) if a.quick else (240.0, 5)
     if a.worker:
         worker(a)
+        return
+    if a.partial_sweep:
+        partial_sweep(a)
         return
     if a.bare_audit or a.bare_slots or a.bare_partial:
         bare_ab(a, "audit" if a.bare_audit else "slots" if a.bare_slots else "partial")

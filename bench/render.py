@@ -26,8 +26,9 @@ from lib.results import RESULTS_DIR, ROOT
 # the store puts on a drain, the store's section the store's rate in the pipeline and its
 # instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.cells",
-                             "ingest-bare-slots.cells", "ingest-bare-partial", "ingest-partial",
-                             "ingest-audit", "ingest-audit.cells", "ingest-audit.highcard",
+                             "ingest-bare-slots.cells", "ingest-bare-partial",
+                             "ingest-partial-sweep", "ingest-partial", "ingest-audit",
+                             "ingest-audit.cells", "ingest-audit.highcard",
                              "ingest-audit.highcard-fields", "store"],
             ["store", "ingest", "store-instructions", "store-servers"], ["collector"], ["query"],
             ["durability"],

@@ -12,7 +12,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from lib.load import now_ms, xrange_entries
+from lib.load import HIGHCARD, KeySpace, now_ms, xrange_entries
 from lib.stats import batch_rate
 from sluice.config import Config
 from sluice.pipeline import plan as spark_plan
@@ -34,6 +34,7 @@ def bare_run(
     workload: str = "zipf",
     share_columns: bool = True,
     partial: str = "auto",
+    space: KeySpace = HIGHCARD,
 ) -> tuple[dict[str, Any], list[Any]]:
     """explode_updates + fold_updates + a no-op write over `batches` micro-batches of
     `n_events` events of `workload`, from the Arrow source, back to back (trigger 0, so the
@@ -41,13 +42,15 @@ def bare_run(
     the events the warm-up batch counted, the batch records). `share_columns=False`: the plan
     without slots (`plan.metric_specs`). `partial`: Spark's partial aggregation as the fold's
     `spark.partial_aggregation` sets it (`auto` from the warm-up batch's rows and cells, as
-    the fold from its last batch's), where the revision has that setting."""
-    n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload)
+    the fold from its last batch's), where the revision has that setting. `space`: where
+    `highcard` events fall. The rate carries the warm-up batch's exploded rows and the cells
+    they folded into (`fold_rows`, `fold_cells`)."""
+    n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload, space)
     types = spark_plan.check_expressions(spark, cfg)
     specs = spark_plan.metric_specs(cfg, types, share_columns)
     folds = spark_plan.fold_columns(specs, cfg.audit.enabled)  # as the fold builds them
     records: list[dict[str, Any]] = []
-    checked: list[int] = []
+    checked: list[int] = []  # the warm-up batch's good events, exploded rows and cells
     mode = getattr(spark_plan, "PartialAggregation", None)  # None: a revision without it
     partial_agg = mode(partial) if mode is not None else None
 
@@ -59,7 +62,7 @@ def bare_run(
         if not records and not checked:  # warm-up batch: check every row arrived (untimed)
             good = F.sum(F.when(F.col("g") == 0, F.col("cnt")))
             row = updates.agg(good, F.sum("cnt"), F.count(F.lit(1))).collect()[0]
-            checked.append(int(row[0] or 0))
+            checked.extend((int(row[0] or 0), int(row[1] or 0), int(row[2])))
             if partial_agg is not None:
                 partial_agg.observe(int(row[1] or 0), int(row[2]))
             started = now_ms()
@@ -85,16 +88,18 @@ def bare_run(
     finally:
         query.stop()
     rate = batch_rate(records)
-    return {"checked_events": checked[0] if checked else None, **(rate or {})}, records
+    warm = dict(zip(("checked_events", "fold_rows", "fold_cells"), checked, strict=False))
+    return {"checked_events": None, **warm, **(rate or {})}, records
 
 
-def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path,
-                      workload: str = "zipf") -> int:  # fmt: skip
-    """Decode `n_events` synthetic entries (or Kafka records) with the real Decoder into an Arrow
-    IPC file of BARE_PARTITIONS x BARE_CHUNKS_PER_PARTITION record batches. Returns rows."""
+def write_arrow_batch(cfg: Config, n_events: int, seed: int, path: Path, workload: str = "zipf",
+                      space: KeySpace = HIGHCARD) -> int:  # fmt: skip
+    """Decode `n_events` synthetic entries (or Kafka records) of `workload` (`highcard` over
+    `space`) with the real Decoder into an Arrow IPC file of BARE_PARTITIONS x
+    BARE_CHUNKS_PER_PARTITION record batches. Returns rows."""
     ref_ms = now_ms()
     opts = SourceOptions.from_config(cfg, url="redis://unused")
-    entries = xrange_entries(cfg, n_events, seed, ref_ms, workload)
+    entries = xrange_entries(cfg, n_events, seed, ref_ms, workload, space)
     values, decoder = [e[1][1] for e in entries], Decoder(opts, ref_ms, "events:0")  # value: `d`
     decoded = decoder.decode(entries) if cfg.source.kafka is None else decoder.decode_records(
         values, range(len(values)), [ref_ms] * len(values), "events", 0)  # fmt: skip

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import hiredis
@@ -32,8 +32,8 @@ METRICS: list[dict[str, Any]] = [
      "slice": "10s", "retention": "1h"},
 ]  # fmt: skip
 # The high-cardinality workload (issue 15): six metrics over three key sets and three slice
-# lengths, fed by events with uniform keys over HIGHCARD_CARDS cards and HIGHCARD_MERCHANTS
-# merchants, stamped uniformly over the last HIGHCARD_SPREAD_MS.
+# lengths, fed by events with uniform keys over a KeySpace's cards and merchants, stamped
+# uniformly over its spread (HIGHCARD's: 100,000 cards, 200 merchants, the last 10 minutes).
 HIGHCARD_METRICS: list[dict[str, Any]] = [
     {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1h"},
     {"name": "card_amount", "key": ["card"], "agg": "sum", "value": "amount", "slice": "1m",
@@ -47,7 +47,18 @@ HIGHCARD_METRICS: list[dict[str, Any]] = [
     {"name": "pair_max", "key": ["card", "merchant"], "agg": "max", "value": "amount",
      "slice": "1m", "retention": "1h"},
 ]  # fmt: skip
-HIGHCARD_CARDS, HIGHCARD_MERCHANTS, HIGHCARD_SPREAD_MS = 100_000, 200, 600_000
+
+
+class KeySpace(NamedTuple):
+    """Where the high-cardinality workload's events fall: uniform over `cards` cards and
+    `merchants` merchants, and over the `spread_ms` before their reference time."""
+
+    cards: int
+    merchants: int
+    spread_ms: int
+
+
+HIGHCARD = KeySpace(100_000, 200, 600_000)
 WORKLOADS = ("zipf", "highcard")
 SHARDS = 2
 JSONL_EVENTS_PER_ENTRY = 500  # the Producer's default `batch_events`
@@ -162,15 +173,16 @@ def _encode(cfg: Config, entries: Sequence[tuple[int, list[bytes], int]]) -> lis
     return [resp_command(b"XADD", keys[s], b"*", *f) for s, f, _ in entries]
 
 
-def highcard_frame(n_events: int, seed: int, at_ms: int) -> pd.DataFrame:
+def highcard_frame(n_events: int, seed: int, at_ms: int,
+                   space: KeySpace = HIGHCARD) -> pd.DataFrame:  # fmt: skip
     """`n_events` events of the high-cardinality workload: cards and merchants uniform over
-    HIGHCARD_CARDS and HIGHCARD_MERCHANTS, times uniform over the HIGHCARD_SPREAD_MS before
-    `at_ms`, amounts log-normal (columns in SCHEMA's order)."""
+    `space`'s, times uniform over its spread before `at_ms`, amounts log-normal (columns in
+    SCHEMA's order)."""
     rng = np.random.default_rng(seed)
-    cards = rng.integers(0, HIGHCARD_CARDS, n_events)
-    merchants = rng.integers(0, HIGHCARD_MERCHANTS, n_events)
+    cards = rng.integers(0, space.cards, n_events)
+    merchants = rng.integers(0, space.merchants, n_events)
     return pd.DataFrame({
-        "ts": at_ms - rng.integers(0, HIGHCARD_SPREAD_MS, n_events).astype(np.int64),
+        "ts": at_ms - rng.integers(0, space.spread_ms, n_events).astype(np.int64),
         "card": [f"card-{i}" for i in cards.tolist()],
         "merchant": [f"merchant-{i}" for i in merchants.tolist()],
         "amount": np.round(rng.lognormal(3.0, 1.0, n_events), 2),
@@ -193,12 +205,13 @@ def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int,
     return LoadPool(_encode(cfg, entries), [n for _, _, n in entries], tuple(per_shard))
 
 
-def xrange_entries(cfg: Config, n_events: int, seed: int, at_ms: int,
-                   workload: str = "zipf") -> list[list[Any]]:  # fmt: skip
-    """The same kind of events as `build_pool`, shaped like a raw XRANGE reply
-    (`[[id, [f1, v1, ...]], ...]`, ids at `at_ms`), for `sluice.source.decode.Decoder`."""
+def xrange_entries(cfg: Config, n_events: int, seed: int, at_ms: int, workload: str = "zipf",
+                   space: KeySpace = HIGHCARD) -> list[list[Any]]:  # fmt: skip
+    """The same kind of events as `build_pool` (`highcard` ones over `space`), shaped like a
+    raw XRANGE reply (`[[id, [f1, v1, ...]], ...]`, ids at `at_ms`), for
+    `sluice.source.decode.Decoder`."""
     if workload == "highcard":
-        frame = highcard_frame(n_events, seed, at_ms)
+        frame = highcard_frame(n_events, seed, at_ms, space)
     else:
         frame = EventGenerator(cfg, seed=seed).frame(n_events, at_ms)
     entries = _entries(cfg, frame)
