@@ -349,8 +349,8 @@ def bare_ab(a: Any, toggle: str) -> None:
 # batch's exploded rows fold into from a few hundredths of a cell per row up to HIGHCARD's 0.72.
 SWEEP = (
     KeySpace(100, 20, 60_000), KeySpace(100, 20, 300_000), KeySpace(300, 20, 300_000),
-    KeySpace(300, 50, 600_000), KeySpace(1_000, 200, 600_000), KeySpace(3_000, 200, 600_000),
-    HIGHCARD,
+    KeySpace(300, 30, 450_000), KeySpace(300, 50, 600_000), KeySpace(1_000, 200, 600_000),
+    KeySpace(3_000, 200, 600_000), HIGHCARD,
 )  # fmt: skip
 
 
