@@ -614,7 +614,9 @@ def test_partial_aggregation_is_auto_and_follows_the_last_batch() -> None:
     assert not auto.on
     auto.observe(rows=200_000, cells=18_000)  # few keys, events of one moment
     assert auto.on
-    auto.observe(rows=1_000, cells=500)  # half as many cells as rows: off
+    auto.observe(rows=1_000, cells=299)  # just under 0.3 cells per row: on
+    assert auto.on
+    auto.observe(rows=1_000, cells=300)  # 0.3 cells per row: off
     assert not auto.on
     for setting, on in (("on", True), ("off", False)):
         fixed = PartialAggregation(setting)

@@ -32,7 +32,7 @@ class SparkConfig(_Model):
         "auto",
         description="each task folds its own rows by (group, key, slice) before the fold's"
         " shuffle (Spark's partial aggregation); auto = off after a batch whose exploded rows"
-        " folded into at least half as many cells (many keys, or times over many slices), on"
+        " folded into at least 0.3 cells per row (many keys, or times over many slices), on"
         " otherwise; needs Spark 4.3 or later, where earlier ones always fold partially",
     )
     conf: dict[str, str] = Field(default_factory=dict)

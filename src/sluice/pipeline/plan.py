@@ -22,7 +22,7 @@ Spark folds in two steps around the shuffle: each task first folds its own rows 
 aggregation), then the cells are folded again after the shuffle. The first step pays when cells
 repeat within a task; when most rows are a cell of their own (many keys, or times spread over
 many slices) it is a hash table built for nothing. `PartialAggregation` turns it off for the
-next batch when the last one's rows folded into at least half as many cells
+next batch when the last one's rows folded into at least 0.3 cells per row
 (`spark.partial_aggregation`).
 """
 
@@ -49,8 +49,10 @@ from sluice.source.decode import spark_schema_ddl
 from sluice.source.options import SourceOptions
 
 DEAD_G = -1
-# `auto` folds without the partial step after a batch with at least this many cells per row.
-PARTIAL_OFF_CELLS_PER_ROW = 0.5
+# `auto` folds without the partial step after a batch with at least this many cells per row:
+# measured on the bare engine (docs/benchmarks.md, `bench/ingest.py --partial-sweep`), the step
+# cost as much as it saved at 0.24 and more from 0.32 on, in both formats.
+PARTIAL_OFF_CELLS_PER_ROW = 0.3
 # Each batch's choice, under the checkpoint, for a batch that runs again; the newest kept.
 PARTIAL_DIR, PARTIAL_KEEP = "sluice-partial", 100
 
