@@ -196,7 +196,7 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
                            "partial": partial, "batch_events": cap}  # fmt: skip
     with pipeline_run(spark, cfg) as (pipeline, handle):
         pool_n = n_events if workload == "highcard" else POOL_EVENTS
-        pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload)
+        pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload, getattr(a, "space", HIGHCARD))
         sent = prefill(handle.url, pool, n_events)
         redis_pid = handle.embedded.pid if handle.embedded else None
         usec0, cpu0 = command_usec(handle.client), CpuSnapshot.take(parties(redis_pid))
@@ -414,7 +414,8 @@ def drain_pairs(a: Any, toggle: str, n_pairs: int) -> None:
     drain, N pairs of drains with the audit (or Spark's partial aggregation) on and off, in
     alternating order, in one Spark session (the working tree's src/). A pair's ratio (on /
     off) is taken in one stretch of the machine's load, so its median is steadier than a ratio
-    of medians. Writes bench/results/ingest-<toggle>[.quick|.cells].json."""
+    of medians. `highcard` events fall over `--space`. Writes
+    bench/results/ingest-<toggle>[.quick|.cells].json."""
     from sluice.pipeline.spark import build_spark
 
     run, ws, cells, spark = Run(f"ingest-{toggle}", a), Workspace(), [], None
@@ -455,7 +456,8 @@ def drain_pairs(a: Any, toggle: str, n_pairs: int) -> None:
                      "audit_ok": all(c["audit_ok"] for c in ran if c["audit"]) if ran
                      else None})  # fmt: skip
     run.write({"pairs": n_pairs, "sizes": {f"{f} {w}": SIZES[(a.quick, f, w)]
-               for f, w in a.cells}}, {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
+               for f, w in a.cells}, "space": a.space._asdict()},
+              {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
 def worker(a: Any) -> None:
@@ -618,10 +620,17 @@ def main() -> None:
     p.add_argument("--cells", default=",".join(f"{f}:{w}" for f in FORMATS for w in WORKLOADS),
                    help="format:workload pairs to measure, comma-separated (default: all);"
                    " a subset goes to bench/results/ingest.cells.json")  # fmt: skip
+    p.add_argument("--space", default=",".join(map(str, HIGHCARD)), metavar="C,M,MS",
+                   help="where the drain pairs' highcard events fall: cards, merchants, spread"
+                   " in ms (default %(default)s)")  # fmt: skip
     p.add_argument("--audit-pairs", type=int, metavar="N",
                    help="only the audit's cost: N pairs of drains with it on and off")  # fmt: skip
     a = p.parse_args()
     a.cells_arg, a.cells = a.cells, cells_of(p, a.cells)
+    try:
+        a.space = KeySpace(*(int(x) for x in a.space.split(",")))
+    except (TypeError, ValueError):
+        p.error(f"--space: want cards,merchants,spread_ms (three whole numbers), got {a.space!r}")
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
         name = (
             "ingest-audit" if a.audit_pairs

@@ -27,7 +27,8 @@ from lib.results import RESULTS_DIR, ROOT
 # instruction counts (a `bench/store.py --callgrind` run).
 SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.cells",
                              "ingest-bare-slots.cells", "ingest-bare-partial",
-                             "ingest-partial-sweep", "ingest-partial", "ingest-audit",
+                             "ingest-partial-sweep", "ingest-partial", "ingest-partial.midcard",
+                             "ingest-audit",
                              "ingest-audit.cells", "ingest-audit.highcard",
                              "ingest-audit.highcard-fields", "store"],
             ["store", "ingest", "store-instructions", "store-servers"], ["collector"], ["query"],

@@ -189,13 +189,13 @@ def highcard_frame(n_events: int, seed: int, at_ms: int,
     })  # fmt: skip
 
 
-def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int,
-               workload: str = "zipf") -> LoadPool:  # fmt: skip
+def build_pool(cfg: Config, n_events: int, seed: int, at_ms: int, workload: str = "zipf",
+               space: KeySpace = HIGHCARD) -> LoadPool:  # fmt: skip
     """`n_events` events (`zipf`: Zipf keys, 1% up to 5 min late, times at `at_ms`; `highcard`:
-    `highcard_frame`) as entries for `cfg`'s log and format, sharded by card: good for well
-    under the 1 h retention."""
+    `highcard_frame` over `space`) as entries for `cfg`'s log and format, sharded by card: good
+    for well under the 1 h retention."""
     if workload == "highcard":
-        frame = highcard_frame(n_events, seed, at_ms)
+        frame = highcard_frame(n_events, seed, at_ms, space)
     else:
         frame = EventGenerator(cfg, seed=seed).frame(n_events, at_ms)
     entries = _entries(cfg, frame)
