@@ -196,7 +196,7 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
                            "partial": partial, "batch_events": cap}  # fmt: skip
     with pipeline_run(spark, cfg) as (pipeline, handle):
         pool_n = n_events if workload == "highcard" else POOL_EVENTS
-        pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload, getattr(a, "space", HIGHCARD))
+        pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload, a.space)
         sent = prefill(handle.url, pool, n_events)
         redis_pid = handle.embedded.pid if handle.embedded else None
         usec0, cpu0 = command_usec(handle.client), CpuSnapshot.take(parties(redis_pid))
@@ -631,6 +631,8 @@ def main() -> None:
         a.space = KeySpace(*(int(x) for x in a.space.split(",")))
     except (TypeError, ValueError):
         p.error(f"--space: want cards,merchants,spread_ms (three whole numbers), got {a.space!r}")
+    if a.space != HIGHCARD and not (a.audit_pairs or a.partial_pairs):
+        p.error("--space applies to drain pairs only (--audit-pairs or --partial-pairs)")
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
         name = (
             "ingest-audit" if a.audit_pairs
