@@ -18,6 +18,8 @@ last stable offsets (read_committed), so an open transaction's records wait unti
 - After a batch commits, this reader's positions are kept in Redis (`sluice:rd:{kafka:...}`,
   per partition), and the smallest over the topic's readers is committed to `group_id`: Kafka's
   own lag tools (kafka-consumer-groups, Burrow, exporters) then show Sluice as a consumer.
+  Readers commit from their own clients, so each checks the smallest again after its commit
+  (`release`): a stale commit that lands last is made good.
 - Kafka does not report a lag in bytes, so the backlog's bytes are the lag in records times the
   mean record size Sluice has read (`bytes_estimated`).
 """
@@ -67,6 +69,10 @@ METADATA_TTL_S = 5.0
 REQUEST_TIMEOUT_S = 5.0
 SAMPLE_RECORDS = 32
 RECORD_BYTES_TTL_S = 30.0
+# Group commits a release makes at most: one, then one more each time the readers' floor moved
+# while it was in flight (another reader's release). A floor still moving after that is left to
+# the next release, as a failed commit is.
+COMMIT_ROUNDS = 3
 
 
 def shard_name(topic: str, partition: str | int) -> str:
@@ -369,9 +375,9 @@ class KafkaLog(Log):
 
     def release(self, end: Mapping[str, Position]) -> None:
         """Keep this reader's offsets in Redis and commit, per partition, the smallest over the
-        topic's readers to `group_id` (when it moved). A failed commit is logged and made again
-        after the next batch: the offsets only say how far Sluice got, they never decide what
-        it reads."""
+        topic's readers to `group_id` (when it moved), then check it against Redis again (see
+        below). A failed commit is logged and made again after the next batch: the offsets only
+        say how far Sluice got, they never decide what it reads."""
         if not end:
             return
         client = self._client()
@@ -388,14 +394,29 @@ class KafkaLog(Log):
             return pipe.execute()
 
         mins = execute_loading(client, run, (RELEASE_OFFSET,))
-        commit = {}
-        for s, low in zip(shards, mins, strict=True):
-            if low is not None and int(low) > self._committed.get(int(s), -1):
-                commit[int(s)] = int(low)
-        if commit:
-            self._commit(commit)
+        floors = {int(s): int(low) for s, low in zip(shards, mins, strict=True) if low is not None}
+        for _ in range(COMMIT_ROUNDS):
+            commit = {p: o for p, o in floors.items() if o > self._committed.get(p, -1)}
+            if not commit or not self._commit(commit):
+                return
+            # Readers commit from their own clients, and the broker keeps whichever commit
+            # lands last: one computed before another reader moved may land after that
+            # reader's. So the floor is read again once the commit is done, and committed
+            # again where it moved; the last commit to land is then never behind Redis.
+            floors = self._floors(list(commit))
 
-    def _commit(self, offsets: dict[int, int]) -> None:
+    def _floors(self, parts: list[int]) -> dict[int, int]:
+        """The smallest offset over each partition's readers, where every reader has one."""
+        pipe = self._client().pipeline(transaction=False)
+        for p in parts:
+            pipe.hmget(reader_hash(self.spec.topic, p), list(self.opts.readers_of(str(p))))
+        return {
+            p: min(int(v) for v in got)
+            for p, got in zip(parts, pipe.execute(), strict=True)
+            if got and all(v is not None for v in got)
+        }
+
+    def _commit(self, offsets: dict[int, int]) -> bool:
         tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(offsets.items())]
         try:
             self._committer_client().commit(offsets=tps, asynchronous=False)
@@ -404,8 +425,9 @@ class KafkaLog(Log):
                 "kafka offsets not committed; trying again after the next batch",
                 extra={"group_id": self.spec.group_id, "error": str(e)},
             )
-            return
+            return False
         self._committed.update(offsets)
+        return True
 
     # -- executor side ------------------------------------------------------------------------
 
