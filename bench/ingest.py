@@ -228,17 +228,20 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
         log(f"{a.worker} {label}: {rate.get('per_s') or 0:,.0f} events/s, exact {out['exact']},"
             f" {out['updates_per_event'] or 0:.2f} updates/event")  # fmt: skip
         if sustained and idle and out["per_s"]:
-            out["steps"] = ladder(pipeline, handle, cfg, a, workload, out["per_s"])
+            out["steps"] = ladder(pipeline, handle, cfg, a, workload, out["per_s"], redis_pid)
             bounded = [s["achieved_per_s"] for s in out["steps"] if s["bounded"]]
             out["sustained_per_s"] = max(bounded) if bounded else None
     return out
 
 
 def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
-           drain_per_s: float) -> list[dict[str, Any]]:  # fmt: skip
+           drain_per_s: float, redis_pid: int | None) -> list[dict[str, Any]]:  # fmt: skip
     """Produce for STEP_S at 0.9 x the drain rate, then 1.25 x after a bounded step or 0.7 x
     after an unbounded one until both kinds were seen, then halfway between the best bounded
-    and the lowest unbounded rate, at most MAX_STEPS (`lib.stats.judge_step` judges each)."""
+    and the lowest unbounded rate, at most MAX_STEPS (`lib.stats.judge_step` judges each).
+    Each step also records the cores each component used while the producer ran (the producer
+    is a thread of this process: `driver`), Redis's own time per command (`redis_usec`), and
+    its batches' sizes."""
     steps: list[dict[str, Any]] = []
     factor, cap = 0.9, SIZES[(a.quick, cfg.source.format, workload)][0]
     lo: float | None = None  # the highest bounded factor so far
@@ -249,6 +252,7 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
         pool = build_pool(cfg, n, a.seed + 10 + i, now_ms(), workload)
         per = pool.events_per_entry()
         producer = PacedProducer(handle.url, pool, rate, STEP_S)
+        usec0, cpu0 = command_usec(handle.client), CpuSnapshot.take(parties(redis_pid))
         t0, start_ms = time.monotonic(), now_ms()
         producer.start()
         samples: list[tuple[float, int]] = []
@@ -256,6 +260,8 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
             producer.join(0.5)
             samples.append((time.monotonic() - t0, round(backlog(handle.client, cfg)[0] * per)))
         end_ms = now_ms()
+        cores = CpuSnapshot.take(parties(redis_pid)).cores_since(cpu0)
+        usec = {k: v - usec0.get(k, 0) for k, v in command_usec(handle.client).items()}
         drained, deadline = False, time.monotonic() + 60.0
         while not drained and time.monotonic() < deadline:
             drained = pipeline.wait_idle(timeout_s=0.5)
@@ -265,7 +271,9 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
         achieved = producer.achieved_per_s()
         bounded, reason = judge_step(samples, achieved, MAX_LAG_S, admitted, cap)
         steps.append({"target_per_s": rate, "achieved_per_s": achieved, "bounded": bounded,
-                      "reason": reason, "drained": drained})  # fmt: skip
+                      "reason": reason, "drained": drained, "cores": cores,
+                      "redis_usec": {k: v for k, v in usec.items() if v > 0},
+                      "step_s": (end_ms - start_ms) / 1000, "batch_events": admitted})  # fmt: skip
         log(f"{a.worker} sustained {cfg.source.format}-{workload}: {steps[-1]}")
         if not drained:
             break
@@ -565,6 +573,7 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
                     | {"behind": any((c.get("breakdown") or {}).get("behind") for c in cs)},
                     "cores": {k: median([c["cores"][k] for c in cs if c.get("cores")])
                               for k in CORES},
+                    "ladder": ladder_summary(cs),
                 }  # fmt: skip
                 off = cells(rev, audit=False)
                 if off:
@@ -580,6 +589,38 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
             "workers": [{k: v for k, v in x.items() if k != "cells"} for x in workers]}  # fmt: skip
 
 
+def ladder_summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each run's best bounded ladder step, and the slowest unbounded step above it: medians of
+    their rates, cores per component, Redis's ms per second in each of LADDER_COMMANDS, and
+    events per batch; the unbounded steps' reasons. Runs whose steps carry no `cores` (older
+    results) are left out."""
+    best, over = [], []
+    for c in cells:
+        steps = [s for s in c.get("steps") or [] if s.get("cores")]
+        bounded = [s for s in steps if s["bounded"]]
+        top = max((s["achieved_per_s"] for s in bounded), default=0.0)
+        best += [s for s in bounded if s["achieved_per_s"] == top][:1]
+        above = [s for s in steps if not s["bounded"] and s["achieved_per_s"] > top]
+        over += sorted(above, key=lambda s: s["achieved_per_s"])[:1]
+
+    def view(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not steps:
+            return None
+        return {
+            "runs": len(steps),
+            "per_s": median([s["achieved_per_s"] for s in steps]),
+            "cores": {k: median([s["cores"].get(k, 0.0) for s in steps]) for k in CORES},
+            "redis_ms_per_s": {cmd: median([s["redis_usec"].get(cmd, 0) / 1000 / s["step_s"]
+                                            for s in steps]) for cmd in LADDER_COMMANDS},
+            "events_per_batch": median([sum(s["batch_events"]) / len(s["batch_events"])
+                                        for s in steps if s["batch_events"]]),
+            "reasons": [s["reason"] for s in steps],
+        }  # fmt: skip
+
+    return {"bounded": view(best), "unbounded": view(over)}
+
+
+LADDER_COMMANDS = ("xadd", "xrange", "evalsha")
 BREAKDOWN = (
     "plan",
     "read_redis",
