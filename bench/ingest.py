@@ -56,6 +56,7 @@ from lib.load import (
     prefill,
 )
 from lib.procs import (
+    CpuSampler,
     CpuSnapshot,
     Workspace,
     command_usec,
@@ -199,13 +200,23 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
         pool = build_pool(cfg, pool_n, a.seed, now_ms(), workload, a.space)
         sent = prefill(handle.url, pool, n_events)
         redis_pid = handle.embedded.pid if handle.embedded else None
-        usec0, cpu0 = command_usec(handle.client), CpuSnapshot.take(parties(redis_pid))
-        pipeline.start()
-        idle, _ = wait_idle(pipeline, handle.client, cfg, a.timeout_s, f"{a.worker} {label}")
-        cpu = CpuSnapshot.take(parties(redis_pid)).cores_since(cpu0)
+        usec0 = command_usec(handle.client)
+        sampler = CpuSampler(lambda: parties(redis_pid))
+        sampler.start()
+        try:
+            pipeline.start()
+            idle, _ = wait_idle(pipeline, handle.client, cfg, a.timeout_s, f"{a.worker} {label}")
+        finally:
+            sampler.stop()
         usec1 = command_usec(handle.client)
         usec = {k: v - usec0.get(k, 0) for k, v in usec1.items()}
         records = sorted(recent_batches(handle.client, 600), key=lambda r: r["batch"])
+        # The cores over the rate's own window, from the first batch's end to the last's (the
+        # query's start-up and the wait for idleness left out), else over the whole drain.
+        first, last = sampler.samples[0][1], sampler.samples[-1][1]
+        cpu_whole = last.cores_since(first)
+        cpu = (sampler.cores_between(records[0]["done_ms"], records[-1]["done_ms"])
+               if len(records) > 1 else None) or cpu_whole  # fmt: skip
         durations = progress_durations(pipeline.query, {r["batch"] for r in records})
         rate = batch_rate(records) or {}
         counted = stat_counter(handle.client, "events_in")
@@ -215,7 +226,8 @@ def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
         audited = [r for r in records if r.get("events")]
         out |= {
             "events": sent, "idle": idle, "batches": len(records), "per_s": rate.get("per_s"),
-            "cores": cpu, "exact": idle and counted == sent and stored == sent,
+            "cores": cpu, "cores_whole": cpu_whole,
+            "exact": idle and counted == sent and stored == sent,
             "counted": counted, "stored_txn_count": stored,
             "audit_ok": all((r.get("audit") or {}).get("ok") for r in audited) if audit else None,
             "updates": updates, "updates_per_event": updates / sent if sent else None,
@@ -573,6 +585,9 @@ def summarize(workers: list[dict[str, Any]]) -> dict[str, Any]:
                     | {"behind": any((c.get("breakdown") or {}).get("behind") for c in cs)},
                     "cores": {k: median([c["cores"][k] for c in cs if c.get("cores")])
                               for k in CORES},
+                    "cores_whole": {k: median([c["cores_whole"][k] for c in cs])
+                                    for k in CORES}
+                    if cs and all(c.get("cores_whole") for c in cs) else None,
                     "ladder": ladder_summary(cs),
                 }  # fmt: skip
                 off = cells(rev, audit=False)

@@ -11,10 +11,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -292,3 +293,33 @@ class CpuSnapshot:
         out["other"] = max(0.0, busy - sum(out.values()))
         out["idle"] = max(0.0, (self.total_s - a.total_s) / wall - busy)
         return out
+
+
+class CpuSampler(threading.Thread):
+    """A CpuSnapshot every `every_s`, stamped with the wall clock (epoch ms, as batch records
+    are), of the parties `parties()` names at that moment, until `stop()`: the cores used over
+    any window of the run, such as a drain's from its first batch's end to its last's."""
+
+    def __init__(self, parties: Callable[[], Mapping[str, Sequence[int]]],
+                 every_s: float = 0.25) -> None:  # fmt: skip
+        super().__init__(name="cpu-sampler", daemon=True)
+        self.parties, self.every_s = parties, every_s
+        self.samples: list[tuple[float, CpuSnapshot]] = []
+        self._stop_evt = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            self.samples.append((time.time() * 1000, CpuSnapshot.take(self.parties())))
+            if self._stop_evt.wait(self.every_s):
+                return
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        self.join()
+
+    def cores_between(self, t0_ms: float, t1_ms: float) -> dict[str, float] | None:
+        """Cores from the last sample at or before `t0_ms` to the first at or after `t1_ms`
+        (None when the samples do not cover the window)."""
+        before = [snap for t, snap in self.samples if t <= t0_ms]
+        after = [snap for t, snap in self.samples if t >= t1_ms]
+        return after[0].cores_since(before[-1]) if before and after else None
