@@ -393,28 +393,22 @@ class KafkaLog(Log):
                 )  # fmt: skip
             return pipe.execute()
 
-        mins = execute_loading(client, run, (RELEASE_OFFSET,))
-        floors = {int(s): int(low) for s, low in zip(shards, mins, strict=True) if low is not None}
+        def floors() -> dict[int, int]:
+            mins = execute_loading(client, run, (RELEASE_OFFSET,))
+            return {int(s): int(low) for s, low in zip(shards, mins, strict=True)
+                    if low is not None}  # fmt: skip
+
+        low = floors()
         for _ in range(COMMIT_ROUNDS):
-            commit = {p: o for p, o in floors.items() if o > self._committed.get(p, -1)}
+            commit = {p: o for p, o in low.items() if o > self._committed.get(p, -1)}
             if not commit or not self._commit(commit):
                 return
             # Readers commit from their own clients, and the broker keeps whichever commit
             # lands last: one computed before another reader moved may land after that
-            # reader's. So the floor is read again once the commit is done, and committed
+            # reader's. So once the commit is done the floor is taken again (the script only
+            # moves offsets forward, so running it again changes nothing else) and committed
             # again where it moved; the last commit to land is then never behind Redis.
-            floors = self._floors(list(commit))
-
-    def _floors(self, parts: list[int]) -> dict[int, int]:
-        """The smallest offset over each partition's readers, where every reader has one."""
-        pipe = self._client().pipeline(transaction=False)
-        for p in parts:
-            pipe.hmget(reader_hash(self.spec.topic, p), list(self.opts.readers_of(str(p))))
-        return {
-            p: min(int(v) for v in got)
-            for p, got in zip(parts, pipe.execute(), strict=True)
-            if got and all(v is not None for v in got)
-        }
+            low = floors()
 
     def _commit(self, offsets: dict[int, int]) -> bool:
         tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(offsets.items())]
