@@ -236,8 +236,8 @@ def test_a_script_call_keeps_its_keys_in_one_slot(rc: Any, tmp_path: Path) -> No
     s = str(time.time_ns() // 1_000_000 // 1000 * 1000)  # a slice of now (older ones expire)
     calls = [(k, ["count", "1000", "86400000", "1", "1", s, "1"], ("l", 0, k)) for k in keys]
     failed: set[Any] = set()
-    assert run_write_script(rc, 1, calls, failed, cluster=True) == [40, 0, 0] and not failed
-    assert run_write_script(rc, 1, calls, failed, cluster=True) == [0, 40, 0]  # duplicates
+    assert run_write_script(rc, 1, calls, failed, cluster=True) == [40, 0, 0, 0] and not failed
+    assert run_write_script(rc, 1, calls, failed, cluster=True) == [0, 40, 0, 0]  # duplicates
     from redis.exceptions import RedisClusterException
 
     with pytest.raises(RedisClusterException, match=r"same (key )?slot"):

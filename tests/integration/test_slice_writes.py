@@ -49,9 +49,9 @@ def test_merges_replays_and_many_calls(r: redis.Redis, monkeypatch: Any) -> None
         (k, NOW - j * SLICE_MS, [i + j + 0.1]) for i, k in enumerate(keys) for j in range(i % 3 + 1)
     ]
     totals, failed = _write(r, 10, "sum", rows)
-    assert totals == [len(rows), 0, 0] and not failed.any()
-    assert _write(r, 10, "sum", rows)[0] == [0, len(rows), 0]  # a replay: all duplicates
-    assert _write(r, 11, "sum", rows)[0] == [len(rows), 0, 0]
+    assert totals == [len(rows), 0, 0, 0] and not failed.any()
+    assert _write(r, 10, "sum", rows)[0] == [0, len(rows), 0, 0]  # a replay: all duplicates
+    assert _write(r, 11, "sum", rows)[0] == [len(rows), 0, 0, 0]
     for i, k in enumerate(keys):
         n = i % 3 + 1
         want = sum(2 * (i + j + 0.1) for j in range(n))
@@ -69,14 +69,14 @@ def test_every_state_merges_over_what_was_stored(r: redis.Redis, agg: str) -> No
     key = slice_hash_key("m", f"{agg}")
     for token, vals in enumerate(first, start=1):
         numbers = [int(v) if agg == "count" else v for v in vals]
-        assert _write(r, token, agg, [(key, NOW, numbers)])[0] == [1, 0, 0]
+        assert _write(r, token, agg, [(key, NOW, numbers)])[0] == [1, 0, 0, 0]
     stored = r.hget(key, str(NOW)).split(b":")
     assert stored[0] == b"2" and len(stored) == width + 1
     # The merged numbers are what the read side's merge makes of the two states kept apart.
     apart = slice_hash_key("m", f"{agg}-apart")
     for token, (start, vals) in enumerate(zip((NOW - SLICE_MS, NOW), first, strict=True), start=1):
         numbers = [int(v) if agg == "count" else v for v in vals]
-        assert _write(r, token, agg, [(apart, start, numbers)])[0] == [1, 0, 0]
+        assert _write(r, token, agg, [(apart, start, numbers)])[0] == [1, 0, 0, 0]
     want = AGGS[agg].merge(r.hmget(apart, [str(NOW - SLICE_MS), str(NOW)]))
     assert want[0] == 2 and [float(x) for x in stored[1:]] == pytest.approx(want[1:])
 
@@ -87,7 +87,7 @@ def test_slices_stored_in_the_old_text_are_merged(r: redis.Redis) -> None:
     key = slice_hash_key("m", "old")
     r.hset(key, mapping={str(NOW - SLICE_MS): "5:0.10000000000000001", str(NOW): "5:2.5",
                          "_m": f"{NOW}:{NOW - SLICE_MS}"})  # fmt: skip
-    assert _write(r, 6, "sum", [(key, NOW, [0.2])])[0] == [1, 0, 0]
+    assert _write(r, 6, "sum", [(key, NOW, [0.2])])[0] == [1, 0, 0, 0]
     assert _read(r, key, "sum", NOW - SLICE_MS, NOW) == [2.0, 0.1 + 2.5 + 0.2]
     assert AGGS["sum"].merge(r.hmget(key, [str(NOW - SLICE_MS), str(NOW)])) == [2.0, 0.1 + 2.7]
 
@@ -95,9 +95,9 @@ def test_slices_stored_in_the_old_text_are_merged(r: redis.Redis) -> None:
 def test_retention_drops_what_fell_behind(r: redis.Redis) -> None:
     key = slice_hash_key("m", "ret")
     old = NOW - RETENTION_MS
-    assert _write(r, 1, "count", [(key, old, [1]), (key, old + SLICE_MS, [1])])[0] == [2, 0, 0]
+    assert _write(r, 1, "count", [(key, old, [1]), (key, old + SLICE_MS, [1])])[0] == [2, 0, 0, 0]
     # The newest slice moves on by a retention: the two old ones go, an older update expires.
-    assert _write(r, 2, "count", [(key, NOW + SLICE_MS, [1]), (key, old, [4])])[0] == [1, 0, 1]
+    assert _write(r, 2, "count", [(key, NOW + SLICE_MS, [1]), (key, old, [4])])[0] == [1, 0, 1, 0]
     assert set(r.hkeys(key)) == {str(NOW + SLICE_MS).encode(), b"_m"}
 
 
@@ -107,14 +107,14 @@ def test_a_reply_that_does_not_add_up_fails_its_call(r: redis.Redis) -> None:
                         np.array([NOW]), [pa.array(["1"])])  # fmt: skip
     lying = Calls(calls.payloads, calls.argv, [2], calls.row_call)  # claims two slices
     totals, failed = send_calls(r, lying)
-    assert totals == [1, 0, 0] and failed.tolist() == [True]
+    assert totals == [1, 0, 0, 0] and failed.tolist() == [True]
 
 
 def test_calls_keep_to_one_slot_on_a_cluster(rc: Any) -> None:
     keys = [slice_hash_key("m", f"c{i}") for i in range(200)]
     rows = [(k, NOW, [1]) for k in keys]
-    assert _write(rc, 1, "count", rows, cluster=True)[0] == [200, 0, 0]
-    assert _write(rc, 1, "count", rows, cluster=True)[0] == [0, 200, 0]
+    assert _write(rc, 1, "count", rows, cluster=True)[0] == [200, 0, 0, 0]
+    assert _write(rc, 1, "count", rows, cluster=True)[0] == [0, 200, 0, 0]
     assert all(rc.hget(k, str(NOW)) == b"1:1" for k in keys)
 
 
@@ -127,7 +127,7 @@ def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis)
     model: dict[str, tuple[int, int, dict[int, int]]] = {}  # key -> (hi, lo, start -> count)
     span = np.arange(-RETENTION_MS // 2, 2 * RETENTION_MS, SLICE_MS) + NOW
     for token in range(1, 41):
-        rows, want = [], [0, 0, 0]
+        rows, want = [], [0, 0, 0, 0]
         for key in keys[: 1 + token % 3]:
             starts = sorted(set(rng.choice(span, size=int(rng.integers(1, 4))).tolist()))
             hi, lo, counts = model.get(key, (None, None, {}))
@@ -154,3 +154,54 @@ def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis)
             assert stored == counts
             left_ms = expire_at_ms(hi, SLICE_MS, RETENTION_MS) - time.time() * 1000
             assert abs(r.pttl(key) - left_ms) < 5000
+
+
+def _backfill(client: Any, seam: int, agg: str, rows: list[tuple[str, int, list[Any]]],
+              cluster: bool = False) -> list[int]:  # fmt: skip
+    """Slices through the same calls as a backfill makes them: token `b<seam>`."""
+    return _write(client, f"b{seam}", agg, rows, cluster)[0]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_backfill_replaces_below_its_seam_and_the_live_fold_keeps_off(
+    r: redis.Redis, rc: Any, cluster: bool
+) -> None:
+    """The seam rule of docs/offline.md, on the script: a backfill's slices replace what is
+    stored (a re-run writes the same), each key's `_b` rises to the seam and never falls, and
+    the live fold's later updates of a slice before it are skipped and counted, while its
+    updates at or after the seam merge as before."""
+    client = rc if cluster else r
+    seam = NOW - 10 * SLICE_MS
+    one, many = slice_hash_key("bf", f"one{cluster}"), slice_hash_key("bf", f"many{cluster}")
+    live_first = [(many, seam - 3 * SLICE_MS, [5]), (many, seam, [7])]
+    assert _write(client, 1, "count", live_first, cluster)[0] == [2, 0, 0, 0]
+    archive = [(one, seam - SLICE_MS, [3]), (many, seam - 3 * SLICE_MS, [4]),
+               (many, seam - 2 * SLICE_MS, [1])]  # fmt: skip
+    for _ in range(2):  # a re-run leaves the same store
+        assert _backfill(client, seam, "count", archive, cluster) == [3, 0, 0, 0]
+        assert client.hget(many, str(seam - 3 * SLICE_MS)) == b"0:4"  # replaced, not 5 + 4
+        assert client.hget(many, str(seam)) == b"1:7"  # the live fold's, untouched
+        assert client.hget(one, str(seam - SLICE_MS)) == b"0:3"
+        for key in (one, many):
+            assert client.hget(key, "_b") == str(seam).encode()
+    assert client.hget(many, "_m") == f"{seam}:{seam - 3 * SLICE_MS}".encode()
+    late = [(one, seam - SLICE_MS, [1]), (one, seam, [2]), (many, seam - 2 * SLICE_MS, [1])]
+    assert _write(client, 2, "count", late, cluster)[0] == [1, 0, 0, 2]
+    assert client.hget(one, str(seam - SLICE_MS)) == b"0:3"
+    assert client.hget(one, str(seam)) == b"2:2"
+    assert _backfill(client, seam - SLICE_MS, "count", [(one, seam - 2 * SLICE_MS, [9])],
+                     cluster) == [1, 0, 0, 0]  # fmt: skip
+    assert client.hget(one, "_b") == str(seam).encode()  # a seam never moves back
+    later = seam + SLICE_MS
+    assert _backfill(client, later, "count", [(one, seam, [6])], cluster) == [1, 0, 0, 0]
+    assert client.hget(one, "_b") == str(later).encode()
+    assert client.hget(one, str(seam)) == b"0:6"
+
+
+def test_a_backfill_keeps_retention(r: redis.Redis) -> None:
+    key = slice_hash_key("bf", "old")
+    seam = NOW + SLICE_MS
+    rows = [(key, NOW, [1]), (key, NOW - RETENTION_MS - SLICE_MS, [1])]
+    assert _backfill(r, seam, "count", rows) == [1, 0, 1, 0]
+    assert set(r.hkeys(key)) == {str(NOW).encode(), b"_m", b"_b"}
+    assert r.pttl(key) > 0

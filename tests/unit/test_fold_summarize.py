@@ -76,6 +76,7 @@ def test_no_rows() -> None:
         "updates_applied": 0,
         "updates_duplicate": 0,
         "updates_expired": 0,
+        "updates_before_seam": 0,
         "min_ems": None,
         "max_ems": None,
         "started_ms": 100,

@@ -294,6 +294,7 @@ class FoldQuery(StreamQuery):
             "updates_applied", rec["updates_applied"],
             "updates_duplicate", rec["updates_duplicate"],
             "updates_expired", rec["updates_expired"],
+            "updates_before_seam", rec["updates_before_seam"],
         ]  # fmt: skip
         if audit is not None:
             rec["audit"] = {

@@ -137,7 +137,7 @@ def _key_runs(keys: pa.Array, cluster: bool) -> tuple[np.ndarray, np.ndarray, np
 
 
 def build_calls(
-    token: int,
+    token: int | str,
     head: tuple[str, int, int, int],
     keys: pa.Array,
     starts: np.ndarray,
@@ -147,7 +147,8 @@ def build_calls(
     """The write_slices.lua calls for slice updates of one metric resolution: per row its slice
     hash `keys`, its slice `starts` (ms) and its state's numbers as text (`states`, one column
     per number). `head` is (state, slice_ms, retention_ms, width); a (key, slice) pair appears
-    once (the fold's rows are unique per (group, key, slice))."""
+    once (the fold's rows are unique per (group, key, slice)). `token` is a writer token, or a
+    backfill's `b<seam>` (write_slices.lua)."""
     state, slice_ms, retention_ms, width = head
     n = len(keys)
     if not n:
@@ -191,11 +192,15 @@ def build_calls(
     return calls
 
 
+REPLY_COUNTS = 4  # write_slices.lua's reply: applied, duplicate, expired, before the seam
+
+
 def send_calls(client: Any, calls: Calls) -> tuple[list[int], np.ndarray]:
-    """Run `calls`: ([applied, duplicate, expired] summed, and per call whether it failed, i.e.
+    """Run `calls`: ([applied, duplicate, expired, before seam] summed, and per call whether it
+    failed, i.e.
     its reply did not account for every slice it carried). Raises on an error reply (after
     reading every reply sent) or a lost connection, as the pipeline would."""
-    totals = [0, 0, 0]
+    totals = [0] * REPLY_COUNTS
     failed = np.zeros(len(calls.slices), dtype=bool)
     if not calls.slices:
         return totals, failed
@@ -205,9 +210,9 @@ def send_calls(client: Any, calls: Calls) -> tuple[list[int], np.ndarray]:
     else:
         replies = _run_raw(client, [p for p in calls.payloads if p is not None])
     for c, res in enumerate(replies):
-        for j in range(3):
+        for j in range(REPLY_COUNTS):
             totals[j] += int(res[j])
-        failed[c] = sum(int(x) for x in res[:3]) != calls.slices[c]
+        failed[c] = sum(int(x) for x in res[:REPLY_COUNTS]) != calls.slices[c]
     return totals, failed
 
 
@@ -230,7 +235,7 @@ def _run_raw(client: Any, payloads: list[bytes]) -> list[Any]:
                     replies.append(conn.read_response())
                 except ResponseError as e:
                     error = error or e
-                    replies.append([0, 0, 0])
+                    replies.append([0] * REPLY_COUNTS)
     except BaseException:
         conn.disconnect()
         raise
@@ -250,7 +255,7 @@ def _run_pipelined(client: Any, argv: list[tuple[list[Any], list[Any]]]) -> list
 
 def run_write_script(
     client: Any,
-    token: int,
+    token: int | str,
     calls: list[tuple[str, list[Any], tuple[Any, ...]]],
     failed: set[tuple[Any, ...]],
     cluster: bool = False,
@@ -259,7 +264,8 @@ def run_write_script(
     `state, slice_ms, retention_ms, n, width` then n times `slice_start, v1 .. v_width`. Items
     with the same head share calls (of one slot on a cluster), KEYS_PER_CALL keys a call,
     pipelined. A call whose reply does not account for every slice it carried puts the deps of
-    its keys in `failed`. Returns [applied, duplicate, expired]."""
+    its keys in `failed`. Returns [applied, duplicate, expired, before seam]. `token` is a
+    writer token, or a backfill's `b<seam>` (write_slices.lua)."""
     client.script_load(script_source(WRITE_SLICES))
     groups: dict[tuple[Any, ...], list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
     for item in calls:
@@ -284,10 +290,10 @@ def run_write_script(
             head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
             argv.append(([key for key, _, _ in chunk], [*head, *per_key, *flat]))
             deps.append((sum(int(a[3]) for _, a, _ in chunk), [d for _, _, d in chunk]))
-    totals = [0, 0, 0]
+    totals = [0] * REPLY_COUNTS
     for res, (expected, call_deps) in zip(_run_pipelined(client, argv), deps, strict=True):
-        for j in range(3):
+        for j in range(REPLY_COUNTS):
             totals[j] += int(res[j])
-        if sum(int(x) for x in res[:3]) != expected:
+        if sum(int(x) for x in res[:REPLY_COUNTS]) != expected:
             failed.update(call_deps)
     return totals

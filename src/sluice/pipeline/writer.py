@@ -31,7 +31,12 @@ import pyarrow.compute as pc
 
 from sluice import collector
 from sluice.pipeline.plan import DEAD_G, MetricSpec
-from sluice.pipeline.slice_writes import build_calls, run_write_script, send_calls
+from sluice.pipeline.slice_writes import (
+    REPLY_COUNTS,
+    build_calls,
+    run_write_script,
+    send_calls,
+)
 from sluice.redis.connection import client_for
 from sluice.redis.keys import (
     dead_letter_marker_key,
@@ -42,7 +47,7 @@ from sluice.redis.keys import (
 from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 
-UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired")
+UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired", "updates_before_seam")
 PIPELINE_CHUNK = 50
 DEAD_MARKER_TTL_S = 7 * 86400
 MASK64 = (1 << 64) - 1
@@ -54,6 +59,7 @@ RESULT_SCHEMA = pa.schema(
         ("updates_applied", pa.int64()),
         ("updates_duplicate", pa.int64()),
         ("updates_expired", pa.int64()),
+        ("updates_before_seam", pa.int64()),
         ("events", pa.int64()),
         ("fold_rows", pa.int64()),
         ("fold_cells", pa.int64()),
@@ -67,6 +73,7 @@ RESULT_SCHEMA = pa.schema(
 )
 RESULT_DDL = (
     "kind string, m int, updates_applied long, updates_duplicate long, updates_expired long,"
+    " updates_before_seam long,"
     " events long, fold_rows long, fold_cells long,"
     " min_ems long, max_ems long, reason string, write_ms double, fan_x long, applied_x long"
 )
@@ -138,7 +145,7 @@ def write_partition(
     client = client_for(ctx.url, timeout_s=60, connect_timeout_s=10)
     t0 = time.perf_counter()
     try:
-        totals = [0, 0, 0]
+        totals = [0] * REPLY_COUNTS
         dead: list[str] = []
         if rows.table is not None:
             # A metric's script calls go out from a sender thread while the next metric's are
@@ -156,10 +163,10 @@ def write_partition(
                 if AGGS[sp.agg].lua:
                     continue
                 if AGGS[sp.agg].state == HLL:
-                    parts.append([_apply_hll(client, rows, sp), 0, 0])
+                    parts.append([_apply_hll(client, rows, sp), 0, 0, 0])
                 else:
                     parts.append(_apply_blob(client, ctx, rows, sp))
-            totals = [sum(p[j] for p in parts) for j in range(3)]
+            totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
             dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
         reasons = write_dead_letters(client, ctx, dead) if dead else {}
     finally:
@@ -172,6 +179,7 @@ def write_partition(
             "updates_applied": totals[0],
             "updates_duplicate": totals[1],
             "updates_expired": totals[2],
+            "updates_before_seam": totals[3],
             **rows.stats(),
         }
     ]
@@ -189,10 +197,11 @@ def _apply_lua(
 ) -> Callable[[], list[int]]:
     """A Lua-merged state: every update of `sp` in this partition, built on columns
     (`slice_writes`) and sent by `sender`. Returns a call that waits for the replies, marks the
-    rows of a call that failed in `rows.failed` and returns [applied, duplicate, expired]."""
+    rows of a call that failed in `rows.failed` and returns [applied, duplicate, expired, before
+    seam]."""
     idx = rows.rows_of(sp)
     if not len(idx):
-        return lambda: [0, 0, 0]
+        return lambda: [0] * REPLY_COUNTS
     agg = AGGS[sp.agg]
     assert agg.encode is not None
     take = pa.array(idx)
@@ -239,7 +248,7 @@ def _apply_blob(client: Any, ctx: WriterContext, rows: PartitionRows, sp: Metric
     batch's token is left alone)."""
     idx = rows.rows_of(sp)
     if not len(idx):
-        return [0, 0, 0]
+        return [0] * REPLY_COUNTS
     union = AGGS[sp.agg].union
     if union is None:
         raise ValueError(f"agg {sp.agg!r} has no blob union")
@@ -319,6 +328,7 @@ def summarize(
         "updates_applied": 0,
         "updates_duplicate": 0,
         "updates_expired": 0,
+        "updates_before_seam": 0,
         "min_ems": None,
         "max_ems": None,
         "started_ms": started_ms,
@@ -337,13 +347,13 @@ def summarize(
             w = r.get("write_ms")
             if w is not None and w >= (rec["write_ms"] or 0.0):
                 rec["write_ms"] = round(w, 1)  # the slowest partition's, and its updates
-                rec["write_updates"] = sum(r[k] or 0 for k in UPDATE_COUNTS)
+                rec["write_updates"] = sum(r.get(k) or 0 for k in UPDATE_COUNTS)
             for key, pick in (("min_ems", min), ("max_ems", max)):
                 v = r[key]
                 if v is not None:
                     rec[key] = v if rec[key] is None else pick(rec[key], v)
             for name in UPDATE_COUNTS:
-                rec[name] += r[name]
+                rec[name] += r.get(name) or 0
         elif r["kind"] == "dead":
             rec["dead"] += r["events"]
             rec["events"] += r["events"]

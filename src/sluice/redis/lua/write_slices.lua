@@ -4,6 +4,11 @@
 -- KEYS[1..K]  slice hashes (on Redis Cluster the caller groups keys by slot)
 -- ARGV[1]     writer token (epoch * 1e12 + batch id). A slice whose stored token is >= this one
 --             already holds this batch's update, which is then skipped: replays are idempotent.
+--             Or `b<seam>`, a backfill (sluice/offline/backfill.py): its slices, all before the
+--             seam (ms), *replace* what is stored (they hold every archived event of the slice,
+--             so a re-run writes the same) under token 0, and each key's seam field `_b` rises
+--             to it. The live fold's updates of a slice before a key's `_b` are skipped
+--             (counted as `before_seam`): before the seam the archive is the truth.
 -- ARGV[2..6]  state, slice_ms, retention_ms, width, expiry step (ms)
 -- then per key k, one arg: the key's expiry (ms, as text) for its newest slice here (see
 --             below), prefixed by "n_k:" when the key carries n_k > 1 slices (most keys carry
@@ -18,7 +23,7 @@
 -- The hash expires once its newest slice is past retention: at hi + slice_ms + retention_ms,
 -- rounded up to a multiple of the expiry step, so that a key whose newest slice moves on needs a
 -- new PEXPIREAT only once per step. The writer sends that time for its own newest slice.
--- Returns {applied, duplicates, expired} summed over the keys.
+-- Returns {applied, duplicates, expired, before_seam} summed over the keys.
 --
 -- The work per key is kept to HMGET, HSET and, when its expiry moves, PEXPIREAT: a key with one
 -- slice (most of them when keys are many) goes through a path without tables. Numbers are parsed
@@ -27,6 +32,8 @@
 -- Globals are table lookups on every use; the loop below uses these thousands of times a call.
 local KEYS, ARGV, tonumber, unpack = KEYS, ARGV, tonumber, unpack
 local token_s = ARGV[1]
+local seam_s  -- a backfill's seam (text), or nil for the live fold
+if sub(token_s, 1, 1) == 'b' then seam_s, token_s = sub(token_s, 2), '0' end
 local token = tonumber(token_s)
 local agg = ARGV[2]
 local slice_ms = tonumber(ARGV[3])
@@ -35,12 +42,12 @@ local width = tonumber(ARGV[5])
 local step = tonumber(ARGV[6])
 local stride = width + 1
 local call, ceil = redis.call, math.ceil
-local applied, dups, expired = 0, 0, 0
+local applied, dups, expired, before_seam = 0, 0, 0, 0
 
 -- The stored text of one slice update at ARGV[at] over `prev` (nil: none), or nil if `prev`
 -- already holds this batch's update.
 local function packed_of(at, prev)
-  if not prev then
+  if not prev or seam_s then
     if width == 1 then return token_s .. ':' .. ARGV[at + 1] end
     local packed = token_s
     for j = 1, width do packed = packed .. ':' .. ARGV[at + j] end
@@ -99,14 +106,14 @@ for k = 1, #KEYS do
   p = base + stride * n
   local old, hi, hi_s, starts
   if n == 1 then
-    old = call('HMGET', key, '_m', ARGV[base])
+    old = call('HMGET', key, '_m', '_b', ARGV[base])
   else
-    local fields = {'_m'}
+    local fields = {'_m', '_b'}
     starts = {}
     hi = -1e300
     for i = 1, n do
       local f = ARGV[base + stride * (i - 1)]
-      fields[i + 1] = f
+      fields[i + 2] = f
       local s = tonumber(f)
       starts[i] = s
       if s > hi then hi, hi_s = s, f end
@@ -114,10 +121,15 @@ for k = 1, #KEYS do
     old = call('HMGET', key, unpack(fields))
   end
   local m = old[1]
-  if not m and n == 1 then
+  -- The key's seam: slices before it are the backfill's (`seam_s` raises it).
+  local key_seam = old[2] and tonumber(old[2])
+  local new_seam = seam_s and (not key_seam or tonumber(seam_s) > key_seam)
+  if seam_s then key_seam = nil end  -- a backfill writes only below its own seam
+  if not m and n == 1 and not key_seam then
     -- A new hash with one slice: no retention to apply, and `_m` is that slice twice.
     local f = ARGV[base]
-    local packed = packed_of(base, old[2])
+    local packed = packed_of(base, old[3])
+    if new_seam then call('HSET', key, '_b', seam_s) end
     if packed then
       call('HSET', key, f, packed, '_m', f .. ':' .. f)
       applied = applied + 1
@@ -151,8 +163,10 @@ for k = 1, #KEYS do
       local s = one or starts[i]
       if s < keep_from then
         expired = expired + 1
+      elseif key_seam and s < key_seam then
+        before_seam = before_seam + 1
       else
-        local packed = packed_of(at, old[i + 1])
+        local packed = packed_of(at, old[i + 2])
         if packed then
           out[o + 1] = ARGV[at]
           out[o + 2] = packed
@@ -168,6 +182,11 @@ for k = 1, #KEYS do
       lo = trim(key, lo, keep_from)
       lo_s = fmt(lo)
     end
+    if new_seam then
+      out[o + 1] = '_b'
+      out[o + 2] = seam_s
+      o = o + 2
+    end
     if hi ~= old_hi or lo ~= old_lo then
       out[o + 1] = '_m'
       out[o + 2] = hi_s .. ':' .. (lo_s or fmt(lo))
@@ -179,4 +198,4 @@ for k = 1, #KEYS do
     end
   end
 end
-return {applied, dups, expired}
+return {applied, dups, expired, before_seam}
