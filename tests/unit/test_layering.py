@@ -21,7 +21,7 @@ LAYERS = {
     "source": 5,
     "status": 6,
     "pipeline": 7, "query": 7, "web": 7,
-    "server": 8,
+    "server": 8, "offline": 8,
     "cli": 9, "demo": 9, "submit": 9, "testing": 9, "__init__": 9,
 }  # fmt: skip
 COMMANDS = 9  # the top layer's packages (the commands) may import one another

@@ -63,7 +63,7 @@ from sluice.pipeline.plan import (
     single_task_events,
 )
 from sluice.pipeline.plan import metric_specs as make_specs
-from sluice.pipeline.query import Role, StreamQuery, query_name
+from sluice.pipeline.query import Role, StreamQuery, query_name, record_folding
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, summarize, write_partition
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
@@ -452,6 +452,7 @@ class FoldQuery(StreamQuery):
             with contextlib.suppress(FileNotFoundError):  # a crash between mark and release
                 self._release(batch_offsets(self.ckpt, mark)[1])
         query = super().start()
+        record_folding(self.redis.client, [sp.name for sp in self.specs], self.clock.now_ms())
         if self._flow_thread is None or not self._flow_thread.is_alive():
             self._flow_stop.clear()
             self._flow_thread = threading.Thread(

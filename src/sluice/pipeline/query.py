@@ -42,7 +42,7 @@ from sluice.graph import SPARK, FlowStage, Graph, graph_topology, reader_name
 from sluice.pipeline import timing
 from sluice.pipeline.lease import Claim, Lease, checkpoint_id
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import StatsKeys, lease_key, stats_keys
+from sluice.redis.keys import FOLDING_KEY, StatsKeys, lease_key, stats_keys
 from sluice.redis.scripts import RECORD_BATCH, script_source
 from sluice.source.options import FlowOptions, SourceOptions
 from sluice.source.reader import FORMAT
@@ -269,3 +269,12 @@ class StreamQuery(ABC):
         if wait_ms is not None:
             counters += ["|", *freshness.increments(wait_ms)]
         self._record(keys=list(self.role.stats), args=[rec["token"], orjson.dumps(rec), *counters])
+
+
+def record_folding(client: Any, metrics: list[str], now_ms: int) -> None:
+    """When the store first folded each metric (the first start wins). A backfill warns when
+    its seam is older than that: events in between are in neither side (docs/offline.md)."""
+    pipe = client.pipeline(transaction=False)
+    for name in dict.fromkeys(metrics):
+        pipe.hsetnx(FOLDING_KEY, name, now_ms)
+    pipe.execute()

@@ -87,6 +87,9 @@ class WriterContext:
     source_stream: str
     dead_letter_maxlen: int
     cluster: bool = False  # Redis Cluster: a script call carries keys of one slot only
+    # The slice script's token argument when it is not `token`: a backfill's `b<seam>`, whose
+    # slices replace the stored ones below the seam (write_slices.lua, sluice.offline.backfill).
+    script_token: str | None = None
 
 
 class PartitionRows:
@@ -154,16 +157,14 @@ def write_partition(
             parts: list[list[int]] = []
             with ThreadPoolExecutor(1, thread_name_prefix="sluice-send") as sender:
                 pending = [
-                    _apply_lua(client, ctx, rows, sp, sender)
-                    for sp in ctx.specs
-                    if AGGS[sp.agg].lua
+                    apply_lua(client, ctx, rows, sp, sender) for sp in ctx.specs if AGGS[sp.agg].lua
                 ]
                 parts += [done() for done in pending]
             for sp in ctx.specs:
                 if AGGS[sp.agg].lua:
                     continue
                 if AGGS[sp.agg].state == HLL:
-                    parts.append([_apply_hll(client, rows, sp), 0, 0, 0])
+                    parts.append([apply_hll(client, rows, sp), 0, 0, 0])
                 else:
                     parts.append(_apply_blob(client, ctx, rows, sp))
             totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
@@ -192,7 +193,7 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _apply_lua(
+def apply_lua(
     client: Any, ctx: WriterContext, rows: PartitionRows, sp: MetricSpec, sender: Executor
 ) -> Callable[[], list[int]]:
     """A Lua-merged state: every update of `sp` in this partition, built on columns
@@ -211,7 +212,8 @@ def _apply_lua(
     states = agg.encode(rows.col(sp.column("n")).take(take), *folded)
     starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
-    calls = build_calls(ctx.token, head, keys, starts, states, ctx.cluster)
+    token = ctx.token if ctx.script_token is None else ctx.script_token
+    calls = build_calls(token, head, keys, starts, states, ctx.cluster)
     sent = sender.submit(send_calls, client, calls)
 
     def done() -> list[int]:
@@ -222,7 +224,7 @@ def _apply_lua(
     return done
 
 
-def _apply_hll(client: Any, rows: PartitionRows, sp: MetricSpec) -> int:
+def apply_hll(client: Any, rows: PartitionRows, sp: MetricSpec) -> int:
     """distinct: PFADD each slice's values into its HyperLogLog. PFADD is idempotent, so a re-run
     batch adds nothing twice and needs no token."""
     idx = rows.rows_of(sp)

@@ -5,7 +5,8 @@ written with it atomically live in one cluster slot. Key values are percent-esca
 value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with another key.
 
     sluice:s:{txn_count|card-17}   hash: field <slice_start_ms> -> "<writer token>:<a>[:<b>]",
-                                         plus `_m` = "<newest slice start>:<oldest kept>"
+                                         plus `_m` = "<newest slice start>:<oldest kept>" and,
+                                         once a backfill wrote it, `_b` = its seam (ms)
     sluice:s:{txn_count|card-17}:r3600000   the same for a coarser resolution (here 1h)
     sluice:h:{uniq_dev|acct-3}:[r<res>:]<slice_start_ms>  HyperLogLog of one `distinct` slice
     sluice:{stats}                 hash: pipeline counters and the last batch record
@@ -19,6 +20,11 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats[:<stage>]}:timings  list: each batch's time breakdown (JSON, newest first)
     sluice:{stats[:<stage>]}:decode   sorted set: per batch (its reference ms), the longest read
                                    and decode of one partition, in ms (written by the executors)
+    sluice:{stats}:folding         hash: metric -> when the live fold first folded it (ms)
+    sluice:{backfill}:seams        hash: metric -> the newest backfill seam (ms; docs/offline.md)
+    sluice:{backfill}:runs         list: the newest backfill summaries (JSON, newest first)
+    sluice:{backfill}:<run>        hash: a backfill's progress (events, slices, partitions)
+    sluice:{backfill}:<run>:done   set: the partitions a backfill has written (for a re-run)
     sluice:epoch                   counter: writer epochs: one per fresh checkpoint, one per
                                    leadership term (see pipeline.lease)
     sluice:{lease}:q:<query>       hash: the leadership lease of one streaming query (owner,
@@ -63,6 +69,10 @@ FLOW_TIMELINE_KEY = f"{PREFIX}:{{flow}}:timeline"
 LEASE_PREFIX = f"{PREFIX}:{{lease}}"
 PROCESSES_KEY = f"{LEASE_PREFIX}:processes"
 KEY_SEP = "|"
+FOLDING_KEY = f"{PREFIX}:{{stats}}:folding"
+BACKFILL_PREFIX = f"{PREFIX}:{{backfill}}"
+SEAMS_KEY = f"{BACKFILL_PREFIX}:seams"
+BACKFILL_RUNS_KEY = f"{BACKFILL_PREFIX}:runs"
 
 
 class StatsKeys(NamedTuple):

@@ -1,0 +1,423 @@
+"""`sluice backfill`: fold archived events into the slice store with the live fold's plan.
+
+    archive ─▶ archive_events ─▶ explode_updates ─▶ fold_updates ─▶ write (mapInArrow)
+    (Spark reads it)  (bad rows flagged)   (the live fold's plan, one batch)   (write_slices.lua)
+
+The seam. Per metric, `seam = until` rounded down to the metric's coarsest slice, so every slice
+of every resolution lies wholly before or wholly after it:
+
+- a slice before the seam belongs to the backfill. Its state is folded from every archived
+  event of that slice and *replaces* what the store holds (token `b<seam>` in write_slices.lua),
+  so running a backfill again, or after a kill, writes the same states: idempotent, and a
+  re-run ends exact. The hash's `_b` rises to the seam, and from then on the live fold skips
+  its updates of slices before it (`updates_before_seam`): they are the archive's events.
+- a slice at or after the seam belongs to the live fold; the backfill never writes it.
+
+So no event is counted twice, whatever the order of the two, and a nightly re-run with a later
+`--until` moves the seam on and rewrites the slices up to it from the fuller archive. Events
+that reach neither: those of slices at or after the seam that the live fold never read (it
+started after the seam: `warnings` says so, with the metric and when it started folding it).
+
+A re-run of the same backfill (same input files, metrics, bounds and config) skips the
+partitions the last one wrote (`sluice:{backfill}:<run>:done`); they would write the same.
+
+`distinct` slices are HyperLogLogs, which a backfill adds to (PFADD is a union, so adding an
+event twice changes nothing); the seam does not apply to them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+from pyspark.sql import SparkSession
+
+from sluice.config import Config, MetricConfig
+from sluice.errors import SluiceError
+from sluice.offline.events import TimeBounds, archive_events, read_archive
+from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
+from sluice.pipeline.plan import DEAD_G, MetricSpec
+from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
+from sluice.pipeline.writer import PartitionRows, WriterContext, apply_hll, apply_lua
+from sluice.redis.connection import client_for
+from sluice.redis.keys import (
+    BACKFILL_PREFIX,
+    BACKFILL_RUNS_KEY,
+    FOLDING_KEY,
+    SEAMS_KEY,
+    slice_hash_key,
+)
+from sluice.slices.aggs import AGGS, BLOB, HLL
+from sluice.slices.window import slice_start
+
+log = logging.getLogger(__name__)
+
+DONE_TTL_S = 7 * 86_400
+RUNS_KEPT = 50
+SAMPLES_PER_REASON = 3
+RESULT_SCHEMA = pa.schema(
+    [
+        ("kind", pa.string()),  # "stats", or "dead" (one row per reason)
+        ("reason", pa.string()),
+        ("rows", pa.int64()),
+        ("samples", pa.list_(pa.string())),
+        ("events", pa.int64()),
+        ("slices", pa.int64()),
+        ("expired", pa.int64()),
+        ("after_seam", pa.int64()),
+        ("skipped", pa.int64()),
+    ]
+)
+
+
+RESULT_DDL = (
+    "kind string, reason string, rows long, samples array<string>, events long, slices long,"
+    " expired long, after_seam long, skipped long"
+)
+
+
+class BackfillError(SluiceError):
+    """A backfill that cannot run, or a partition whose writes the store did not take."""
+
+
+@dataclass
+class BackfillReport:
+    """What a backfill did. `seams` and `first_slices` are per metric (ms); `dead` counts bad
+    rows per reason, `samples` a few of each (the dead-letter record as JSON)."""
+
+    run: str
+    metrics: list[str]
+    seams: dict[str, int]
+    first_slices: dict[str, int | None]
+    events: int = 0
+    slices: int = 0
+    expired: int = 0
+    after_seam: int = 0
+    partitions: int = 0
+    partitions_skipped: int = 0
+    dead: dict[str, int] = field(default_factory=dict)
+    samples: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def seam_of(until_ms: int, m: MetricConfig) -> int:
+    """`until` rounded down to `m`'s coarsest slice: the first slice the live fold owns."""
+    return slice_start(until_ms, max(m.slice_lengths()))
+
+
+@dataclass(frozen=True)
+class _Task:
+    """What each write task needs: plain, picklable values."""
+
+    url: str
+    cluster: bool
+    specs: tuple[MetricSpec, ...]
+    bounds: tuple[tuple[int, int], ...]  # per spec: [first slice, seam)
+    run_key: str
+
+
+class _BoundedRows(PartitionRows):
+    """A partition's folded cells, each spec's rows limited to its [first slice, seam)."""
+
+    def __init__(self, batches: Iterator[pa.RecordBatch], task: _Task) -> None:
+        super().__init__(batches)
+        self.task = task
+        self.after_seam = 0
+
+    def rows_of(self, sp: MetricSpec) -> np.ndarray:
+        idx = super().rows_of(sp)
+        if not len(idx):
+            return idx
+        lo, seam = self.task.bounds[sp.index]
+        s = self.col("s").to_numpy(zero_copy_only=False)[idx]
+        self.after_seam += int((s >= seam).sum())
+        return idx[(s >= lo) & (s < seam)]
+
+
+def _replace_blobs(client: Any, task: _Task, rows: _BoundedRows, sp: MetricSpec) -> list[int]:
+    """Blob states (sketches): each slice's folded blob replaces the stored one."""
+    idx = rows.rows_of(sp)
+    if not len(idx):
+        return [0] * REPLY_COUNTS
+    take = pa.array(idx)
+    folded = rows.col(sp.column(AGGS[sp.agg].folds[0].column)).take(take).to_pylist()
+    cells: dict[str, list[Any]] = {}
+    for k, s, value in zip(rows.col("k").take(take).to_pylist(),
+                           rows.col("s").take(take).to_pylist(), folded, strict=True):  # fmt: skip
+        cells.setdefault(k, []).extend([str(s), bytes(value)])
+    calls = []
+    for k, flat in cells.items():
+        head = [BLOB, str(sp.slice_ms), str(sp.retention_ms), str(len(flat) // 2), "1"]
+        calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], (k,)))
+    failed: set[tuple[Any, ...]] = set()
+    seam = task.bounds[sp.index][1]
+    totals = run_write_script(client, f"b{seam}", calls, failed, task.cluster)
+    if failed:
+        raise BackfillError(f"the store did not take {len(failed)} of {sp.name!r}'s sketch calls")
+    return totals
+
+
+def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body: write one partition's cells below the seams, yield its counters."""
+    from pyspark import TaskContext
+
+    ctx_task = TaskContext.get()
+    part = ctx_task.partitionId() if ctx_task is not None else 0
+    client = client_for(task.url, timeout_s=60, connect_timeout_s=10)
+    try:
+        if client.sismember(f"{task.run_key}:done", part):
+            for _ in batches:  # the input must still be drained
+                pass
+            yield pa.RecordBatch.from_pylist([{"kind": "stats", "skipped": 1}], RESULT_SCHEMA)
+            return
+        rows = _BoundedRows(batches, task)
+        totals = [0] * REPLY_COUNTS
+        out: list[dict[str, Any]] = []
+        if rows.table is not None:
+            parts: list[list[int]] = []
+            with ThreadPoolExecutor(1, thread_name_prefix="sluice-send") as sender:
+                pending = []
+                for sp in task.specs:
+                    if AGGS[sp.agg].lua:
+                        seam = task.bounds[sp.index][1]
+                        ctx = WriterContext(task.url, 0, task.specs, "", 0, task.cluster,
+                                            script_token=f"b{seam}")  # fmt: skip
+                        pending.append(apply_lua(client, ctx, rows, sp, sender))
+                parts += [done() for done in pending]
+            for sp in task.specs:
+                if AGGS[sp.agg].state == HLL:
+                    parts.append([apply_hll(client, rows, sp), 0, 0, 0])
+                elif AGGS[sp.agg].state == BLOB:
+                    parts.append(_replace_blobs(client, task, rows, sp))
+            if rows.failed.any():
+                raise BackfillError(
+                    f"the store did not take {int(rows.failed.sum())} slice writes; the task"
+                    " runs again (a backfill's writes replace, so a retry is exact)"
+                )
+            totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
+            dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
+            by_reason: dict[str, list[str]] = {}
+            for rec in dead:
+                by_reason.setdefault(orjson.loads(rec)["reason"], []).append(rec)
+            out += [
+                {"kind": "dead", "reason": r, "rows": len(v), "samples": v[:SAMPLES_PER_REASON]}
+                for r, v in by_reason.items()
+            ]
+        stats = rows.stats()
+        head = {"kind": "stats", "events": stats["events"], "slices": totals[0],
+                "expired": totals[2], "after_seam": rows.after_seam, "skipped": 0}  # fmt: skip
+        out.insert(0, head)
+        pipe = client.pipeline(transaction=False)
+        pipe.hincrby(task.run_key, "events", stats["events"])
+        pipe.hincrby(task.run_key, "slices", totals[0])
+        pipe.sadd(f"{task.run_key}:done", part)
+        pipe.expire(f"{task.run_key}:done", DONE_TTL_S)
+        pipe.expire(task.run_key, DONE_TTL_S)
+        pipe.execute()
+    finally:
+        client.close()
+    yield pa.RecordBatch.from_pylist(out, RESULT_SCHEMA)
+
+
+def run_fingerprint(files: Sequence[str], parts: dict[str, Any]) -> str:
+    """A backfill's identity: what it reads and what it writes, for skipping done partitions
+    on a re-run. Any change (a new file, other bounds, another metric definition) is a new run."""
+    text = json.dumps({"files": sorted(files), **parts}, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
+
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+class _Watcher(threading.Thread):
+    """Reports a running backfill every `every_s`: tasks done over the job group's stages,
+    events folded and slices written so far (from the tasks' counters in Redis), the rate and
+    the time left."""
+
+    def __init__(self, spark: SparkSession, group: str, client: Any, run_key: str,
+                 progress: Progress, every_s: float) -> None:  # fmt: skip
+        super().__init__(name="sluice-backfill-progress", daemon=True)
+        self.spark, self.group, self.client, self.run_key = spark, group, client, run_key
+        self.progress, self.every_s = progress, every_s
+        self.stopped = threading.Event()
+        self.t0 = time.monotonic()
+
+    def snapshot(self) -> dict[str, Any]:
+        tracker = self.spark.sparkContext.statusTracker()
+        done = total = 0
+        for job in tracker.getJobIdsForGroup(self.group):
+            info = tracker.getJobInfo(job)
+            for stage in info.stageIds if info else ():
+                st = tracker.getStageInfo(stage)
+                if st is not None:
+                    done, total = done + st.numCompletedTasks, total + st.numTasks
+        counts = self.client.hgetall(self.run_key)
+        events = int(counts.get(b"events", 0))
+        elapsed = time.monotonic() - self.t0
+        frac = done / total if total else 0.0
+        return {
+            "tasks_done": done,
+            "tasks": total,
+            "events": events,
+            "slices": int(counts.get(b"slices", 0)),
+            "elapsed_s": round(elapsed, 1),
+            "events_per_s": round(events / elapsed) if elapsed > 0 else 0,
+            "left_s": round(elapsed * (1 - frac) / frac) if frac > 0 else None,
+        }
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            try:
+                self.progress(self.snapshot())
+            except Exception as e:  # noqa: BLE001 - progress must never fail the backfill
+                log.debug("backfill progress", extra={"error": str(e)})
+
+
+def backfill(
+    spark: SparkSession,
+    cfg: Config,
+    input_path: str | Sequence[str],
+    fmt: str | None = None,
+    metrics: Sequence[str] | None = None,
+    start_ms: int | None = None,
+    until_ms: int | None = None,
+    *,
+    url: str | None = None,
+    fresh: bool = False,
+    progress: Progress | None = None,
+    progress_every_s: float = 2.0,
+) -> BackfillReport:
+    """Fold the archive at `input_path` into the store at `url` (default `cfg.redis`) for
+    `metrics` (default all), events with `start_ms <= ts < until_ms` (default: all, up to the
+    store's clock now). Blocks until done; calls `progress` every `progress_every_s` from a
+    thread of its own. `fresh` writes every partition again, even those a same run already
+    wrote. Raises ArchiveError (path, format, schema), ConfigError (metrics) or BackfillError;
+    bad rows are counted in the report, never raised."""
+    t0 = time.monotonic()
+    chosen = select_metrics(cfg, metrics)
+    target = url or cfg.redis
+    if target is None:
+        raise BackfillError("no Redis to write to: set `redis:` or pass `url`")
+    client = client_for(target)
+    now_ms = _redis_now_ms(client)
+    until = now_ms if until_ms is None else until_ms
+    seams = {m.name: seam_of(until, m) for m in chosen}
+    firsts = {
+        m.name: None if start_ms is None else slice_start(start_ms, max(m.slice_lengths()))
+        for m in chosen
+    }
+    cfg_off = offline_config(cfg, chosen)
+    specs = plan_specs(spark, cfg_off)
+    read_from = min((v for v in firsts.values() if v is not None), default=None)
+    bounds = TimeBounds(read_from, max(seams.values()))
+    raw = read_archive(spark, input_path, fmt, cfg.source.schema_)
+    events = archive_events(raw, cfg_off, bounds, ref_ms=now_ms)
+    _, folded = fold(events, cfg_off, specs)
+    parts = max(cfg.spark.shuffle_partitions, 2 * spark.sparkContext.defaultParallelism)
+    run = run_fingerprint(raw.inputFiles(), {
+        "metrics": [m.model_dump(mode="json") for m in chosen], "seams": seams,
+        "firsts": firsts, "fmt": fmt, "partitions": parts, "schema": cfg.source.schema_,
+    })  # fmt: skip
+    run_key = f"{BACKFILL_PREFIX}:{run}"
+    if fresh:
+        client.delete(run_key, f"{run_key}:done")
+    client.delete(run_key)  # the progress counters count this run's writes only
+    task = _Task(
+        url=target,
+        cluster=cfg.redis_cluster,
+        specs=tuple(specs),
+        bounds=tuple((_or(firsts[sp.name], -(2**62)), seams[sp.name]) for sp in specs),
+        run_key=run_key,
+    )
+    report = BackfillReport(run, [m.name for m in chosen], seams, firsts)
+    report.warnings += _seam_warnings(client, seams)
+    group = f"sluice-backfill-{run}"
+    sc = spark.sparkContext
+    sc.setJobGroup(group, f"sluice backfill {run}", interruptOnCancel=True)
+    watcher = None
+    if progress is not None:
+        watcher = _Watcher(spark, group, client, run_key, progress, progress_every_s)
+        watcher.start()
+    previous = spark.conf.get("spark.sql.shuffle.partitions") or str(parts)
+    spark.conf.set("spark.sql.shuffle.partitions", str(parts))
+    try:
+        rows = folded.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", previous)
+        sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+        if watcher is not None:
+            watcher.stopped.set()
+    for r in rows:
+        if r["kind"] == "stats":
+            report.partitions += 1
+            report.partitions_skipped += r["skipped"] or 0
+            report.events += r["events"] or 0
+            report.slices += r["slices"] or 0
+            report.expired += r["expired"] or 0
+            report.after_seam += r["after_seam"] or 0
+        else:
+            report.dead[r["reason"]] = report.dead.get(r["reason"], 0) + r["rows"]
+            kept = report.samples.setdefault(r["reason"], [])
+            kept += list(r["samples"])[: SAMPLES_PER_REASON - len(kept)]
+    report.elapsed_s = round(time.monotonic() - t0, 2)
+    _record(client, report)
+    client.close()
+    return report
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def _redis_now_ms(client: Any) -> int:
+    """The store's clock: retention and expiry are measured by it (write_slices.lua)."""
+    reply = client.time()
+    if isinstance(reply, dict):  # a cluster client answers per node
+        reply = next(iter(reply.values()))
+    sec, usec = reply
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def _seam_warnings(client: Any, seams: dict[str, int]) -> list[str]:
+    """A metric the live fold began folding after its seam has a gap: the events between the
+    seam and that start are in neither the backfill's slices nor the live fold's."""
+    started = client.hmget(FOLDING_KEY, list(seams))
+    out = []
+    for (name, seam), since in zip(seams.items(), started, strict=True):
+        if since is not None and int(since) > seam:
+            out.append(
+                f"the live fold began folding {name!r} at {int(since)}, after this backfill's"
+                f" seam {seam}: events of [{seam}, {int(since)}) that arrived before then are in"
+                f" neither side; run the backfill again with `--until` after {int(since)}"
+            )
+    return out
+
+
+def _record(client: Any, report: BackfillReport) -> None:
+    """Raise each metric's recorded seam (it never moves back) and keep the summary."""
+    pipe = client.pipeline(transaction=False)
+    old = client.hmget(SEAMS_KEY, list(report.seams))
+    for (name, seam), prev in zip(report.seams.items(), old, strict=True):
+        if prev is None or int(prev) < seam:
+            pipe.hset(SEAMS_KEY, name, seam)
+    pipe.lpush(BACKFILL_RUNS_KEY, orjson.dumps(report.as_dict()))
+    pipe.ltrim(BACKFILL_RUNS_KEY, 0, RUNS_KEPT - 1)
+    pipe.execute()
+
+
+__all__ = ["BackfillError", "BackfillReport", "backfill", "seam_of"]

@@ -1,0 +1,231 @@
+"""Archived events -> the rows the fold's plan takes, with bad rows flagged, never dropped.
+
+The live source decodes log entries into the schema's fields and the meta columns of
+`sluice.source.decode` (`_ts`, `_ems`, `_ref`, `_err`, `_field`, `_eid`, `_idx`, `_raw`, `_e`).
+An archive is read by Spark instead (Parquet, JSON lines or CSV: a file, a directory, a glob,
+any URL Spark reads), and `archive_events` gives it the same columns, so that
+`plan.explode_updates` and `plan.fold_updates` fold it exactly as they fold a micro-batch.
+
+Each schema field is cast to its type (`try_cast`: a value that does not convert is null). A row
+is bad, with the decoder's reasons, when:
+
+    missing_field   a non-nullable field is null or absent (the time field always is non-null)
+    bad_type        a value that is there but does not convert to the field's type
+    non_finite      NaN or ±infinity in a double or float field
+    too_long        a string over `source.max_string_bytes` (in UTF-8 bytes)
+    bad_json        a JSON line that Spark could not parse (its `_corrupt_record`)
+
+A bad row is folded into the plan's dead-letter rows (group DEAD_G, with its reason), which the
+offline jobs count and report; it never stops them.
+
+Time. `_ts` is the time field (epoch ms, or a Spark timestamp column, taken to ms). `_ems`, the
+event's *arrival* time, is a named column where the archive keeps one (`arrival`: epoch ms or a
+timestamp), else the event time. `_ref`, the time the plan measures retention and `max_future`
+from, is `ref_ms` (a backfill: the store's clock now), or each event's own time (training sets:
+nothing expires, nothing is in the future).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pyspark.errors import AnalysisException
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from sluice.config import Config, FieldType
+from sluice.errors import ConfigError, SluiceError
+from sluice.pipeline.plan import DEAD_G
+from sluice.source.values import SPARK_TYPES
+
+FORMATS = ("parquet", "jsonl", "csv")
+CORRUPT = "_corrupt_record"
+_SUFFIXES = {".parquet": "parquet", ".json": "jsonl", ".jsonl": "jsonl", ".ndjson": "jsonl",
+             ".csv": "csv"}  # fmt: skip
+
+
+class ArchiveError(SluiceError):
+    """An archive that cannot be read as events: a bad path, a format, a schema mismatch."""
+
+
+@dataclass(frozen=True)
+class TimeBounds:
+    """Event time bounds, epoch ms: start <= ts < until (None: unbounded)."""
+
+    start_ms: int | None = None
+    until_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            self.start_ms is not None
+            and self.until_ms is not None
+            and self.start_ms >= self.until_ms
+        ):
+            raise ArchiveError(
+                f"`--start` ({self.start_ms}) must be before `--until` ({self.until_ms})"
+            )
+
+    def condition(self, ts: Column) -> Column:
+        cond = F.lit(True)
+        if self.start_ms is not None:
+            cond = cond & (ts >= F.lit(self.start_ms))
+        if self.until_ms is not None:
+            cond = cond & (ts < F.lit(self.until_ms))
+        return cond
+
+
+def guess_format(path: str) -> str:
+    """The format named by a path's suffix (a directory or glob of Parquet files by default)."""
+    for suffix, fmt in _SUFFIXES.items():
+        if path.rstrip("/*").lower().endswith(suffix):
+            return fmt
+    return "parquet"
+
+
+def read_archive(
+    spark: SparkSession, path: str | Sequence[str], fmt: str | None, schema: dict[str, str]
+) -> DataFrame:
+    """The archive as Spark reads it, before any cast. JSON lines are read with every value as
+    text and a column for the lines that do not parse; CSV with a header, every value as text.
+    Raises ArchiveError for a path that does not exist or a format Sluice does not read."""
+    paths = [path] if isinstance(path, str) else list(path)
+    fmt = fmt or guess_format(paths[0])
+    if fmt not in FORMATS:
+        raise ArchiveError(f"unknown input format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    try:
+        if fmt == "parquet":
+            return spark.read.parquet(*paths)
+        if fmt == "csv":
+            return spark.read.option("header", "true").option("inferSchema", "false").csv(paths)
+        text_schema = T.StructType(
+            [T.StructField(n, T.StringType()) for n in schema]
+            + [T.StructField(CORRUPT, T.StringType())]
+        )
+        return (
+            spark.read.schema(text_schema)
+            .option("mode", "PERMISSIVE")
+            .option("columnNameOfCorruptRecord", CORRUPT)
+            .json(paths)
+        )
+    except AnalysisException as e:
+        reason = str(e).strip().splitlines()[0]
+        raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {reason}") from None
+
+
+def _ms(col: Column, dtype: T.DataType) -> Column:
+    """A time column as epoch ms: a timestamp or date as such, anything else cast to long."""
+    if isinstance(dtype, T.TimestampType | T.TimestampNTZType):
+        return F.unix_millis(col.cast("timestamp"))
+    if isinstance(dtype, T.DateType):
+        return F.unix_millis(col.cast("timestamp"))
+    return col.try_cast("bigint")
+
+
+def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: bool,
+             max_string_bytes: int) -> tuple[Column, Column]:  # fmt: skip
+    """(the field's value, or null; its dead-letter reason, or null)."""
+    value = _ms(src, dtype) if time else src.try_cast(SPARK_TYPES[ftype.type])
+    reasons = []
+    if not ftype.nullable or time:
+        reasons.append(F.when(src.isNull(), F.lit("missing_field")))
+    reasons.append(F.when(src.isNotNull() & value.isNull(), F.lit("bad_type")))
+    if ftype.type in ("double", "float"):
+        reasons.append(F.when(F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
+                              F.lit("non_finite")))  # fmt: skip
+    if ftype.type == "string":
+        reasons.append(F.when(F.octet_length(value) > F.lit(max_string_bytes), F.lit("too_long")))
+    return value, F.coalesce(*reasons)
+
+
+def archive_events(
+    raw: DataFrame,
+    cfg: Config,
+    bounds: TimeBounds = TimeBounds(),
+    arrival: str | None = None,
+    ref_ms: int | None = None,
+    schema: dict[str, str] | None = None,
+) -> DataFrame:
+    """`raw` (from `read_archive`) as the plan's input rows (module docstring), bounded by event
+    time. Bad rows are kept, flagged; a bad row whose time is known is bounded like a good one.
+
+    Raises ArchiveError when a non-nullable field, the time field or `arrival` is not a column
+    of the input: a schema mismatch fails before any work, naming the field and what is there.
+    """
+    schema = schema or cfg.source.schema_
+    time_field = cfg.source.time_field
+    if time_field is None:
+        raise ConfigError("offline input needs `source.time_field`: events carry their time",
+                          "source.time_field")  # fmt: skip
+    have = {f.name: f.dataType for f in raw.schema.fields}
+    for name, spec in schema.items():
+        if name not in have and (not FieldType.parse(spec).nullable or name == time_field):
+            raise ArchiveError(
+                f"input has no column {name!r} (source.schema: {name}: {spec}); its columns"
+                f" are {', '.join(n for n in have if n != CORRUPT)}"
+            )
+    if arrival is not None and arrival not in have:
+        raise ArchiveError(
+            f"`--arrival` column {arrival!r} is not in the input ({', '.join(have)})"
+        )
+    values: list[Column] = []
+    reasons: list[Column] = []
+    fields: list[Column] = []
+    for name, spec in schema.items():
+        ftype = FieldType.parse(spec)
+        if name in have:
+            src, dtype = F.col(f"`{name}`"), have[name]
+        else:
+            src, dtype = F.lit(None), T.NullType()
+        value, reason = _checked(name, ftype, src, dtype, name == time_field,
+                                 cfg.source.max_string_bytes)  # fmt: skip
+        values.append(value.cast(SPARK_TYPES[ftype.type]).alias(name))
+        reasons.append(reason)
+        fields.append(F.when(reason.isNotNull(), F.lit(name)))
+    if CORRUPT in have:
+        corrupt = F.col(CORRUPT).isNotNull()
+        reasons.insert(0, F.when(corrupt, F.lit("bad_json")))
+        fields.insert(0, F.when(corrupt, F.lit(None).cast("string")))
+        raw_text = F.coalesce(F.col(CORRUPT), F.to_json(F.struct(*[F.col(f"`{n}`") for n in have
+                                                                   if n != CORRUPT])))  # fmt: skip
+    else:
+        raw_text = F.to_json(F.struct(*[F.col(f"`{n}`") for n in have]))
+    err = F.coalesce(*reasons)
+    ts = F.col(f"`{time_field}`")
+    ems = _ms(F.col(f"`{arrival}`"), have[arrival]) if arrival else None
+    out = raw.select(
+        *values,
+        err.alias("_err"),
+        F.coalesce(*fields).alias("_field"),
+        F.when(err.isNotNull(), F.substring(raw_text, 1, 1024)).alias("_raw"),
+        F.when(err.isNotNull(), F.input_file_name()).alias("_eid"),
+        *([ems.alias("_arrival")] if ems is not None else []),
+    )
+    # A bad row's time is the event time when it converted; else it is bounded by nothing.
+    out = out.withColumn("_ts", ts.cast("bigint"))
+    out = out.where(F.col("_ts").isNull() | bounds.condition(F.col("_ts")))
+    ems_col = F.col("_arrival") if ems is not None else F.col("_ts")
+    ref = F.lit(ref_ms).cast("bigint") if ref_ms is not None else F.col("_ts")
+    return out.select(
+        *[F.col(f"`{n}`") for n in schema],
+        F.coalesce(F.col("_ts"), F.lit(0)).cast("bigint").alias("_ts"),
+        F.coalesce(ems_col, F.col("_ts"), F.lit(0)).cast("bigint").alias("_ems"),
+        F.coalesce(ref, F.lit(0)).cast("bigint").alias("_ref"),
+        "_err",
+        "_field",
+        "_eid",
+        F.lit(0).alias("_idx"),
+        "_raw",
+        F.lit(0).cast("bigint").alias("_e"),
+    )
+
+
+def dead_reasons(exploded: DataFrame) -> DataFrame:
+    """The plan's dead-letter rows of offline input (`plan.DEAD_G`), by reason: (reason, rows,
+    one sample record as JSON)."""
+    dead = exploded.where(F.col("g") == F.lit(DEAD_G))
+    reason = F.get_json_object(F.col("k"), "$.reason")
+    return dead.groupBy(reason.alias("reason")).agg(
+        F.count(F.lit(1)).alias("rows"), F.first("k").alias("sample")
+    )

@@ -1,0 +1,72 @@
+"""The live fold's plan, for offline input: one definition path.
+
+An offline job folds the metrics it is asked for with `plan.explode_updates` and
+`plan.fold_updates`, exactly as a micro-batch is folded, on a copy of the config that holds
+only those metrics (their groups, slots and value types as the plan assigns them) and no audit
+(the audit follows the log's ids; an archive has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyspark.sql import DataFrame, SparkSession
+
+from sluice.config import Config, MetricConfig
+from sluice.errors import ConfigError
+from sluice.pipeline.plan import (
+    MetricSpec,
+    check_expressions,
+    explode_updates,
+    fold_columns,
+    fold_updates,
+    metric_specs,
+)
+
+
+def select_metrics(cfg: Config, names: Sequence[str] | None) -> list[MetricConfig]:
+    """The metrics named (all of them for None), in the config's order. Raises ConfigError for
+    a name the config does not define, and for a metric that folds a stage's output stream
+    (an archive holds events of the source's schema)."""
+    known = {m.name: m for m in cfg.metrics}
+    derived = {d.name for d in cfg.derived}
+    for name in names or ():
+        if name not in known:
+            what = "a derived metric (name its inputs instead)" if name in derived else "unknown"
+            raise ConfigError(
+                f"metric {name!r} is {what}; the config's metrics are {', '.join(known)}",
+                "metrics",
+            )
+    chosen = [m for m in cfg.metrics if names is None or m.name in names]
+    for m in chosen:
+        if m.from_ not in (None, cfg.source.stream):
+            raise ConfigError(
+                f"metric {m.name!r} folds the stage output {m.from_!r}; offline input holds"
+                f" events of source.schema, so fold it from its own archive",
+                "metrics",
+            )
+    return chosen
+
+
+def offline_config(
+    cfg: Config, metrics: Sequence[MetricConfig], finest_only: bool = False
+) -> Config:
+    """`cfg` with only `metrics` and the audit off; `finest_only` drops coarser resolutions (a
+    training set reads each metric's finest slices: the value does not depend on the cover)."""
+    kept = [m.model_copy(update={"resolutions": None}) if finest_only else m for m in metrics]
+    audit = cfg.audit.model_copy(update={"enabled": False})
+    return cfg.model_copy(update={"metrics": kept, "derived": [], "audit": audit})
+
+
+def plan_specs(spark: SparkSession, cfg_off: Config) -> list[MetricSpec]:
+    """The plan's specs for `cfg_off` (from `offline_config`), with each value checked against
+    the schema as the pipeline checks it at start."""
+    return metric_specs(cfg_off, check_expressions(spark, cfg_off))
+
+
+def fold(
+    events: DataFrame, cfg_off: Config, specs: list[MetricSpec]
+) -> tuple[DataFrame, DataFrame]:
+    """(exploded rows, folded cells) of `events` (`offline.events.archive_events`)."""
+    exploded = explode_updates(events, cfg_off, specs)
+    return exploded, fold_updates(exploded, fold_columns(specs, audit=False))
