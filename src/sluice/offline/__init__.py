@@ -6,5 +6,6 @@ list of windows. See docs/offline.md.
 """
 
 from sluice.offline.backfill import backfill
+from sluice.offline.training import training_set
 
-__all__ = ["backfill"]
+__all__ = ["backfill", "training_set"]

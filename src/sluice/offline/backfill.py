@@ -316,6 +316,11 @@ def backfill(
     client = client_for(target)
     now_ms = _redis_now_ms(client)
     until = now_ms if until_ms is None else until_ms
+    if until > now_ms:
+        raise BackfillError(
+            f"`--until` {until} is after the store's clock ({now_ms}): the slices from now on"
+            " belong to the live fold; leave `--until` out to backfill up to now"
+        )
     seams = {m.name: seam_of(until, m) for m in chosen}
     firsts = {
         m.name: None if start_ms is None else slice_start(start_ms, max(m.slice_lengths()))

@@ -114,19 +114,21 @@ def read_archive(
         raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {reason}") from None
 
 
-def _ms(col: Column, dtype: T.DataType) -> Column:
+def to_ms(col: Column, dtype: T.DataType) -> Column:
     """A time column as epoch ms: a timestamp or date as such, anything else cast to long."""
     if isinstance(dtype, T.TimestampType | T.TimestampNTZType):
         return F.unix_millis(col.cast("timestamp"))
     if isinstance(dtype, T.DateType):
         return F.unix_millis(col.cast("timestamp"))
+    if isinstance(dtype, T.StringType):  # CSV, JSON: epoch ms as text, or an ISO 8601 time
+        return F.coalesce(col.try_cast("bigint"), F.unix_millis(col.try_cast("timestamp")))
     return col.try_cast("bigint")
 
 
 def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: bool,
              max_string_bytes: int) -> tuple[Column, Column]:  # fmt: skip
     """(the field's value, or null; its dead-letter reason, or null)."""
-    value = _ms(src, dtype) if time else src.try_cast(SPARK_TYPES[ftype.type])
+    value = to_ms(src, dtype) if time else src.try_cast(SPARK_TYPES[ftype.type])
     reasons = []
     if not ftype.nullable or time:
         reasons.append(F.when(src.isNull(), F.lit("missing_field")))
@@ -193,7 +195,7 @@ def archive_events(
         raw_text = F.to_json(F.struct(*[F.col(f"`{n}`") for n in have]))
     err = F.coalesce(*reasons)
     ts = F.col(f"`{time_field}`")
-    ems = _ms(F.col(f"`{arrival}`"), have[arrival]) if arrival else None
+    ems = to_ms(F.col(f"`{arrival}`"), have[arrival]) if arrival else None
     out = raw.select(
         *values,
         err.alias("_err"),

@@ -73,7 +73,7 @@ def parse_end(value: Any, now_ms: int) -> int:
     return end
 
 
-def _integral_value(cfg: Config, m: MetricConfig) -> bool:
+def integral_value(cfg: Config, m: MetricConfig) -> bool:
     """The metric's value is an integer field of the schema: its sums, minima and the like are
     answered as ints."""
     if m.value is None:
@@ -89,7 +89,7 @@ class QueryEngine:
         self.cfg = cfg
         self.client = client
         self.clock = clock
-        self._integral = {m.name: _integral_value(cfg, m) for m in cfg.metrics}
+        self._integral = {m.name: integral_value(cfg, m) for m in cfg.metrics}
         self._derived = {d.name: formula.parse(d.expr) for d in cfg.derived}
 
     # -- validation -------------------------------------------------------------------------

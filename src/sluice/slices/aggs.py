@@ -57,10 +57,16 @@ MergeColumns = Callable[[Columns], list[float]]
 class Fold(NamedTuple):
     """One aggregate column a metric needs besides its count `n`; the plan names both after the
     metric's slot (`MetricSpec.column`), and the writer hands the folded columns to
-    `Agg.encode` in `folds` order."""
+    `Agg.encode` in `folds` order.
+
+    `merge` says how an offline job merges this column over many folded cells in Spark
+    (`sluice.offline.training`): `sum`, `min` or `max` where that is the state's own merge
+    (`_merge.lua`), else `collect`: the cells' states are gathered and merged by `Agg.merge`,
+    as the query server merges them."""
 
     column: str
     build: Callable[[Any, Column, Column], Column]  # (pyspark.sql.functions, value, event time)
+    merge: str = "collect"
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,9 @@ class Agg:
     value_kind: str = "double"
     any_type: bool = False  # `value` may be of any type: counted or compared as text
     needs_value: bool = True
+    # The answer's Spark type: long, double, `number` (long for an integral value, else
+    # double) or `quantiles` (double for one `q`, else a map from q to double).
+    answer_kind: str = "double"
 
     @property
     def lua(self) -> bool:
@@ -99,6 +108,20 @@ class Agg:
         if self.value_kind == "number":
             return "long" if integral else "double"
         return self.value_kind
+
+    def answer_type(self, integral: bool, single_q: bool = True) -> str:
+        """The Spark type of this agg's answers (training sets' feature columns)."""
+        if self.answer_kind == "number":
+            return "long" if integral else "double"
+        if self.answer_kind == "quantiles":
+            return "double" if single_q else "map<string,double>"
+        return self.answer_kind
+
+    @property
+    def collects(self) -> bool:
+        """Offline merges gather this agg's cell states (`Fold.merge`) rather than merging
+        each column in Spark."""
+        return any(f.merge == "collect" for f in self.folds)
 
     def fold_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
         """(column name prefix, Spark aggregate) for each fold, over `value` and event `time`."""
@@ -133,15 +156,15 @@ def _timed(F: Any, v: Column, t: Column) -> Column:
     return F.when(v.isNotNull(), F.struct(t.alias("t"), v.alias("v")))
 
 
-SUM = Fold("sum", lambda F, v, t: F.sum(v))
-MIN = Fold("min", lambda F, v, t: F.min(v))
-MAX = Fold("max", lambda F, v, t: F.max(v))
+SUM = Fold("sum", lambda F, v, t: F.sum(v), "sum")
+MIN = Fold("min", lambda F, v, t: F.min(v), "min")
+MAX = Fold("max", lambda F, v, t: F.max(v), "max")
 MEAN = Fold("avg", lambda F, v, t: F.avg(v))
 # The sum of squared deviations from the mean, merged with Chan's formula.
 M2 = Fold("m2", lambda F, v, t: F.var_pop(v) * F.count(v))
 # Struct order is (time, value): the greatest time, a tie to the greater value; min the reverse.
-LAST = Fold("last", lambda F, v, t: F.max(_timed(F, v, t)))
-FIRST = Fold("first", lambda F, v, t: F.min(_timed(F, v, t)))
+LAST = Fold("last", lambda F, v, t: F.max(_timed(F, v, t)), "max")
+FIRST = Fold("first", lambda F, v, t: F.min(_timed(F, v, t)), "min")
 SET = Fold("set", lambda F, v, t: F.collect_set(v))
 KLL = Fold("kll", lambda F, v, t: F.kll_sketch_agg_double(v))
 
@@ -276,6 +299,7 @@ def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize) 
         encode=_encode_value,
         merge_columns=merge,
         value_kind="number",
+        answer_kind="number",
     )
 
 
@@ -290,6 +314,7 @@ def _timed_value(name: str, fold: Fold, merge: MergeColumns) -> Agg:
         encode=_encode_timed,
         merge_columns=merge,
         value_kind="number",
+        answer_kind="number",
     )
 
 
@@ -318,6 +343,7 @@ AGGS: dict[str, Agg] = {
             value_kind="long",
             any_type=True,
             needs_value=False,
+            answer_kind="long",
         ),
         _one_number("sum", SUM, merge_add, _finalize_sum),
         _one_number("min", MIN, merge_min, _finalize_value),
@@ -339,8 +365,16 @@ AGGS: dict[str, Agg] = {
             width=0,
             value_kind="string",
             any_type=True,
+            answer_kind="long",
         ),
-        Agg("quantile", state=BLOB, finalize=_finalize_quantiles, folds=(KLL,), union=_kll_union),
+        Agg(
+            "quantile",
+            state=BLOB,
+            finalize=_finalize_quantiles,
+            folds=(KLL,),
+            union=_kll_union,
+            answer_kind="quantiles",
+        ),
         _timed_value("last", LAST, merge_last),
         _moments("stddev", _finalize_stddev),
         _moments("variance", _finalize_variance),

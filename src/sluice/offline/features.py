@@ -1,0 +1,139 @@
+"""Training-set features: what a user asks for, the columns it adds, their types, and the
+names of the columns that carry each part of a value between the Spark job
+(`offline.training`) and the tasks that answer (`offline.answers`)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import DataFrame
+
+from sluice import formula
+from sluice.config import Config, FieldType
+from sluice.errors import BadQuery, UnknownMetric
+from sluice.query.engine import integral_value, parse_window
+from sluice.slices.aggs import AGGS
+from sluice.source.values import SPARK_TYPES
+
+ROW = "_sluice_row"
+SLICE_T = "_sluice_t"
+PART_FULL, PART_EDGE, PART_LATE = "f", "e", "l"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One output column: metric (or derived metric) `name` over `window_ms`."""
+
+    name: str
+    window: str
+    window_ms: int
+    column: str
+
+
+def parse_features(
+    cfg: Config, features: Mapping[str, Sequence[str]] | Sequence[str]
+) -> list[Feature]:
+    """`{"txn_count": ["10m", "1h"]}` or `["txn_count:10m,1h", "amount_sum:1d"]` -> Features,
+    in order, each column once. Raises UnknownMetric or BadQuery naming the feature."""
+    pairs: list[tuple[str, str]] = []
+    if isinstance(features, Mapping):
+        pairs = [(m, w) for m, ws in features.items() for w in ws]
+    else:
+        for spec in features:
+            name, sep, windows = spec.partition(":")
+            if not sep or not windows.strip():
+                raise BadQuery(
+                    f"`--features` {spec!r} must be METRIC:WINDOW[,WINDOW...],"
+                    " e.g. txn_count:10m,1h",
+                    "features",
+                )
+            pairs += [(name.strip(), w.strip()) for w in windows.split(",") if w.strip()]
+    if not pairs:
+        raise BadQuery("no features asked for, e.g. txn_count:10m,1h", "features")
+    known = [m.name for m in cfg.metrics] + [d.name for d in cfg.derived]
+    out: dict[str, Feature] = {}
+    for name, window in pairs:
+        if name not in known:
+            raise UnknownMetric(
+                f"unknown metric {name!r}; known metrics: {', '.join(known)}", "features"
+            )
+        window_ms = parse_window(window, f"{name} window")
+        column = f"{name}_{re.sub(r'[^0-9A-Za-z]+', '_', window)}"
+        out.setdefault(column, Feature(name, window, window_ms, column))
+    return list(out.values())
+
+
+def part_column(m: int, part: str, name: str, w: int | None = None) -> str:
+    return f"_m{m}{part}{'' if w is None else w}_{name}"
+
+
+def windows_by_metric(cfg: Config, feats: list[Feature]) -> dict[str, list[int]]:
+    """Each base metric the features read, with its windows (a derived feature reads its
+    inputs at its own window)."""
+    derived = {d.name: formula.parse(d.expr) for d in cfg.derived}
+    out: dict[str, list[int]] = {}
+    for f in feats:
+        for base in formula.names(derived[f.name]) if f.name in derived else [f.name]:
+            ws = out.setdefault(base, [])
+            if f.window_ms not in ws:
+                ws.append(f.window_ms)
+    return out
+
+
+def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
+                   metrics: Sequence[str], feats: list[Feature]) -> None:  # fmt: skip
+    """Raises BadQuery for a spine that lacks the time column or a key column, or whose columns
+    a feature would overwrite."""
+    have = set(spine.columns)
+    if ts not in have:
+        raise BadQuery(
+            f"the spine has no time column {ts!r}; its columns are {', '.join(spine.columns)}", "ts"
+        )
+    for name in metrics:
+        m = cfg.metric(name)
+        assert m is not None
+        for field in m.key:
+            col = keys.get(field, field)
+            if col not in have:
+                raise BadQuery(
+                    f"the spine has no column {col!r} for key field {field!r} of {name!r};"
+                    f" name it with --key {field}=COLUMN (columns: {', '.join(spine.columns)})",
+                    "key",
+                )
+    clash = [f.column for f in feats if f.column in have or f.column == ROW]
+    if clash:
+        raise BadQuery(f"the spine already has columns {', '.join(clash)}", "features")
+
+
+def spark_type(spec: str) -> str:
+
+    return SPARK_TYPES[FieldType.parse(spec).type]
+
+
+def feature_types(cfg: Config, feats: list[Feature]) -> dict[str, str]:
+    out = {}
+    for f in feats:
+        m = cfg.metric(f.name)
+        if m is None:
+            out[f.column] = "double"  # a derived formula
+        else:
+            single = not isinstance(m.q, list)
+            out[f.column] = AGGS[m.agg].answer_type(integral_value(cfg, m), single)
+    return out
+
+
+_ARROW = {"long": pa.int64(), "double": pa.float64()}
+
+
+def arrow_column(values: list[Any], spark_type: str) -> pa.Array:
+    """Answers as an Arrow column of their feature's Spark type (`feature_types`)."""
+    if spark_type in _ARROW:
+        return pa.array(values, _ARROW[spark_type])
+    return pa.array(  # map<string,double>: the quantiles
+        [None if v is None else list(v.items()) for v in values],
+        pa.map_(pa.string(), pa.float64()),
+    )

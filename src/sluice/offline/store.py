@@ -1,0 +1,142 @@
+"""Training-set values from the slice store itself, for what it still holds.
+
+Without an archive, a spine row at time t is answered by the query engine (`QueryEngine.run`,
+the server's own code) at end = t, but only where the store's slices give exactly the events up
+to t: a slice holds every event of its interval, including those after t, so a row is answered
+only when t is the last millisecond of a slice of each metric it reads ((t + 1) is a multiple of
+the metric's finest slice), and only while the window lies within the metric's retention
+measured from the store's clock now. Every other value is null, and the row's
+`sluice_unanswered` column says which feature and why, rather than answering wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from sluice import formula
+from sluice.config import Config
+from sluice.errors import SluiceError
+from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column
+from sluice.query.engine import Lookup, QueryEngine
+from sluice.redis.connection import client_for
+from sluice.units import format_duration_ms
+
+UNANSWERED = "sluice_unanswered"
+LOOKUPS_PER_CALL = 1000
+
+
+@dataclass(frozen=True)
+class _StorePlan:
+    cfg: Config
+    url: str
+    now_ms: int
+    features: tuple[tuple[str, str, int], ...]  # (column, name, window ms)
+    keys: tuple[tuple[str, tuple[str, ...]], ...]  # per feature name: its key columns (as read)
+    types: dict[str, str]
+
+
+def _bases(cfg: Config, name: str) -> list[Any]:
+    d = cfg.derived_metric(name)
+    if d is None:
+        return [cfg.metric(name)]
+    return [cfg.metric(n) for n in formula.names(formula.parse(d.expr))]
+
+
+def _why_not(cfg: Config, name: str, t: int, w_ms: int, now_ms: int) -> str | None:
+    """Why the store cannot answer (name, window) at t exactly, or None when it can."""
+    for m in _bases(cfg, name):
+        finest = m.slice_lengths()[0]
+        if (t + 1) % finest:
+            return (
+                f"t is inside a {format_duration_ms(finest)} slice of {m.name!r}: the store"
+                " cannot leave out its events after t; give --input"
+            )
+        if w_ms > m.retention or t - w_ms < now_ms - m.retention:
+            return f"the window reaches past {m.name!r}'s retention; give --input"
+    return None
+
+
+def _answer(plan: _StorePlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    client = client_for(plan.url, timeout_s=60)
+    engine = QueryEngine(plan.cfg, client)
+    keys = dict(plan.keys)
+    try:
+        for batch in batches:
+            rows = batch.to_pylist()
+            values: dict[str, list[Any]] = {c: [None] * len(rows) for c, _, _ in plan.features}
+            missing: list[list[str]] = [[] for _ in rows]
+            asks: list[tuple[int, str, Lookup]] = []
+            for i, row in enumerate(rows):
+                t = row[SLICE_T]
+                for column, name, w_ms in plan.features:
+                    key = [row[c] for c in keys[name]]
+                    if t is None or any(k is None for k in key):
+                        missing[i].append(f"{column}: no time or key")
+                        continue
+                    why = _why_not(plan.cfg, name, t, w_ms, plan.now_ms)
+                    if why is not None:
+                        missing[i].append(f"{column}: {why}")
+                        continue
+                    asks.append((i, column, Lookup(name, tuple(map(str, key)), w_ms, t)))
+            for at in range(0, len(asks), LOOKUPS_PER_CALL):
+                chunk = asks[at : at + LOOKUPS_PER_CALL]
+                for (i, column, _), ans in zip(
+                    chunk, engine.run([a[2] for a in chunk]), strict=True
+                ):
+                    values[column][i] = ans["value"]
+            cols = [pa.array([r[ROW] for r in rows], pa.int64())]
+            cols += [arrow_column(values[c], plan.types[c]) for c, _, _ in plan.features]
+            cols.append(pa.array(missing, pa.list_(pa.string())))
+            names = [ROW, *[c for c, _, _ in plan.features], UNANSWERED]
+            yield pa.RecordBatch.from_arrays(cols, names=names)
+    finally:
+        client.close()
+
+
+def store_values(
+    spark: SparkSession,
+    cfg: Config,
+    spine_in: DataFrame,
+    t_ms: Column,
+    keys: Mapping[str, str],
+    feats: list[Feature],
+    types: dict[str, str],
+    url: str | None,
+) -> DataFrame:
+    """`training_set` without an archive (module docstring). `spine_in` carries the row ids."""
+    if url is None:
+        raise SluiceError("no store to read: set `redis:` or give the archive with --input")
+    client = client_for(url)
+    try:
+        sec, usec = client.time()
+    finally:
+        client.close()
+    key_cols: dict[str, tuple[str, ...]] = {}
+    wanted: dict[str, Column] = {}
+    for f in feats:
+        fields = _bases(cfg, f.name)[0].key
+        key_cols[f.name] = tuple(f"_k_{field}" for field in fields)
+        for field in fields:
+            wanted[f"_k_{field}"] = F.col(f"`{keys.get(field, field)}`").cast("string")
+    plan = _StorePlan(
+        cfg=cfg,
+        url=url,
+        now_ms=int(sec) * 1000 + int(usec) // 1000,
+        features=tuple((f.column, f.name, f.window_ms) for f in feats),
+        keys=tuple(key_cols.items()),
+        types=types,
+    )
+    narrow = spine_in.select(ROW, t_ms, *[c.alias(n) for n, c in wanted.items()])
+    ddl = ", ".join(
+        [f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats],
+         f"{UNANSWERED} array<string>"]
+    )  # fmt: skip
+    answers = narrow.mapInArrow(partial(_answer, plan), ddl)
+    return spine_in.join(answers, ROW, "left").drop(ROW)

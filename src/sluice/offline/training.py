@@ -1,0 +1,266 @@
+"""`sluice training-set`: point-in-time feature values for a table of labelled rows.
+
+For a spine row at time t and a feature (metric m, window W), the value is what
+`GET /v1/metrics/m?key=…&window=W&end=t` answers when the store holds exactly the events with
+event time <= t: the window (t − W, t], rounded outward to m's finest slice at its start edge
+(covered_start = slice_start(t − W + 1)), merged and finalized as the query server does. No
+event after t counts, not even one in t's own slice.
+
+How it is computed, from the archive (`events`), with the live fold's plan (`offline.fold`):
+
+    events ─▶ explode (the plan) ─▶ per (key, slice) cells, as the fold makes them
+    spine  ─▶ key (the plan's key column), t
+    full slices    [covered_start, slice(t)):  a window frame over the key's cells ordered by
+                   slice index; two frames per window (the number of full slices is q or q + 1,
+                   by t's offset in its slice), merged in Spark where the state's merge is a
+                   sum (as prefix sums), min or max; else the cells' states are gathered
+                   (`Fold.merge`)
+    edge           t's own slice, events with ts <= t: folded per spine row from the events
+                   (a join on (key, slice)), with the fold's own aggregate expressions
+    ─▶ per row and feature: the parts' states merged by `Agg.merge`, answered by
+       `Agg.finalize` (the query server's code), derived formulas by `formula.evaluate`
+
+Every window of a metric shares one sort of its cells and spine rows, so a window costs a few
+more frame columns, not another pass. Windows need no definition anywhere.
+
+As known at (`arrival`): an event counts only if it had also arrived by t. Cells then hold only
+the events that arrived before their slice ended, which every later t has seen; the events that
+arrived later are few, and each spine row takes those it had seen by t in a join of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from sluice.config import Config, MetricConfig
+from sluice.offline.answers import AnswerPlan, answer_batches
+from sluice.offline.events import TimeBounds, archive_events, to_ms
+from sluice.offline.features import (
+    PART_EDGE,
+    PART_FULL,
+    PART_LATE,
+    ROW,
+    SLICE_T,
+    check_spine,
+    feature_types,
+    parse_features,
+    part_column,
+    spark_type,
+    windows_by_metric,
+)
+from sluice.offline.fold import offline_config, plan_specs, select_metrics
+from sluice.offline.store import store_values
+from sluice.pipeline.plan import MetricSpec, explode_updates, key_column
+from sluice.query.engine import integral_value
+from sluice.slices.aggs import AGGS, Agg
+
+
+@dataclass(frozen=True)
+class _Metric:
+    """A base metric the features need: its spec in the offline plan and its windows."""
+
+    cfg: MetricConfig
+    spec: MetricSpec
+    integral: bool
+    windows: tuple[int, ...]  # ms, distinct
+
+    @property
+    def agg(self) -> Agg:
+        return AGGS[self.cfg.agg]
+
+    @property
+    def slice_ms(self) -> int:
+        return self.spec.slice_ms
+
+
+def _state_columns(agg: Agg) -> list[str]:
+    return ["n", *[f.column for f in agg.folds]]
+
+
+def _fold_aggs(agg: Agg, v: Column, t: Column, prefix: Any) -> list[Column]:
+    """The fold's own aggregates of one metric (its count `n`, then its folds), named by
+    `prefix(column)`: what the live fold computes for a cell."""
+    return [F.count(v).alias(prefix("n"))] + [
+        build.alias(prefix(name)) for name, build in agg.fold_columns(v, t)
+    ]
+
+
+def _metric_rows(exploded: DataFrame, sp: MetricSpec, arrival: bool) -> DataFrame:
+    """The exploded rows that carry a value of `sp`: key, slice, event time, value (arrival)."""
+    cols = [F.col("k"), F.col("s"), F.col("t"), F.col(sp.column("v")).alias("v")]
+    if arrival:
+        cols.append(F.col("ems").alias("a"))
+    return exploded.where(F.col("g") == F.lit(sp.group)).select(*cols).where(F.col("v").isNotNull())
+
+
+def _frames(mi: int, m: _Metric, cells: DataFrame, spine_m: DataFrame) -> DataFrame:
+    """Per spine row, each window's full slices [covered_start, slice(t)) merged (module
+    docstring): ROW, `ok` (the row has a key and a time), and per window either one column per
+    state column (merged in Spark) or one list of the cells' states (an agg that collects)."""
+    s, agg = m.slice_ms, m.agg
+    names = _state_columns(agg)
+    none = F.lit(None).cast("long")
+    cell_cols = [F.col("k"), F.col("s").cast("long").alias("_i"), none.alias(ROW),
+                 none.alias(SLICE_T)]  # fmt: skip
+    spine_cols = [F.col("k"), (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_i"),
+                  F.col(ROW), F.col(SLICE_T)]  # fmt: skip
+    cell_cols += [F.col(c) for c in names]
+    spine_cols += [F.lit(None).cast(cells.schema[c].dataType).alias(c) for c in names]
+    both = cells.select(*cell_cols).unionByName(spine_m.select(*spine_cols))
+    # Ordered by slice start (ms): a frame of j slices back is a range of j * s.
+    order = Window.partitionBy("k").orderBy("_i")
+    out: list[Column] = [
+        (F.col("k").isNotNull() & F.col(SLICE_T).isNotNull()).alias(part_column(mi, "", "ok"))
+    ]
+    state = F.struct(*[F.col(c) for c in names])
+    for wi, w_ms in enumerate(m.windows):
+        q, r = divmod(w_ms - 1, s)
+        more = F.pmod(F.col(SLICE_T), F.lit(s)) < F.lit(r)  # q + 1 full slices, else q
+
+        def frame(fn: Any, c: Column, back: int) -> Column:
+            return fn(c).over(order.rangeBetween(-back * s, -s)) if back else F.lit(None)
+
+        if agg.collects:
+            cells_w = F.when(more, frame(F.collect_list, state, q + 1)).otherwise(
+                F.coalesce(frame(F.collect_list, state, q), F.array())
+            )
+            out.append(cells_w.alias(part_column(mi, PART_FULL, "cells", wi)))
+            continue
+        for name, how in [("n", "sum")] + [(f.column, f.merge) for f in agg.folds]:
+            c = F.col(name)
+            if how == "sum":
+                # Prefix sums: the slices before t's, less those before the window's first.
+                def upto(back: int, c: Column = c) -> Column:
+                    return F.coalesce(
+                        F.sum(c).over(order.rangeBetween(Window.unboundedPreceding, -back * s)),
+                        F.lit(0),
+                    )
+
+                merged = upto(1) - F.when(more, upto(q + 2)).otherwise(upto(q + 1))
+            else:
+                fn = F.min if how == "min" else F.max
+                merged = F.when(more, frame(fn, c, q + 1)).otherwise(frame(fn, c, q))
+            out.append(merged.alias(part_column(mi, PART_FULL, name, wi)))
+    return both.select(ROW, *out).where(F.col(ROW).isNotNull())
+
+
+def _edge(mi: int, m: _Metric, rows: DataFrame, spine_m: DataFrame, arrival: bool) -> DataFrame:
+    """Per spine row, the events of its key in t's own slice with ts <= t (and, as known at,
+    arrived by t), folded with the fold's own aggregates."""
+    p, e = spine_m.alias("p"), rows.alias("e")
+    cond = (
+        (F.col("e.k") == F.col("p.k"))
+        & (F.col("e.s") == F.col("p._s"))
+        & (F.col("e.t") <= F.col(f"p.{SLICE_T}"))
+    )
+    if arrival:
+        cond = cond & (F.col("e.a") <= F.col(f"p.{SLICE_T}"))
+    joined = p.join(e, cond)
+    return joined.groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(
+        *_fold_aggs(m.agg, F.col("e.v"), F.col("e.t"), lambda c: part_column(mi, PART_EDGE, c))
+    )
+
+
+def _late(mi: int, m: _Metric, rows: DataFrame, spine_m: DataFrame) -> DataFrame:
+    """As known at: per spine row and window, the events of its full slices that arrived after
+    their slice ended (so the cells left them out) but by t."""
+    s = m.slice_ms
+    late = rows.where(F.col("a") >= F.col("s") + F.lit(s)).alias("e")
+    p = spine_m.alias("p")
+    back = max((w - 1) // s + 1 for w in m.windows) * s
+    cond = (
+        (F.col("e.k") == F.col("p.k"))
+        & (F.col("e.s") < F.col("p._s"))
+        & (F.col("e.s") >= F.col("p._s") - F.lit(back))
+        & (F.col("e.a") <= F.col(f"p.{SLICE_T}"))
+    )
+    aggs: list[Column] = []
+    t = F.col(f"p.{SLICE_T}")
+    for wi, w_ms in enumerate(m.windows):
+        lo = t - F.lit(w_ms - 1)
+        first = lo - F.pmod(lo, F.lit(s))
+        v = F.when(F.col("e.s") >= first, F.col("e.v"))
+        aggs += _fold_aggs(m.agg, v, F.col("e.t"), partial(part_column, mi, PART_LATE, w=wi))
+    return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
+
+
+# -- the job ---------------------------------------------------------------------------------
+
+
+def training_set(
+    spark: SparkSession,
+    cfg: Config,
+    spine: DataFrame,
+    features: Mapping[str, Sequence[str]] | Sequence[str],
+    ts: str,
+    keys: Mapping[str, str] | None = None,
+    events: DataFrame | None = None,
+    arrival: str | None = None,
+    *,
+    url: str | None = None,
+) -> DataFrame:
+    """`spine` with one column `<metric>_<window>` per feature (module docstring), from the
+    archived `events` (as `offline.events.read_archive` reads them) or, without them, from the
+    slice store at `url` (default `cfg.redis`; see `offline.store_values`). `keys` maps a
+    metric's key field to the spine column that holds it where the names differ; `ts` is the
+    spine's time column (epoch ms, a timestamp, or ISO 8601 text). `arrival` names the
+    archive's arrival-time column: an event then counts only once it had arrived by t.
+
+    Lazy, like any DataFrame: nothing runs until it is written or collected. The spine is
+    checkpointed locally first (each row's id must stay the same in every branch). Raises
+    UnknownMetric, BadQuery or ConfigError for features, columns or metrics it cannot answer.
+    """
+    keys = dict(keys or {})
+    feats = parse_features(cfg, features)
+    windows = windows_by_metric(cfg, feats)
+    check_spine(cfg, spine, ts, keys, list(windows), feats)
+    chosen = select_metrics(cfg, list(windows))
+    spine_in = spine.withColumn(ROW, F.monotonically_increasing_id()).localCheckpoint()
+    t_ms = to_ms(F.col(f"`{ts}`"), spine.schema[ts].dataType).alias(SLICE_T)
+    types = feature_types(cfg, feats)
+    if events is None:
+        return store_values(spark, cfg, spine_in, t_ms, keys, feats, types, url or cfg.redis)
+    cfg_off = offline_config(cfg, chosen, finest_only=True)
+    specs = plan_specs(spark, cfg_off)
+    exploded = explode_updates(
+        archive_events(events, cfg_off, TimeBounds(), arrival), cfg_off, specs
+    )
+    schema = cfg.source.schema_
+    parts: list[DataFrame] = []
+    plan_metrics = []
+    for mi, m in enumerate(chosen):
+        sp = next(x for x in specs if x.name == m.name)
+        mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
+        plan_metrics.append((m, mm.integral, mm.windows))
+        fields = [F.col(f"`{keys.get(f, f)}`").cast(spark_type(schema[f])).alias(f) for f in m.key]
+        base = spine_in.select(ROW, t_ms, *fields)
+        s = mm.slice_ms
+        spine_m = base.select(
+            ROW, SLICE_T, key_column(m.key).alias("k"),
+            (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
+        )  # fmt: skip
+        rows = _metric_rows(exploded, sp, arrival is not None)
+        prompt = rows.where(F.col("a") < F.col("s") + F.lit(s)) if arrival else rows
+        cells = prompt.groupBy("k", "s").agg(*_fold_aggs(mm.agg, F.col("v"), F.col("t"), str))
+        parts.append(_frames(mi, mm, cells, spine_m))
+        parts.append(_edge(mi, mm, rows, spine_m, arrival is not None))
+        if arrival:
+            parts.append(_late(mi, mm, rows, spine_m))
+    joined = spine_in.select(ROW)
+    for part in parts:
+        joined = joined.join(part, ROW, "left")
+    plan = AnswerPlan(
+        metrics=tuple(plan_metrics),
+        features=tuple((f.column, f.name, f.window_ms) for f in feats),
+        derived=tuple((d.name, d.expr) for d in cfg.derived),
+        types=types,
+    )
+    ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
+    answers = joined.mapInArrow(partial(answer_batches, plan), ddl)
+    return spine_in.join(answers, ROW, "left").drop(ROW)
