@@ -91,69 +91,78 @@ def _fold_aggs(agg: Agg, v: Column, t: Column, prefix: Any) -> list[Column]:
     ]
 
 
-def _metric_rows(exploded: DataFrame, sp: MetricSpec, arrival: bool) -> DataFrame:
-    """The exploded rows that carry a value of `sp`: key, slice, event time, value (arrival)."""
-    cols = [F.col("k"), F.col("s"), F.col("t"), F.col(sp.column("v")).alias("v")]
+def _group_rows(
+    exploded: DataFrame, members: list[tuple[int, _Metric]], arrival: bool
+) -> DataFrame:
+    """The exploded rows of the members' group: key, slice, event time, (arrival,) and each
+    member's value `v{mi}` (null where the event does not count for it)."""
+    group = members[0][1].spec.group
+    cols = [F.col("k"), F.col("s"), F.col("t")]
     if arrival:
         cols.append(F.col("ems").alias("a"))
-    return exploded.where(F.col("g") == F.lit(sp.group)).select(*cols).where(F.col("v").isNotNull())
+    cols += [F.col(m.spec.column("v")).alias(f"v{mi}") for mi, m in members]
+    return exploded.where(F.col("g") == F.lit(group)).select(*cols)
 
 
-def _frames(mi: int, m: _Metric, cells: DataFrame, spine_m: DataFrame) -> DataFrame:
-    """Per spine row, each window's full slices [covered_start, slice(t)) merged (module
-    docstring): ROW, `ok` (the row has a key and a time), and per window either one column per
-    state column (merged in Spark) or one list of the cells' states (an agg that collects)."""
-    s, agg = m.slice_ms, m.agg
-    names = _state_columns(agg)
+def _cell(mi: int, name: str) -> str:
+    return f"c{mi}_{name}"
+
+
+def _frames(members: list[tuple[int, _Metric]], cells: DataFrame, spine_g: DataFrame) -> DataFrame:
+    """Per spine row, each member's and window's full slices [covered_start, slice(t)) merged
+    (module docstring): ROW, per member `ok` (the row has a key and a time), and per window
+    either one column per state column (merged in Spark) or one list of the cells' states (an
+    agg that collects). One sort serves every member and window of the group."""
+    s = members[0][1].slice_ms
+    names = [_cell(mi, c) for mi, m in members for c in _state_columns(m.agg)]
     none = F.lit(None).cast("long")
     cell_cols = [F.col("k"), F.col("s").cast("long").alias("_i"), none.alias(ROW),
-                 none.alias(SLICE_T)]  # fmt: skip
-    spine_cols = [F.col("k"), (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_i"),
-                  F.col(ROW), F.col(SLICE_T)]  # fmt: skip
-    cell_cols += [F.col(c) for c in names]
-    spine_cols += [F.lit(None).cast(cells.schema[c].dataType).alias(c) for c in names]
-    both = cells.select(*cell_cols).unionByName(spine_m.select(*spine_cols))
+                 none.alias(SLICE_T), *[F.col(c) for c in names]]  # fmt: skip
+    blank = [F.lit(None).cast(cells.schema[c].dataType).alias(c) for c in names]
+    spine_cols = [F.col("k"), F.col("_s").alias("_i"), F.col(ROW), F.col(SLICE_T), *blank]
+    both = cells.select(*cell_cols).unionByName(spine_g.select(*spine_cols))
     # Ordered by slice start (ms): a frame of j slices back is a range of j * s.
     order = Window.partitionBy("k").orderBy("_i")
-    out: list[Column] = [
-        (F.col("k").isNotNull() & F.col(SLICE_T).isNotNull()).alias(part_column(mi, "", "ok"))
-    ]
-    state = F.struct(*[F.col(c) for c in names])
-    for wi, w_ms in enumerate(m.windows):
-        q, r = divmod(w_ms - 1, s)
-        more = F.pmod(F.col(SLICE_T), F.lit(s)) < F.lit(r)  # q + 1 full slices, else q
 
-        def frame(fn: Any, c: Column, back: int) -> Column:
-            return fn(c).over(order.rangeBetween(-back * s, -s)) if back else F.lit(None)
+    def frame(fn: Any, c: Column, back: int) -> Column:
+        return fn(c).over(order.rangeBetween(-back * s, -s)) if back else F.lit(None)
 
-        if agg.collects:
-            cells_w = F.when(more, frame(F.collect_list, state, q + 1)).otherwise(
-                F.coalesce(frame(F.collect_list, state, q), F.array())
-            )
-            out.append(cells_w.alias(part_column(mi, PART_FULL, "cells", wi)))
-            continue
-        for name, how in [("n", "sum")] + [(f.column, f.merge) for f in agg.folds]:
-            c = F.col(name)
-            if how == "sum":
-                # Prefix sums: the slices before t's, less those before the window's first.
-                def upto(back: int, c: Column = c) -> Column:
-                    return F.coalesce(
-                        F.sum(c).over(order.rangeBetween(Window.unboundedPreceding, -back * s)),
-                        F.lit(0),
-                    )
+    def upto(c: Column, back: int) -> Column:
+        return F.coalesce(F.sum(c).over(order.rangeBetween(Window.unboundedPreceding, -back * s)),
+                          F.lit(0))  # fmt: skip
 
-                merged = upto(1) - F.when(more, upto(q + 2)).otherwise(upto(q + 1))
-            else:
-                fn = F.min if how == "min" else F.max
-                merged = F.when(more, frame(fn, c, q + 1)).otherwise(frame(fn, c, q))
-            out.append(merged.alias(part_column(mi, PART_FULL, name, wi)))
+    ok = F.col("k").isNotNull() & F.col(SLICE_T).isNotNull()
+    out: list[Column] = []
+    for mi, m in members:
+        agg = m.agg
+        out.append(ok.alias(part_column(mi, "", "ok")))
+        state = F.struct(*[F.col(_cell(mi, c)).alias(c) for c in _state_columns(agg)])
+        for wi, w_ms in enumerate(m.windows):
+            q, r = divmod(w_ms - 1, s)
+            more = F.pmod(F.col(SLICE_T), F.lit(s)) < F.lit(r)  # q + 1 full slices, else q
+            if agg.collects:
+                cells_w = F.when(more, frame(F.collect_list, state, q + 1)).otherwise(
+                    F.coalesce(frame(F.collect_list, state, q), F.array())
+                )
+                out.append(cells_w.alias(part_column(mi, PART_FULL, "cells", wi)))
+                continue
+            for name, how in [("n", "sum")] + [(f.column, f.merge) for f in agg.folds]:
+                c = F.col(_cell(mi, name))
+                if how == "sum":
+                    # Prefix sums: the slices before t's, less those before the window's first.
+                    merged = upto(c, 1) - F.when(more, upto(c, q + 2)).otherwise(upto(c, q + 1))
+                else:
+                    fn = F.min if how == "min" else F.max
+                    merged = F.when(more, frame(fn, c, q + 1)).otherwise(frame(fn, c, q))
+                out.append(merged.alias(part_column(mi, PART_FULL, name, wi)))
     return both.select(ROW, *out).where(F.col(ROW).isNotNull())
 
 
-def _edge(mi: int, m: _Metric, rows: DataFrame, spine_m: DataFrame, arrival: bool) -> DataFrame:
+def _edge(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFrame,
+          arrival: bool) -> DataFrame:  # fmt: skip
     """Per spine row, the events of its key in t's own slice with ts <= t (and, as known at,
     arrived by t), folded with the fold's own aggregates."""
-    p, e = spine_m.alias("p"), rows.alias("e")
+    p, e = spine_g.alias("p"), rows.alias("e")
     cond = (
         (F.col("e.k") == F.col("p.k"))
         & (F.col("e.s") == F.col("p._s"))
@@ -161,19 +170,20 @@ def _edge(mi: int, m: _Metric, rows: DataFrame, spine_m: DataFrame, arrival: boo
     )
     if arrival:
         cond = cond & (F.col("e.a") <= F.col(f"p.{SLICE_T}"))
-    joined = p.join(e, cond)
-    return joined.groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(
-        *_fold_aggs(m.agg, F.col("e.v"), F.col("e.t"), lambda c: part_column(mi, PART_EDGE, c))
-    )
+    aggs: list[Column] = []
+    for mi, m in members:
+        aggs += _fold_aggs(m.agg, F.col(f"e.v{mi}"), F.col("e.t"),
+                           partial(part_column, mi, PART_EDGE))  # fmt: skip
+    return p.join(e, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
-def _late(mi: int, m: _Metric, rows: DataFrame, spine_m: DataFrame) -> DataFrame:
+def _late(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFrame) -> DataFrame:
     """As known at: per spine row and window, the events of its full slices that arrived after
     their slice ended (so the cells left them out) but by t."""
-    s = m.slice_ms
+    s = members[0][1].slice_ms
     late = rows.where(F.col("a") >= F.col("s") + F.lit(s)).alias("e")
-    p = spine_m.alias("p")
-    back = max((w - 1) // s + 1 for w in m.windows) * s
+    p = spine_g.alias("p")
+    back = max((w - 1) // s + 1 for _, m in members for w in m.windows) * s
     cond = (
         (F.col("e.k") == F.col("p.k"))
         & (F.col("e.s") < F.col("p._s"))
@@ -182,11 +192,11 @@ def _late(mi: int, m: _Metric, rows: DataFrame, spine_m: DataFrame) -> DataFrame
     )
     aggs: list[Column] = []
     t = F.col(f"p.{SLICE_T}")
-    for wi, w_ms in enumerate(m.windows):
-        lo = t - F.lit(w_ms - 1)
-        first = lo - F.pmod(lo, F.lit(s))
-        v = F.when(F.col("e.s") >= first, F.col("e.v"))
-        aggs += _fold_aggs(m.agg, v, F.col("e.t"), partial(part_column, mi, PART_LATE, w=wi))
+    for mi, m in members:
+        for wi, w_ms in enumerate(m.windows):
+            lo = t - F.lit(w_ms - 1)
+            v = F.when(F.col("e.s") >= lo - F.pmod(lo, F.lit(s)), F.col(f"e.v{mi}"))
+            aggs += _fold_aggs(m.agg, v, F.col("e.t"), partial(part_column, mi, PART_LATE, w=wi))
     return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
@@ -234,24 +244,33 @@ def training_set(
     schema = cfg.source.schema_
     parts: list[DataFrame] = []
     plan_metrics = []
+    groups: dict[int, list[tuple[int, _Metric]]] = {}
     for mi, m in enumerate(chosen):
         sp = next(x for x in specs if x.name == m.name)
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
-        fields = [F.col(f"`{keys.get(f, f)}`").cast(spark_type(schema[f])).alias(f) for f in m.key]
-        base = spine_in.select(ROW, t_ms, *fields)
-        s = mm.slice_ms
-        spine_m = base.select(
-            ROW, SLICE_T, key_column(m.key).alias("k"),
+        groups.setdefault(sp.group, []).append((mi, mm))
+    for members in groups.values():
+        first = members[0][1]
+        fields = [
+            F.col(f"`{keys.get(f, f)}`").cast(spark_type(schema[f])).alias(f) for f in first.cfg.key
+        ]
+        s = first.slice_ms
+        spine_g = spine_in.select(ROW, t_ms, *fields).select(
+            ROW, SLICE_T, key_column(first.cfg.key).alias("k"),
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
         )  # fmt: skip
-        rows = _metric_rows(exploded, sp, arrival is not None)
+        rows = _group_rows(exploded, members, arrival is not None)
         prompt = rows.where(F.col("a") < F.col("s") + F.lit(s)) if arrival else rows
-        cells = prompt.groupBy("k", "s").agg(*_fold_aggs(mm.agg, F.col("v"), F.col("t"), str))
-        parts.append(_frames(mi, mm, cells, spine_m))
-        parts.append(_edge(mi, mm, rows, spine_m, arrival is not None))
+        cell_aggs = [
+            a for mi, m in members
+            for a in _fold_aggs(m.agg, F.col(f"v{mi}"), F.col("t"), partial(_cell, mi))
+        ]  # fmt: skip
+        cells = prompt.groupBy("k", "s").agg(*cell_aggs)
+        parts.append(_frames(members, cells, spine_g))
+        parts.append(_edge(members, rows, spine_g, arrival is not None))
         if arrival:
-            parts.append(_late(mi, mm, rows, spine_m))
+            parts.append(_late(members, rows, spine_g))
     joined = spine_in.select(ROW)
     for part in parts:
         joined = joined.join(part, ROW, "left")
