@@ -148,3 +148,47 @@ def test_variance_and_stddev_share_a_state_and_answer_apart() -> None:
 def test_a_hyperloglog_is_not_merged_here() -> None:
     with pytest.raises(ValueError, match="merged in Redis only"):
         AGGS["distinct"].merge([b"x"])
+
+
+def _kll(values: list[float]) -> bytes:
+    from datasketches import kll_doubles_sketch
+
+    sketch = kll_doubles_sketch(200)
+    for v in values:
+        sketch.update(v)
+    return b"7:" + bytes(sketch.serialize())
+
+
+def test_a_quantile_of_one_sketch_is_the_sketch_s_own() -> None:
+    """Gathering a single sketch's items answers exactly what the sketch answers, compacted or
+    not (the query server's merge must not change an answer that needs no merge)."""
+    import random
+
+    from datasketches import kll_doubles_sketch
+
+    qs = [0.001, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999]
+    m = _metric("quantile", q=qs)
+    rnd = random.Random(4)
+    for n in [1, 2, 199, 200, 201, 5000, 40_000]:
+        blob = _kll([round(rnd.lognormvariate(3, 1.2), 2) for _ in range(n)])
+        sketch = kll_doubles_sketch.deserialize(blob[2:])
+        got = AGGS["quantile"].finalize(AGGS["quantile"].merge([blob]), m, False)
+        assert got == {str(q): sketch.get_quantile(q) for q in qs}, n
+
+
+def test_quantiles_over_many_sketches_do_not_depend_on_chance_or_order() -> None:
+    """Merging KLL sketches compacts with random choices: the same slices answered twice could
+    differ. The gathered sample answers the same every time and in any order."""
+    import random
+
+    rnd = random.Random(5)
+    blobs = [_kll([rnd.lognormvariate(3, 1.2) for _ in range(150)]) for _ in range(60)]
+    m = _metric("quantile", q=[0.5, 0.99])
+    want = AGGS["quantile"].finalize(AGGS["quantile"].merge(blobs), m, False)
+    for _ in range(5):
+        rnd.shuffle(blobs)
+        assert AGGS["quantile"].finalize(AGGS["quantile"].merge(blobs), m, False) == want
+    every = sorted(x for b in blobs for x in __import__("datasketches").kll_doubles_sketch
+                   .deserialize(b[2:]))  # fmt: skip
+    assert len(every) == 60 * 150  # no sketch compacted: the sample is every value
+    assert want["0.5"] == sorted(v for v, _ in every)[int(0.5 * len(every))]

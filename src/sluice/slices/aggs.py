@@ -89,6 +89,9 @@ class Agg:
     encode: Callable[..., list[Any]] | None = None
     merge_columns: MergeColumns | None = None  # Lua-merged states
     union: Callable[[Sequence[bytes]], bytes | None] | None = None  # BLOB: serialized union
+    # BLOB, at query time: what `merge` gives `finalize` instead of the union (a sketch whose
+    # merge takes random choices would answer the same window differently from call to call).
+    gather: Callable[[Sequence[bytes]], Any] | None = None
     # The value column's Spark type: long, double, string, or `number` (long for an integral
     # value, else double).
     value_kind: str = "double"
@@ -135,6 +138,8 @@ class Agg:
         when no slice holds data; a blob to its union, or None. Raises ValueError on a state
         that does not have the agg's width."""
         states = list(filter(None, replies))
+        if self.gather is not None:
+            return self.gather([s.partition(b":")[2] for s in states])
         if self.union is not None:
             return self.union([s.partition(b":")[2] for s in states])
         if self.merge_columns is None:
@@ -271,15 +276,41 @@ def _kll_union(blobs: Sequence[bytes]) -> bytes | None:
     return None if merged is None else bytes(merged.serialize())
 
 
-def _finalize_quantiles(merged: bytes | None, m: MetricConfig, integral: bool) -> Any:
-    """One value for a single `q`, else {q: value}; null values with no data."""
+def _kll_sample(blobs: Sequence[bytes]) -> tuple[Any, Any] | None:
+    """The items the KLL sketches keep, with their weights, as one sample: (items sorted,
+    cumulative weights), or None for no sketch. Merging sketches would compact them again with
+    random choices, so the same slices could answer differently from one query to the next;
+    the sample of the sketches' own items is the same every time, for any merge order, and no
+    less accurate than a merged sketch. For a single sketch its quantiles are the sketch's own
+    (`get_quantile`, exclusive ranks)."""
+    if not blobs:
+        return None
+    import numpy as np
+    from datasketches import kll_doubles_sketch
+
+    pairs = [pair for blob in blobs for pair in kll_doubles_sketch.deserialize(bytes(blob))]
+    if not pairs:
+        return None
+    items = np.fromiter((p[0] for p in pairs), np.float64, len(pairs))
+    weights = np.fromiter((p[1] for p in pairs), np.float64, len(pairs))
+    order = np.lexsort((weights, items))
+    return items[order], np.cumsum(weights[order])
+
+
+def _finalize_quantiles(merged: tuple[Any, Any] | None, m: MetricConfig, integral: bool) -> Any:
+    """One value for a single `q`, else {q: value}; null values with no data. A quantile is
+    the first item whose cumulative weight exceeds q times the total (the sketch's exclusive
+    rank rule)."""
     qs = m.quantiles()
     values: list[float | None] = [None] * len(qs)
     if merged is not None:
-        from datasketches import kll_doubles_sketch
+        import numpy as np
 
-        sketch = kll_doubles_sketch.deserialize(merged)
-        values = [sketch.get_quantile(q) for q in qs]
+        items, cum = merged
+        at = np.minimum(
+            np.searchsorted(cum, np.asarray(qs) * cum[-1], side="right"), len(items) - 1
+        )
+        values = [float(items[i]) for i in at]
     if isinstance(m.q, int | float):
         return values[0]
     return {str(q): v for q, v in zip(qs, values, strict=True)}
@@ -373,6 +404,7 @@ AGGS: dict[str, Agg] = {
             finalize=_finalize_quantiles,
             folds=(KLL,),
             union=_kll_union,
+            gather=_kll_sample,
             answer_kind="quantiles",
         ),
         _timed_value("last", LAST, merge_last),
