@@ -139,4 +139,4 @@ def store_values(
          f"{UNANSWERED} array<string>"]
     )  # fmt: skip
     answers = narrow.mapInArrow(partial(_answer, plan), ddl)
-    return spine_in.join(answers, ROW, "left").drop(ROW)
+    return spine_in.join(answers, ROW, "left").orderBy(ROW).drop(ROW)  # the spine's order

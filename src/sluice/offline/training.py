@@ -282,4 +282,4 @@ def training_set(
     )
     ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
     answers = joined.mapInArrow(partial(answer_batches, plan), ddl)
-    return spine_in.join(answers, ROW, "left").drop(ROW)
+    return spine_in.join(answers, ROW, "left").orderBy(ROW).drop(ROW)  # the spine's order

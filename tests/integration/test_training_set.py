@@ -1,0 +1,274 @@
+"""`training_set` on a real Spark session against DuckDB over the same events: every
+aggregation, windows shorter and longer than a slice, times on slice edges, late events,
+resolutions, a derived metric, no leakage, as known at; and the values a backfilled store
+answers online, the same to the bit (distinct and quantile estimates included)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pytest
+import redis
+
+from sluice.errors import BadQuery, UnknownMetric
+from sluice.offline.backfill import backfill
+from sluice.offline.store import UNANSWERED
+from sluice.offline.training import training_set
+from sluice.query.engine import QueryEngine
+from sluice.slices.hll import estimate
+from sluice.slices.window import slice_start
+from tests.conftest import make_config
+from tests.e2e.test_oracle import REFERENCE_SQL, check_quantiles, make_events
+
+pytestmark = [pytest.mark.spark]
+
+N = 20_000
+HOUR = 3_600_000
+WINDOWS = ["1s", "10s", "45s", "1m", "90s", "17m", "1h", "2h"]
+FEATURES = {
+    "txn_count": WINDOWS, "merchant_txn": ["1h"], "amount_sum": ["90s"], "qty_sum": ["2h"],
+    "card_min": ["45s"], "card_max": ["1h"], "avg_amount": ["17m"], "pair_count": ["2h"],
+    "card_merchants": ["1h"], "amount_q": ["17m"], "card_last": ["1s"], "card_first": ["2h"],
+    "amount_std": ["1h"], "qty_var": ["17m"], "txn_res": ["45s", "2h"], "amount_res": ["90s"],
+    "avg_ticket": ["1h"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def now_ms() -> int:
+    return slice_start(time.time_ns() // 1_000_000, HOUR)
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory, now_ms: int) -> tuple[Path, pd.DataFrame]:
+    events = make_events(now_ms, N)
+    path = tmp_path_factory.mktemp("archive") / "events.parquet"
+    events.to_parquet(path)
+    return path, events
+
+
+def spine_rows(events: pd.DataFrame, now_ms: int, n: int = 150) -> pd.DataFrame:
+    """Frequent keys (and an absent one), times spread over the span and on slice edges."""
+    rng = np.random.default_rng(3)
+    cards = [*events["card"].value_counts().index[:20].tolist(), "absent-card"]
+    merchants = [*events["merchant"].value_counts().index[:12].tolist(), "absent-m"]
+    t = rng.integers(now_ms - 45 * 60_000, now_ms, n)
+    edge = slice_start(int(now_ms - 20 * 60_000), 60_000)
+    t[:8] = [edge, edge - 1, edge + 1, edge + 9_999, edge + 10_000, now_ms - 1, now_ms - 2, edge]
+    return pd.DataFrame({
+        "card_id": rng.choice(cards, n), "merchant": rng.choice(merchants, n), "t": t,
+        "label": rng.integers(0, 2, n),
+    })  # fmt: skip
+
+
+def reference(con: Any, metric: str, key: list[str], lo: int, t: int) -> Any:
+    sql = REFERENCE_SQL[metric].format(w="AND ts >= ? AND ts <= ?")
+    row = con.execute(sql, [*key, lo, t]).fetchone()
+    return None if row is None else row[0]
+
+
+def check_row(con: Any, cfg: Any, row: pd.Series, metric: str, window: str) -> None:
+    got = row[f"{metric}_{window}"]
+    got = None if isinstance(got, float) and math.isnan(got) else got
+    from sluice.units import parse_duration_ms
+
+    w_ms = parse_duration_ms(window)
+    t = int(row["t"])
+    name = "amount_sum" if metric == "avg_ticket" else metric
+    finest = cfg.metric(name).slice_lengths()[0]
+    lo = slice_start(t - w_ms + 1, finest)
+    keys = {"pair_count": [row.card_id, row.merchant]}
+    card_keyed = cfg.metric(name).key == ["card"]
+    key = keys.get(metric, [row.card_id] if card_keyed else [row.merchant])
+    what = (metric, window, key, t, got)
+    if metric == "avg_ticket":
+        total = reference(con, "amount_sum", key, lo, t)
+        n = reference(con, "merchant_txn", key, lo, t)
+        want = None if n == 0 else total / n
+        assert (got is None and want is None) or got == pytest.approx(want, rel=1e-9), what
+        return
+    want = reference(con, metric, key, lo, t)
+    if metric == "amount_q":
+        check_quantiles({"value": got or {"0.5": None, "0.99": None}}, want)
+    elif metric == "card_merchants":
+        members = con.execute(
+            "SELECT list(DISTINCT merchant) FROM ev WHERE card = ? AND ts >= ? AND ts <= ?",
+            [*key, lo, t],
+        ).fetchone()[0]
+        assert got == estimate(members or []), what  # Redis's own estimate of those members
+    elif want is None or got is None:
+        assert got == want, what
+    elif metric in ("avg_amount", "amount_sum", "amount_std", "qty_var"):
+        assert got == pytest.approx(float(want), rel=1e-9, abs=1e-9), (what, want)
+    else:
+        assert got == want, (what, want)
+
+
+def test_values_match_the_reference_for_every_aggregation(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    spine = spine_rows(events, now_ms)
+    out = training_set(
+        spark, cfg, spark.createDataFrame(spine), FEATURES, ts="t", keys={"card": "card_id"},
+        events=spark.read.parquet(str(path)),
+    ).toPandas()  # fmt: skip
+    assert len(out) == len(spine)
+    assert list(out.columns[:4]) == ["card_id", "merchant", "t", "label"]
+    cols = ["card_id", "merchant", "t", "label"]
+    assert sorted(map(tuple, out[cols].values.tolist())) == sorted(
+        map(tuple, spine[cols].values.tolist())
+    )  # every spine row once, passed through
+    con = duckdb.connect()
+    con.register("ev", events)
+    for _, row in out.iterrows():
+        for metric, windows in FEATURES.items():
+            for window in windows:
+                check_row(con, cfg, row, metric, window)
+
+
+def test_no_event_after_t_counts(spark: Any, redis_url: str, tmp_path: Path) -> None:
+    """Not one in t's own slice, not one at t + 1; the event at t itself counts."""
+    cfg = make_config(redis_url, tmp_path)
+    t = 1_700_000_005_000  # mid-slice of txn_count's 10 s slices
+    ev = pd.DataFrame({
+        "ts": [t - 20_000, t - 1, t, t + 1, t + 4_000, t + 60_000],
+        "card": ["c"] * 6, "merchant": ["m"] * 6, "amount": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        "qty": [1, 2, 3, 4, 5, 6],
+    })  # fmt: skip
+    spine = spark.createDataFrame(pd.DataFrame({"card": ["c", "c"], "merchant": ["m", "m"],
+                                                "t": [t, t - 1]}))  # fmt: skip
+    out = training_set(
+        spark, cfg, spine, ["txn_count:1s,10s,1h", "card_max:1h", "card_last:1h", "qty_sum:1h"],
+        ts="t", events=spark.createDataFrame(ev),
+    ).toPandas().set_index("t")  # fmt: skip
+    assert out.loc[t, "txn_count_1s"] == 2  # slice [t - 5 s, t]: t - 1 and t
+    assert out.loc[t, "txn_count_10s"] == 2 and out.loc[t, "txn_count_1h"] == 3
+    assert out.loc[t, "card_max_1h"] == 3 and out.loc[t, "card_last_1h"] == 3.0
+    assert out.loc[t, "qty_sum_1h"] == 6
+    assert out.loc[t - 1, "txn_count_1h"] == 2 and out.loc[t - 1, "card_last_1h"] == 2.0
+
+
+def test_as_known_at_counts_only_what_had_arrived(
+    spark: Any, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
+    cfg = make_config(redis_url, tmp_path)
+    rng = np.random.default_rng(5)
+    n = 4000
+    ts = rng.integers(now_ms - 40 * 60_000, now_ms, n)
+    late = rng.random(n) < 0.2
+    arrival = ts + np.where(late, rng.integers(10_000, 15 * 60_000, n), rng.integers(0, 900, n))
+    ev = pd.DataFrame({"ts": ts, "card": [f"c{i}" for i in rng.integers(0, 8, n)],
+                       "merchant": [f"m{i}" for i in rng.integers(0, 3, n)],
+                       "amount": rng.random(n) * 10, "qty": rng.integers(0, 9, n),
+                       "arrived": arrival})  # fmt: skip
+    spine = pd.DataFrame({"card": [f"c{i}" for i in rng.integers(0, 8, 120)],
+                          "merchant": [f"m{i}" for i in rng.integers(0, 3, 120)],
+                          "t": rng.integers(now_ms - 30 * 60_000, now_ms, 120)})  # fmt: skip
+    feats = ["txn_count:10s,5m,1h", "card_max:5m", "qty_sum:17m", "card_last:1h"]
+    out = training_set(spark, cfg, spark.createDataFrame(spine), feats, ts="t",
+                       events=spark.createDataFrame(ev), arrival="arrived").toPandas()  # fmt: skip
+    con = duckdb.connect()
+    con.register("ev", ev)
+    sql = {
+        "txn_count": "SELECT count(*) FROM ev WHERE card = ? AND ts >= ? AND ts <= ?"
+                     " AND arrived <= ?",
+        "card_max": "SELECT max(qty) FROM ev WHERE card = ? AND ts >= ? AND ts <= ?"
+                    " AND arrived <= ?",
+        "qty_sum": "SELECT coalesce(sum(qty), 0) FROM ev WHERE merchant = ? AND ts >= ?"
+                   " AND ts <= ? AND arrived <= ?",
+        "card_last": "SELECT amount FROM ev WHERE card = ? AND ts >= ? AND ts <= ? AND"
+                     " arrived <= ? ORDER BY ts DESC, amount DESC LIMIT 1",
+    }  # fmt: skip
+    differs = 0
+    for _, row in out.iterrows():
+        t = int(row.t)
+        for metric, window, w_ms, s in [("txn_count", "10s", 10_000, 10_000),
+                                        ("txn_count", "5m", 300_000, 10_000),
+                                        ("txn_count", "1h", HOUR, 10_000),
+                                        ("card_max", "5m", 300_000, 10_000),
+                                        ("qty_sum", "17m", 17 * 60_000, 60_000),
+                                        ("card_last", "1h", HOUR, 10_000)]:  # fmt: skip
+            key = row.merchant if metric == "qty_sum" else row.card
+            lo = slice_start(t - w_ms + 1, s)
+            got = con.execute(sql[metric], [key, lo, t, t]).fetchone()
+            want = None if got is None else got[0]
+            assert row[f"{metric}_{window}"] == want, (metric, window, t, key)
+            everything = con.execute(sql[metric].replace("AND arrived <= ?", ""),
+                                     [key, lo, t]).fetchone()  # fmt: skip
+            differs += (None if everything is None else everything[0]) != want
+    assert differs > 20  # late events made a difference the check above saw
+
+
+def test_the_store_answers_as_online_and_offline_agree_on_it(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """A backfilled store: the engine's answer at end = t and the training set's value are the
+    same to the bit for rows whose t ends a slice (distinct and quantile included); from the
+    store itself, those rows are answered and a mid-slice one is refused with its reason."""
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    backfill(spark, cfg, str(path), until_ms=now_ms)
+    rng = np.random.default_rng(9)
+    cards = events["card"].value_counts().index[:15].tolist()
+    merchants = events["merchant"].value_counts().index[:8].tolist()
+    ends = [slice_start(int(x), 60_000) - 1 for x in rng.integers(now_ms - 40 * 60_000, now_ms, 60)]
+    spine = pd.DataFrame({"card": rng.choice(cards, 60), "merchant": rng.choice(merchants, 60),
+                          "t": ends})  # fmt: skip
+    spine.loc[0, "t"] = ends[0] - 25_000  # inside a slice: the store cannot answer it
+    feats = {"txn_count": ["10m"], "card_merchants": ["30m"], "amount_q": ["1h"],
+             "card_max": ["17m"], "amount_sum": ["1h"], "avg_ticket": ["1h"]}  # fmt: skip
+    offline = training_set(spark, cfg, spark.createDataFrame(spine), feats, ts="t",
+                           events=spark.read.parquet(str(path))).toPandas()  # fmt: skip
+    stored = training_set(spark, cfg, spark.createDataFrame(spine), feats, ts="t").toPandas()
+    engine = QueryEngine(cfg, r)
+    for i, row in offline.iterrows():
+        for metric, windows in feats.items():
+            card_keyed = metric in ("txn_count", "card_merchants", "card_max")
+            key = [row.card] if card_keyed else [row.merchant]
+            ans = engine.query(metric, key, windows[0], int(row.t))["value"]
+            col = f"{metric}_{windows[0]}"
+            if i == 0:
+                assert stored.loc[i, col] is None or pd.isna(stored.loc[i, col])
+                continue
+            assert (
+                row[col] == pytest.approx(ans, rel=1e-12)
+                if isinstance(ans, float)
+                else (_same(row[col], ans))
+            ), (metric, key, row.t, row[col], ans)
+            assert _same(stored.loc[i, col], ans), (metric, key, row.t)
+    reasons = list(stored.loc[0, UNANSWERED])
+    assert len(reasons) == len(feats) and "inside a 10s slice of 'txn_count'" in reasons[0]
+    assert all(len(x) == 0 for x in stored.loc[1:, UNANSWERED])
+
+
+def _same(got: Any, want: Any) -> bool:
+    if isinstance(want, dict):
+        return dict(got or {}) == want
+    if want is None:
+        return got is None or (isinstance(got, float) and math.isnan(got))
+    return bool(got == want)
+
+
+def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path) -> None:
+    cfg = make_config(redis_url, tmp_path)
+    spine = spark.createDataFrame(pd.DataFrame({"card": ["c"], "t": [1]}))
+    ev = spark.createDataFrame(pd.DataFrame({"ts": [1], "card": ["c"], "merchant": ["m"],
+                                             "amount": [1.0], "qty": [1]}))  # fmt: skip
+    with pytest.raises(UnknownMetric, match="unknown metric 'nope'"):
+        training_set(spark, cfg, spine, ["nope:1h"], ts="t", events=ev)
+    with pytest.raises(BadQuery, match="is not a duration"):
+        training_set(spark, cfg, spine, ["txn_count:soon"], ts="t", events=ev)
+    with pytest.raises(BadQuery, match="METRIC:WINDOW"):
+        training_set(spark, cfg, spine, ["txn_count"], ts="t", events=ev)
+    with pytest.raises(BadQuery, match="no time column 'when'"):
+        training_set(spark, cfg, spine, ["txn_count:1h"], ts="when", events=ev)
+    with pytest.raises(BadQuery, match="no column 'merchant' for key field 'merchant'"):
+        training_set(spark, cfg, spine, ["merchant_txn:1h"], ts="t", events=ev)
