@@ -25,6 +25,9 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{backfill}:runs         list: the newest backfill summaries (JSON, newest first)
     sluice:{backfill}:<run>        hash: a backfill's progress (events, slices, partitions)
     sluice:{backfill}:<run>:done   set: the partitions a backfill has written (for a re-run)
+    sluice:{consistency}:answers   stream: a sample of the answers the server gave (for
+                                   `sluice consistency`), bounded
+    sluice:{consistency}:last      string: the newest consistency report (JSON)
     sluice:epoch                   counter: writer epochs: one per fresh checkpoint, one per
                                    leadership term (see pipeline.lease)
     sluice:{lease}:q:<query>       hash: the leadership lease of one streaming query (owner,
@@ -73,6 +76,8 @@ FOLDING_KEY = f"{PREFIX}:{{stats}}:folding"
 BACKFILL_PREFIX = f"{PREFIX}:{{backfill}}"
 SEAMS_KEY = f"{BACKFILL_PREFIX}:seams"
 BACKFILL_RUNS_KEY = f"{BACKFILL_PREFIX}:runs"
+ANSWERS_KEY = f"{PREFIX}:{{consistency}}:answers"
+CONSISTENCY_KEY = f"{PREFIX}:{{consistency}}:last"
 
 
 class StatsKeys(NamedTuple):
