@@ -129,6 +129,17 @@ class ServerConfig(_Model):
     port: int = Field(8000, ge=0, le=65535)
     token: str | None = None
     workers: int = Field(2, ge=1, le=64, description="`sluice serve` worker processes")
+    log_answers: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="the share of keys whose answers the server logs to the stream"
+        " `sluice:{consistency}:answers`, for `sluice consistency` to recompute offline; chosen"
+        " per (metric, key) by hash, so the same keys are logged on every request; 0 = off",
+    )
+    log_answers_max: int = Field(
+        10_000, ge=1, description="entries that stream keeps (about: it is trimmed by MAXLEN ~)"
+    )
 
 
 class AuditConfig(_Model):

@@ -20,6 +20,7 @@ from sluice import formula
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
+from sluice.query.answers import AnswerLog
 from sluice.query.wire import Commands, aexecute, slice_fields
 from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
@@ -83,12 +84,23 @@ def integral_value(cfg: Config, m: MetricConfig) -> bool:
 
 
 class QueryEngine:
-    """Stateless apart from the Redis client; safe to share across request handlers."""
+    """Stateless apart from the Redis client; safe to share across request handlers.
 
-    def __init__(self, cfg: Config, client: Any, clock: Clock = SYSTEM_CLOCK) -> None:
+    With an `answer_log` (the server's, from `server.log_answers`), `run` and `arun` log a
+    sample of the answers they return (`sluice.query.answers`); `series` never does.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        client: Any,
+        clock: Clock = SYSTEM_CLOCK,
+        answer_log: AnswerLog | None = None,
+    ) -> None:
         self.cfg = cfg
         self.client = client
         self.clock = clock
+        self.answer_log = answer_log
         self._integral = {m.name: integral_value(cfg, m) for m in cfg.metrics}
         self._derived = {d.name: formula.parse(d.expr) for d in cfg.derived}
 
@@ -142,7 +154,14 @@ class QueryEngine:
         return self.run([self.lookup(metric, key, window, end)])[0]
 
     def run(self, lookups: Sequence[Lookup]) -> list[dict[str, Any]]:
-        """Answer many lookups in one pipelined round trip (blocking)."""
+        """Answer many lookups in one pipelined round trip (blocking); the sampled answers, if
+        any, are logged after it, in one more."""
+        answers = self._read(lookups)
+        if self.answer_log is not None and (logged := self.answer_log.pick(lookups, answers)):
+            self.answer_log.send(self.client, logged)
+        return answers
+
+    def _read(self, lookups: Sequence[Lookup]) -> list[dict[str, Any]]:
         self._check_batch(lookups)
         plan: Plan = []
 
@@ -168,7 +187,10 @@ class QueryEngine:
                     raise
                 await aclient.script_load(script_source(READ_SLICES))
                 continue
-            return self._answers(lookups, plan, replies)
+            answers = self._answers(lookups, plan, replies)
+            if self.answer_log is not None and (logged := self.answer_log.pick(lookups, answers)):
+                self.answer_log.asend(aclient, logged)  # not awaited: no round trip of its own
+            return answers
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _check_batch(self, lookups: Sequence[Lookup]) -> None:
@@ -285,7 +307,7 @@ class QueryEngine:
         ]
         points = [
             {"start": a["covered_start"], "end": a["covered_end"], "value": a["value"]}
-            for a in self.run(lookups)
+            for a in self._read(lookups)  # chart points: not logged
         ]
         return {
             "metric": first.metric,

@@ -25,6 +25,7 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, load_config
 from sluice.errors import BackpressureError, QueryError, SluiceError
 from sluice.logs import LOG_LEVEL_ENV, setup_logging
+from sluice.query.answers import AnswerLog
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
 from sluice.server.clients import AsyncClients
@@ -51,7 +52,7 @@ def create_app(
     `Sampler` that records the per-second history the dashboard charts (one small write a
     second, shared by every worker); the lifespan runs under uvicorn, not under a bare
     TestClient. Makes no connection itself."""
-    engine = QueryEngine(cfg, client, clock)
+    engine = QueryEngine(cfg, client, clock, AnswerLog.from_config(cfg, clock))
     api = Api(cfg, client, clock, engine, AsyncClients(client), RequestTimer())
 
     @contextlib.asynccontextmanager

@@ -32,6 +32,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 
 from sluice.flow.levels import memory_fraction
+from sluice.status.consistency import RESULTS
 
 PIPELINE_STATES = ("starting", "running", "restarting", "waiting_for_redis", "waiting_for_log",
                    "failing", "stopped", "not_running")  # fmt: skip
@@ -88,6 +89,8 @@ class StatusCollector(Collector):
             yield from self._audit(st["audit"])
         if st.get("pipeline"):
             yield from self._pipeline(st["pipeline"], st.get("last_batch_age_ms"))
+        if st.get("consistency"):
+            yield from self._consistency(st["consistency"])
 
     def _redis(self) -> Iterator[Metric]:
         h = self.redis
@@ -284,6 +287,24 @@ class StatusCollector(Collector):
             "sluice_last_batch_age_seconds", "Time since the last batch committed",
             None if last_batch_age_ms is None else last_batch_age_ms / 1000,
         )  # fmt: skip
+
+    def _consistency(self, report: dict[str, Any]) -> Iterator[Metric]:
+        """The newest `sluice consistency` report: its sampled answers by result, and when it
+        ran (alert on `time() - sluice_consistency_report_timestamp_seconds`)."""
+        answers = GaugeMetricFamily(
+            "sluice_consistency_answers",
+            "Sampled answers of the newest consistency report, by how they compared offline",
+            labels=["result"],
+        )
+        for result in RESULTS:
+            answers.add_metric([result], float(report.get(result) or 0))
+        yield answers
+        at_ms = report.get("at_ms")
+        yield from _gauge(
+            "sluice_consistency_report_timestamp_seconds",
+            "When the newest consistency report was made (Unix time)",
+            at_ms / 1000 if isinstance(at_ms, int | float) else None,
+        )
 
 
 def _le(bound: float) -> str:

@@ -20,6 +20,7 @@ from sluice.source.log import Backlog, Log, LogUnavailable
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 from sluice.source.waiting import read_log_state
+from sluice.status.consistency import read_consistency
 from sluice.status.flow import flow_status
 from sluice.status.ledger import Ledger
 from sluice.status.roles import read_roles
@@ -128,6 +129,7 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "stages": stages_status(client, cfg, now_ms),
         "roles": read_roles(client, cfg, now_ms),
         "timing": timing_status(client, now_ms, window_s),
+        "consistency": read_consistency(client),
     }
 
 

@@ -10,6 +10,8 @@ import datetime as dt
 import json
 from typing import Any
 
+from sluice.status.consistency import RESULTS
+
 
 def format_status(st: dict[str, Any]) -> str:
     c = st["counters"]
@@ -68,6 +70,7 @@ def format_status(st: dict[str, Any]) -> str:
             if reason != "expired"
         ]
         rows.append(("  expired", f"{b['expired']:,}"))
+    rows += _consistency(st.get("consistency"))
     rows.append(("batch time (median)", _timing(st.get("timing") or {})))
     rows += _processes(st.get("roles") or {})
     width = max(len(k) for k, _ in rows)
@@ -76,6 +79,33 @@ def format_status(st: dict[str, Any]) -> str:
     if flow:
         out += ["", *format_flow(flow)]
     return "\n".join(out)
+
+
+def _consistency(report: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The newest `sluice consistency` report (see status.consistency): when it ran and how
+    many sampled answers matched; with mismatches, the metrics that had them, most first."""
+    if report is None:
+        return [("consistency", "no report yet (`sluice consistency` makes one)")]
+    n = {r: int(report.get(r) or 0) for r in RESULTS}
+    text = (
+        f"{n['matched']:,} matched, {n['mismatched']:,} mismatched, {n['missing']:,} missing"
+        f" of {int(report.get('samples') or 0):,} sampled answers"
+    )
+    at_ms = report.get("at_ms")
+    if isinstance(at_ms, int | float):
+        text = f"{dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC):%Y-%m-%d %H:%M} UTC: {text}"
+    if n["skipped"]:
+        text += f" ({n['skipped']:,} skipped)"
+    rows = [("consistency", text)]
+    mismatched = {
+        name: int(m.get("mismatched") or 0)
+        for name, m in (report.get("metrics") or {}).items()
+        if isinstance(m, dict)
+    }
+    bad = sorted((name for name, k in mismatched.items() if k), key=lambda m: -mismatched[m])
+    if bad:
+        rows.append(("  mismatched in", ", ".join(f"{m} ({mismatched[m]:,})" for m in bad)))
+    return rows
 
 
 def _timing(timing: dict[str, Any]) -> str:

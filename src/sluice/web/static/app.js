@@ -230,7 +230,7 @@
       text("t-audit", idle ? "–" : b.balanced ? "balanced ✓" : "unbalanced ✗");
       text("t-audit-detail", idle ? "no events yet" : `${audit.batches_ok.toLocaleString()} batches complete`);
       tile.className = `tile ${idle ? "" : b.balanced ? "good" : "bad"}`;
-      renderBooks(audit);
+      renderBooks(audit, st.consistency);
     }
     renderStages(flow);
     renderProcesses(st.roles || {});
@@ -316,8 +316,15 @@
     if (!list.children.length) list.innerHTML = "<li class=muted>no throttle so far</li>";
   }
 
-  function renderBooks(audit) {
+  function renderBooks(audit, consistency) {
     const b = audit.books;
+    const c = consistency;  // the newest `sluice consistency` report, or null
+    const when = c && Number.isFinite(c.at_ms)
+      ? ` · ${new Date(c.at_ms).toISOString().slice(0, 16).replace("T", " ")} UTC` : "";
+    const checked = c
+      ? `${(c.matched || 0).toLocaleString()} matched, ${(c.mismatched || 0).toLocaleString()} mismatched,`
+        + ` ${(c.missing || 0).toLocaleString()} missing${when}`
+      : "no report yet";
     const rows = [
       ["events admitted (from the streams)", b.events_admitted],
       ["events in (decoded)", b.events_in],
@@ -328,6 +335,7 @@
         b.balanced ? "✓ balanced" : `✗ off by ${b.events_in - b.aggregated - b.dead_lettered - b.expired}`],
       ["batches audited complete", audit.batches_ok],
       ["failed attempts, replayed", audit.failed_attempts],
+      ["sampled answers checked offline", checked],
     ];
     const body = $("books").tBodies[0];
     body.textContent = "";
