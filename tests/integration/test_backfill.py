@@ -163,3 +163,11 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -
     pd.DataFrame({"ts": [1], "merchant": ["m"]}).to_parquet(tmp_path / "narrow.parquet")
     with pytest.raises(ArchiveError, match="input has no column 'card'"):
         backfill(spark, cfg, str(tmp_path / "narrow.parquet"), until_ms=now_ms)
+
+
+def test_until_after_now_is_refused(spark: Any, redis_url: str, tmp_path: Path) -> None:
+    from sluice.offline.backfill import BackfillError
+
+    cfg = make_config(redis_url, tmp_path)
+    with pytest.raises(BackfillError, match="is after the store's clock"):
+        backfill(spark, cfg, str(tmp_path), until_ms=2**50)

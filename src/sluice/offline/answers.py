@@ -126,3 +126,13 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
                 cols.append(arrow_column(values[(name, w_ms)], plan.types[column]))
         names = [ROW, *[c for c, _, _ in plan.features]]
         yield pa.RecordBatch.from_arrays(cols, names=names)
+
+
+def cell_states(agg: Agg, cells: list[dict[str, Any]]) -> list[bytes]:
+    """Folded cells (dicts of `n` and the agg's fold columns), in the order the query server
+    reads their slices, as the stored states `Agg.merge` takes."""
+    if not cells:
+        return []
+    n = pa.array([c["n"] for c in cells], pa.int64())
+    folds = [pa.array([c[f.column] for c in cells]) for f in agg.folds]
+    return [t for t in _texts(agg, n, folds) if t is not None]
