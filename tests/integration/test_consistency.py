@@ -1,11 +1,12 @@
-"""`sluice consistency` on a real Spark session and a real Redis: answers the engine gave over
-a store filled from an archive all match what the archive recomputes, for every aggregation,
-resolutions and a derived metric; a slice changed in Redis is reported as a mismatch; answers
-whose last slice was still filling are skipped, and ones the archive cannot reach are
-missing."""
+"""`sluice consistency` on a real Spark session and a real Redis: answers the HTTP server gave
+(and logged, `server.log_answers`) over a store filled from an archive all match what the
+archive recomputes, for every aggregation, resolutions and a derived metric; a slice changed in
+Redis is reported as a mismatch; answers whose last slice was still filling are skipped, and
+ones the archive cannot reach are missing."""
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,15 @@ import orjson
 import pandas as pd
 import pytest
 import redis
+from fastapi.testclient import TestClient
 
+from sluice.clock import ManualClock
 from sluice.offline.backfill import backfill
 from sluice.offline.consistency import check
-from sluice.query.engine import QueryEngine
 from sluice.redis.keys import ANSWERS_KEY, CONSISTENCY_KEY, encode_key, slice_hash_key
+from sluice.server.app import create_app
 from sluice.slices.window import slice_start
-from tests.conftest import make_config
+from tests.conftest import make_config, wait_until
 from tests.e2e.test_oracle import make_events
 
 pytestmark = [pytest.mark.spark]
@@ -34,14 +37,17 @@ CARD_KEYED = {"txn_count", "card_min", "card_max", "card_merchants", "card_last"
               "txn_res"}  # fmt: skip
 
 
-def log_answer(r: redis.Redis, ans: dict[str, Any], window_ms: int, served_ms: int) -> None:
-    """An answer as the server logs it (`server.log_answers`)."""
-    r.xadd(ANSWERS_KEY, {
-        "metric": ans["metric"], "key": orjson.dumps(ans["key"]), "window_ms": window_ms,
-        "end_ms": ans["end"], "value": orjson.dumps(ans["value"]),
-        "covered_start": ans["covered_start"], "covered_end": ans["covered_end"],
-        "served_ms": served_ms,
-    })  # fmt: skip
+def ask(r: redis.Redis, cfg: Any, served_ms: int, queries: list[dict[str, Any]]) -> list[Any]:
+    """POST /v1/query to the real app, whose clock reads `served_ms`; every answer is logged."""
+    cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"log_answers": 1.0})})
+    before = r.xlen(ANSWERS_KEY)
+    with TestClient(create_app(cfg, r, ManualClock(served_ms), history=False)) as http:
+        resp = http.post("/v1/query", json={"queries": queries})
+    assert resp.status_code == 200, resp.text
+    wait_until(lambda: r.xlen(ANSWERS_KEY) >= before + len(queries), 10, "logged answers")
+    gc.unfreeze()
+    results: list[Any] = resp.json()["results"]
+    return results
 
 
 def test_answers_match_the_archive_and_a_changed_slice_does_not(
@@ -53,11 +59,10 @@ def test_answers_match_the_archive_and_a_changed_slice_does_not(
     events.to_parquet(path)
     cfg = make_config(redis_url, tmp_path)
     backfill(spark, cfg, str(path), until_ms=now_ms)
-    engine = QueryEngine(cfg, r)
     rng = np.random.default_rng(2)
     cards = events["card"].value_counts().index[:10].tolist()
     merchants = events["merchant"].value_counts().index[:6].tolist()
-    asked = []
+    queries = []
     for i in range(160):
         metric = METRICS[i % len(METRICS)]
         if metric == "pair_count":
@@ -66,13 +71,15 @@ def test_answers_match_the_archive_and_a_changed_slice_does_not(
             key = [str(rng.choice(cards if metric in CARD_KEYED else merchants))]
         window = str(rng.choice(["45s", "10m", "17m"]))
         end = int(rng.integers(now_ms - 40 * 60_000, now_ms - 30 * 60_000))
-        ans = engine.query(metric, key, window, end)
-        log_answer(r, ans, engine.lookup(metric, key, window, end).window_ms, now_ms + 5_000)
-        asked.append((metric, key, ans))
-    fresh = engine.query("txn_count", [cards[0]], "1m", now_ms - 1)
-    log_answer(r, fresh, 60_000, now_ms - 1)  # served while its last slice was filling
-    early = engine.query("txn_count", [cards[0]], "1h", now_ms - 2 * HOUR + 5)
-    log_answer(r, early, HOUR, now_ms + 5_000)  # before the archive's first event
+        queries.append({"metric": metric, "key": key, "window": window, "end": end})
+    early = {"metric": "txn_count", "key": [cards[0]], "window": "1h", "end": now_ms - 2 * HOUR}
+    answers = ask(r, cfg, now_ms + 5_000, [*queries, early])  # early: before the archive
+    ask(
+        r,
+        cfg,
+        now_ms - 1,
+        [{"metric": "txn_count", "key": [cards[0]], "window": "1m", "end": now_ms - 1}],
+    )  # served while its last slice was filling
 
     input_df = spark.read.parquet(str(path))
     report = check(spark, cfg, r, input_df, str(path), sample=1000)
@@ -82,15 +89,16 @@ def test_answers_match_the_archive_and_a_changed_slice_does_not(
     assert orjson.loads(r.get(CONSISTENCY_KEY))["matched"] == 160
 
     # A slice changed behind Sluice's back: every logged answer that covered it mismatches.
-    metric, key, ans = next(a for a in asked if a[0] == "txn_count" and a[2]["value"] > 0)
+    ans = next(a for a in answers if a["metric"] == "txn_count" and a["value"] > 0)
+    metric, key = ans["metric"], ans["key"]
     hkey = slice_hash_key("txn_count", encode_key(key))
     slices = sorted(int(f) for f in r.hkeys(hkey) if f not in (b"_m", b"_b"))
     inside = [s for s in slices if ans["covered_start"] <= s < ans["covered_end"]]
     token, _, count = r.hget(hkey, str(inside[0])).decode().partition(":")
     r.hset(hkey, str(inside[0]), f"{token}:{int(count) + 5}")
-    window_ms = ans["end"] - ans["start"]
-    again = engine.query(metric, key, f"{window_ms}ms", ans["end"])
-    log_answer(r, again, window_ms, now_ms + 5_000)
+    window = f"{ans['end'] - ans['start']}ms"
+    ask(r, cfg, now_ms + 5_000, [{"metric": metric, "key": key, "window": window,
+                                  "end": ans["end"]}])  # fmt: skip
     report = check(spark, cfg, r, input_df, str(path), sample=1)
     assert report.mismatched == 1 and report.metrics["txn_count"]["mismatched"] == 1
     bad = report.examples[0]
