@@ -1,9 +1,11 @@
-"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status, dead-letters.
+"""The `sluice` command line (DESIGN §3): run, serve, demo, produce, query, status, dead-letters;
+the offline commands are in `sluice.offline_cli` (backfill) and `sluice.training_cli`
+(training-set, consistency, demo-offline).
 
-Every command that reads a config goes through `_opened`: load the file, open its Redis (the
-embedded one, started or joined, when `redis:` is not set), and turn any `SluiceError` into one
-line on stderr and exit code 1. Commands that run Spark import it lazily: the others start in
-a fraction of a second.
+Every command that reads a config goes through `commands.opened`: load the file, open its Redis
+(the embedded one, started or joined, when `redis:` is not set), and turn any `SluiceError` into
+one line on stderr and exit code 1. Commands that run Spark import it lazily: the others start
+in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,95 +28,17 @@ import click
 import redis
 
 from sluice.clock import SYSTEM_CLOCK
-from sluice.config import Config, load_config
+from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.errors import SluiceError
 from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
-from sluice.redis.connection import RedisHandle, open_redis, redact
+from sluice.offline_cli import COMMANDS as OFFLINE_COMMANDS
+from sluice.redis.connection import redact
 from sluice.status.dead_letters import REASON_RE, read_dead_letters
 from sluice.status.snapshot import read_status
 from sluice.status.views import format_dead_letters, format_dead_summary, format_status
+from sluice.training_cli import COMMANDS as TRAINING_COMMANDS
 
 log = logging.getLogger("sluice")
-
-
-@contextlib.contextmanager
-def _opened(config_path: str) -> Iterator[tuple[Config, RedisHandle]]:
-    """The config and its Redis, open until the block ends. A `SluiceError` raised opening
-    them or inside the block becomes one line on stderr and exit code 1."""
-    try:
-        cfg = load_config(config_path)
-        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
-            yield cfg, handle
-    except SluiceError as e:
-        raise click.ClickException(str(e)) from None
-
-
-class _StopSignals:
-    """SIGINT and SIGTERM, installed at once, ask `then` to stop (once); a second one does not
-    interrupt the stop. `systemd`, Kubernetes, `timeout` and Ctrl-C signal the whole process
-    group, Spark's JVM included, so what fails while stopping is expected: `quiet` silences the
-    loggers that would report it."""
-
-    def __init__(self) -> None:
-        self.requested = threading.Event()
-        self._then: Callable[[], None] | None = None
-        self.install()
-
-    def install(self) -> None:
-        """(Again:) PySpark's context puts a SIGINT handler of its own in place, which raises
-        KeyboardInterrupt in whatever the main thread is doing."""
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
-
-    def then(self, action: Callable[[], None]) -> None:
-        self.install()
-        self._then = action
-        if self.requested.is_set():
-            action()
-
-    def _on_signal(self, signum: int, _: Any) -> None:
-        if not self.requested.is_set():
-            log.info(
-                "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
-            )
-        self.requested.set()
-        self.quiet()
-        if self._then is not None:
-            self._then()
-
-    @staticmethod
-    def quiet() -> None:
-        ours, root = logging.getLogger("sluice"), logging.getLogger()
-        if ours.level == logging.NOTSET:
-            ours.setLevel(root.getEffectiveLevel())
-        # py4j reports the JVM's going on the root logger itself: at INFO, and at ERROR with a
-        # traceback for a call in flight when the JVM went (a signal to the process group).
-        root.setLevel(max(root.level, logging.CRITICAL))
-        for name in ("py4j", "pyspark"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-        # PySpark's accumulator server prints a traceback when its JVM connection ends.
-        from pyspark import accumulators
-
-        for server in (accumulators.AccumulatorTCPServer, accumulators.AccumulatorUnixServer):
-            server.handle_error = _ignore_request_error  # type: ignore[method-assign]
-
-
-def _ignore_request_error(self: Any, request: Any, client_address: Any) -> None:
-    """`socketserver`'s error report, for a server whose peer is known to be gone."""
-
-
-def _stop_spark(spark: Any) -> None:
-    """Stop the session; its JVM may be gone already (a signal to the process group)."""
-    try:
-        spark.stop()
-    except Exception as e:  # noqa: BLE001 - py4j raises all kinds once the JVM is gone
-        log.debug("spark stop", extra={"error": str(e)})
-
-
-config_option = click.option(
-    "-c", "--config", "config_path", required=True, type=click.Path(dir_okay=False),
-    help="path to sluice.yaml",
-)  # fmt: skip
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -157,11 +79,11 @@ def main(
 )
 def run(config_path: str, stages: tuple[str, ...]) -> None:
     """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
-    signals = _StopSignals()
+    signals = StopSignals()
     from sluice.pipeline.run import Pipeline, refuse_other_checkpoint
     from sluice.pipeline.spark import build_spark
 
-    with _opened(config_path) as (cfg, handle):
+    with opened(config_path) as (cfg, handle):
         refuse_other_checkpoint(cfg, handle.client, stages)
         spark = build_spark(cfg)
         try:
@@ -179,7 +101,7 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
                 raise
             log.debug("stopped while stopping", exc_info=True)
         finally:
-            _stop_spark(spark)
+            stop_spark(spark)
     log.info("stopped")
 
 
@@ -196,7 +118,7 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
 
     from sluice.server.app import create_app
 
-    with _opened(config_path) as (cfg, handle):
+    with opened(config_path) as (cfg, handle):
         n_workers = workers if workers is not None else cfg.server.workers
         if n_workers < 1:
             raise click.ClickException(f"`--workers` must be at least 1, got {n_workers}")
@@ -264,7 +186,7 @@ def produce(config_path: str, rate: float, duration: float, profile: str, seed: 
             f"produced {p['events']:,} events in {p['seconds']:.0f}s ({p['rate']:,.0f}/s)", err=True
         )
 
-    with _opened(config_path) as (cfg, handle):
+    with opened(config_path) as (cfg, handle):
         out = run_load(
             cfg, handle.client, rate, duration, Profile(profile), seed, progress=progress
         )
@@ -285,7 +207,7 @@ def query(
     """Query METRIC for a key over the last WINDOW."""
     from sluice.query.engine import QueryEngine
 
-    with _opened(config_path) as (cfg, handle):
+    with opened(config_path) as (cfg, handle):
         out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
     click.echo(json.dumps(out))
 
@@ -311,7 +233,7 @@ def status(
     """
     views = count if watch else 1
     redraw = watch and not as_json and sys.stdout.isatty()
-    with contextlib.suppress(KeyboardInterrupt), _opened(config_path) as (cfg, handle):
+    with contextlib.suppress(KeyboardInterrupt), opened(config_path) as (cfg, handle):
         shown = 0
         while views is None or shown < views:
             if shown:
@@ -348,7 +270,7 @@ def _stamp() -> str:
 @click.option("--state-dir", type=click.Path(file_okay=False), default=".sluice/demo")
 def demo(duration: float | None, rate: float, port: int, state_dir: str) -> None:
     """Everything embedded: Redis, the Spark pipeline, the API and bursty synthetic load."""
-    signals = _StopSignals()
+    signals = StopSignals()
     from sluice.demo import run_demo
 
     try:
@@ -376,7 +298,7 @@ def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool
         raise click.BadParameter(
             f"must be a reason name such as bad_json, got {reason!r}", param_hint="--reason"
         )
-    with _opened(config_path) as (cfg, handle):
+    with opened(config_path) as (cfg, handle):
         out = read_dead_letters(handle.client, cfg, limit, reason)
     summary = format_dead_summary(out, cfg.source.dead_letter_stream, reason)
     if as_json:
@@ -388,6 +310,9 @@ def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool
     if out["items"]:
         click.echo(format_dead_letters(out["items"], shutil.get_terminal_size((120, 24)).columns))
 
+
+for command in (*OFFLINE_COMMANDS, *TRAINING_COMMANDS):
+    main.add_command(command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -22,7 +22,8 @@ LAYERS = {
     "status": 6,
     "pipeline": 7, "query": 7, "web": 7,
     "server": 8, "offline": 8,
-    "cli": 9, "demo": 9, "submit": 9, "testing": 9, "__init__": 9,
+    "cli": 9, "commands": 9, "offline_cli": 9, "training_cli": 9, "demo": 9, "demo_offline": 9,
+    "submit": 9, "testing": 9, "__init__": 9,
 }  # fmt: skip
 COMMANDS = 9  # the top layer's packages (the commands) may import one another
 MAX_AGAINST = 2  # issue 14's bound
@@ -137,7 +138,9 @@ def test_imports_follow_the_layering() -> None:
         f"{src} -> {dst}"
         for src, targets in graph().items()
         for dst in targets
-        if package_of(src) != package_of(dst) and LAYERS[package_of(dst)] >= LAYERS[package_of(src)]
+        if package_of(src) != package_of(dst)
+        and LAYERS[package_of(dst)] >= LAYERS[package_of(src)]
+        and not LAYERS[package_of(src)] == LAYERS[package_of(dst)] == COMMANDS
     )
     assert len(against) <= MAX_AGAINST, against
 

@@ -363,10 +363,10 @@ def backfill(
     try:
         rows = folded.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
     finally:
+        if watcher is not None:  # first: the calls below raise once the JVM is gone (Ctrl-C)
+            watcher.stopped.set()
         spark.conf.set("spark.sql.shuffle.partitions", previous)
         sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
-        if watcher is not None:
-            watcher.stopped.set()
     for r in rows:
         if r["kind"] == "stats":
             report.partitions += 1

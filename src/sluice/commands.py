@@ -1,0 +1,104 @@
+"""What the command modules share (`sluice.cli`, `sluice.offline_cli`): the config option, the
+config and its Redis opened with errors turned into one line, stop signals, a quiet Spark stop.
+
+Every command that reads a config goes through `opened`: load the file, open its Redis (the
+embedded one, started or joined, when `redis:` is not set), and turn any `SluiceError` into one
+line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import click
+
+from sluice.config import Config, load_config
+from sluice.errors import SluiceError
+from sluice.redis.connection import RedisHandle, open_redis
+
+log = logging.getLogger("sluice")
+
+
+@contextlib.contextmanager
+def opened(config_path: str) -> Iterator[tuple[Config, RedisHandle]]:
+    """The config and its Redis, open until the block ends. A `SluiceError` raised opening
+    them or inside the block becomes one line on stderr and exit code 1."""
+    try:
+        cfg = load_config(config_path)
+        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
+            yield cfg, handle
+    except SluiceError as e:
+        raise click.ClickException(str(e)) from None
+
+
+class StopSignals:
+    """SIGINT and SIGTERM, installed at once, ask `then` to stop (once); a second one does not
+    interrupt the stop. `systemd`, Kubernetes, `timeout` and Ctrl-C signal the whole process
+    group, Spark's JVM included, so what fails while stopping is expected: `quiet` silences the
+    loggers that would report it."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self._then: Callable[[], None] | None = None
+        self.install()
+
+    def install(self) -> None:
+        """(Again:) PySpark's context puts a SIGINT handler of its own in place, which raises
+        KeyboardInterrupt in whatever the main thread is doing."""
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def then(self, action: Callable[[], None]) -> None:
+        self.install()
+        self._then = action
+        if self.requested.is_set():
+            action()
+
+    def _on_signal(self, signum: int, _: Any) -> None:
+        if not self.requested.is_set():
+            log.info(
+                "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
+            )
+        self.requested.set()
+        self.quiet()
+        if self._then is not None:
+            self._then()
+
+    @staticmethod
+    def quiet() -> None:
+        ours, root = logging.getLogger("sluice"), logging.getLogger()
+        if ours.level == logging.NOTSET:
+            ours.setLevel(root.getEffectiveLevel())
+        # py4j reports the JVM's going on the root logger itself: at INFO, and at ERROR with a
+        # traceback for a call in flight when the JVM went (a signal to the process group).
+        root.setLevel(max(root.level, logging.CRITICAL))
+        for name in ("py4j", "pyspark"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        # PySpark's accumulator server prints a traceback when its JVM connection ends.
+        from pyspark import accumulators
+
+        for server in (accumulators.AccumulatorTCPServer, accumulators.AccumulatorUnixServer):
+            server.handle_error = _ignore_request_error  # type: ignore[method-assign]
+
+
+def _ignore_request_error(self: Any, request: Any, client_address: Any) -> None:
+    """`socketserver`'s error report, for a server whose peer is known to be gone."""
+
+
+def stop_spark(spark: Any) -> None:
+    """Stop the session; its JVM may be gone already (a signal to the process group)."""
+    try:
+        spark.stop()
+    except Exception as e:  # noqa: BLE001 - py4j raises all kinds once the JVM is gone
+        log.debug("spark stop", extra={"error": str(e)})
+
+
+config_option = click.option(
+    "-c", "--config", "config_path", required=True, type=click.Path(dir_okay=False),
+    help="path to sluice.yaml",
+)  # fmt: skip

@@ -1,0 +1,328 @@
+"""The offline commands (`COMMANDS`, added to `sluice` by `sluice.cli`): `sluice backfill`
+(`sluice.offline.backfill`), and what every offline command shares: the TIME option
+(`parse_time_ms`), the Spark session for a config (`spark_for`), which Ctrl-C or SIGTERM
+interrupts with `Interrupted`, and the checks made before Spark starts.
+
+Each command opens its config and Redis with `commands.opened` (a `SluiceError` is one line on
+stderr, exit 1), checks what it can before starting Spark (metric names, local input paths, the
+bounds), and imports Spark and the offline package only inside the command: `sluice --help` and
+the other commands do not pay for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from sluice.commands import StopSignals, config_option, opened, stop_spark
+from sluice.config import Config
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from sluice.offline.backfill import BackfillReport
+
+_EPOCH_MS = re.compile(r"-?\d+")
+_GLOB = re.compile(r"[*?\[{]")
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def parse_time_ms(text: str) -> int:
+    """TIME as epoch ms: an integer is epoch ms as it is; anything else is ISO 8601, a date
+    (`2026-11-01`, midnight) or a date and time (`2026-11-01T12:00:00`, `…Z`, `…+02:00`, a space
+    for the `T`). A time without an offset is UTC, not the machine's local time. Raises
+    ValueError naming the value and the forms taken."""
+    value = text.strip()
+    if _EPOCH_MS.fullmatch(value):
+        return int(value)
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither epoch ms nor an ISO 8601 time; use e.g. 1793534400000,"
+            " 2026-11-01, 2026-11-01T12:00:00Z or 2026-11-01T14:00:00+02:00"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    delta = when - _EPOCH  # exact: no float on the way, so no time is off by a millisecond
+    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+class TimeParam(click.ParamType):
+    """A click option's TIME (`parse_time_ms`); a bad one is a usage error naming the option."""
+
+    name = "TIME"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_time_ms(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+TIME = TimeParam()
+
+
+def iso_ms(ms: int) -> str:
+    """Epoch ms as ISO 8601 UTC: `2026-11-01T12:00:00Z` (milliseconds shown when not 0)."""
+    when = _EPOCH + dt.timedelta(milliseconds=ms)
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
+
+
+def duration_text(seconds: float) -> str:
+    """`0.8 s`, `42 s`, `3 min 05 s`, `2 h 07 min`."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) or SIGTERM stopped a `spark_for` block; `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Interrupts:
+    """The first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread (in whatever
+    Spark call it waits on); later ones are ignored, so that the stop is not interrupted."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.armed = True
+
+    def install(self) -> None:
+        # Again after Spark starts: PySpark's context puts a SIGINT handler of its own in place.
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, _: Any) -> None:
+        if self.signum is not None or not self.armed:
+            return
+        self.signum = signum
+        # Ctrl-C signals the whole process group, Spark's JVM included: what fails now is
+        # expected, and its loggers stay quiet.
+        StopSignals.quiet()
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def spark_for(cfg: Config, app_name: str) -> Iterator[SparkSession]:
+    """A Spark session for `cfg` (`build_spark`), stopped quietly when the block ends. The first
+    Ctrl-C or SIGTERM while the block runs (Spark's start included) interrupts it: whatever it
+    raised becomes `Interrupted`. Blocks while Spark starts (seconds)."""
+    from sluice.pipeline.spark import build_spark
+
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    interrupts = _Interrupts()
+    interrupts.install()
+    spark = None
+    try:
+        spark = build_spark(cfg, app_name=app_name)
+        interrupts.install()
+        yield spark
+    except BaseException:
+        interrupts.armed = False
+        if interrupts.signum is None:
+            raise
+        raise Interrupted(interrupts.signum) from None
+    finally:
+        interrupts.armed = False
+        if spark is not None:
+            stop_spark(spark)
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def check_local_inputs(paths: tuple[str, ...]) -> None:
+    """Fail before Spark starts for a local input path (no URL scheme, no glob) that is not
+    there. Raises ArchiveError; other paths are Spark's to read (and to fail on)."""
+    from sluice.offline.events import ArchiveError
+
+    for p in paths:
+        if "://" in p or p.startswith("file:") or _GLOB.search(p):
+            continue
+        if not Path(p).exists():
+            raise ArchiveError(f"input {p!r} does not exist (no such file or directory)")
+
+
+def metric_names(values: tuple[str, ...]) -> list[str] | None:
+    """`--metrics a,b --metrics c` as [a, b, c]; None (all metrics) when not given."""
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    return names or None
+
+
+# -- sluice backfill --------------------------------------------------------------------------
+
+
+def format_progress(p: dict[str, Any]) -> str:
+    """One progress line from `backfill`'s progress dict."""
+    if not p["tasks"]:
+        return f"backfill: reading the archive and planning, {duration_text(p['elapsed_s'])}"
+    parts = [f"{p['tasks_done']:,}/{p['tasks']:,} tasks", f"{p['events']:,} events",
+             f"{p['slices']:,} slices"]  # fmt: skip
+    if p["events_per_s"]:
+        parts.append(f"{p['events_per_s']:,} events/s")
+    if p["left_s"] is not None and p["tasks_done"] < p["tasks"]:
+        parts.append(f"about {duration_text(p['left_s'])} left")
+    return "backfill: " + ", ".join(parts)
+
+
+def format_summary(report: BackfillReport) -> str:
+    """The report for people (stderr): counts, seams as ISO times, bad rows with a sample of
+    each reason, partitions skipped, warnings, time taken."""
+    lines = [
+        f"backfill {report.run}: {report.events:,} events folded into {report.slices:,} slices"
+        f" of {len(report.metrics)} metric{'s' if len(report.metrics) != 1 else ''}"
+        f" in {duration_text(report.elapsed_s)}"
+    ]
+    by_seam: dict[int, list[str]] = {}
+    for name, seam in report.seams.items():
+        by_seam.setdefault(seam, []).append(name)
+    for seam, names in sorted(by_seam.items()):
+        lines.append(f"  seam {iso_ms(seam)} ({seam}): {', '.join(names)}")
+    firsts = {v for v in report.first_slices.values() if v is not None}
+    if firsts:
+        lines.append(f"  from {', '.join(iso_ms(v) for v in sorted(firsts))} (--start)")
+    lines.append(
+        "  slices before each seam are the archive's (written now); after it, the live fold's"
+    )
+    if report.dead:
+        lines.append(f"  bad rows: {sum(report.dead.values()):,} (not folded)")
+        width = max(len(r) for r in report.dead)
+        for reason, n in sorted(report.dead.items(), key=lambda kv: -kv[1]):
+            sample = (report.samples.get(reason) or [""])[0]
+            sample = sample if len(sample) <= 160 else sample[:157] + "..."
+            lines.append(f"    {reason:<{width}}  {n:>9,}  e.g. {sample}")
+    else:
+        lines.append("  bad rows: none")
+    written = report.partitions - report.partitions_skipped
+    line = f"  partitions: {written:,} written"
+    if report.partitions_skipped:
+        line += f", {report.partitions_skipped:,} skipped (written by an earlier run of it)"
+    lines.append(line)
+    if report.partitions and not written:
+        lines.append(
+            "  nothing to do: an earlier run of it wrote every partition (--fresh writes again)"
+        )
+    if report.after_seam:
+        lines.append(f"  left to the live fold: {report.after_seam:,} slices at or after a seam")
+    if report.expired:
+        lines.append(f"  not written: {report.expired:,} slices past their retention")
+    lines += [f"  warning: {w}" for w in report.warnings]
+    return "\n".join(lines)
+
+
+@click.command("backfill")
+@config_option
+@click.option(
+    "--input", "inputs", multiple=True, required=True, metavar="PATH",
+    help="archived events: a file, a directory, a glob or any URL Spark reads; repeat for more",
+)  # fmt: skip
+@click.option(
+    "--format", "fmt", type=click.Choice(["parquet", "jsonl", "csv"]), default=None,
+    help="the input's format (default: from the first path's suffix, else parquet)",
+)  # fmt: skip
+@click.option(
+    "--metrics", "metrics", multiple=True, metavar="M1,M2",
+    help="only these metrics, comma-separated (default: all that fold the source's events)",
+)  # fmt: skip
+@click.option(
+    "--start",
+    "start_ms",
+    type=TIME,
+    default=None,
+    help="first event time: epoch ms or ISO 8601 (UTC unless it says otherwise)",
+)
+@click.option(
+    "--until", "until_ms", type=TIME, default=None,
+    help="end of the backfill (exclusive), rounded down to each metric's coarsest slice: its"
+    " seam. Epoch ms or ISO 8601; default: the store's clock now",
+)  # fmt: skip
+@click.option(
+    "--fresh",
+    is_flag=True,
+    help="write every partition again, even those an earlier run of it wrote",
+)
+@click.option("--json", "as_json", is_flag=True, help="print only the report, as one JSON line")
+@click.option("--progress-every", "progress_every_s", type=click.FloatRange(min=0.1),
+              default=2.0, hidden=True)  # fmt: skip
+def backfill(
+    config_path: str,
+    inputs: tuple[str, ...],
+    fmt: str | None,
+    metrics: tuple[str, ...],
+    start_ms: int | None,
+    until_ms: int | None,
+    fresh: bool,
+    as_json: bool,
+    progress_every_s: float,
+) -> None:
+    """Fold archived events into the slice store with the live fold's plan.
+
+    Slices before each metric's seam (--until, rounded down to its coarsest slice) are replaced
+    by the archive's; the live fold keeps the rest. Progress and a summary go to stderr, the
+    report as one JSON line to stdout. Interrupted, it can be run again: the partitions it wrote
+    are skipped, and the slices end exact.
+    """
+    if start_ms is not None and until_ms is not None and start_ms >= until_ms:
+        raise click.BadParameter(
+            f"must be after `--start` ({iso_ms(start_ms)}), got {iso_ms(until_ms)}",
+            param_hint="'--until'",
+        )
+    names = metric_names(metrics)
+    t0 = time.monotonic()
+    interrupted = False
+
+    def progress(p: dict[str, Any]) -> None:
+        if not interrupted:
+            click.echo(format_progress(p), err=True)
+
+    try:
+        with opened(config_path) as (cfg, handle):
+            from sluice.offline.backfill import backfill as run_backfill
+            from sluice.offline.fold import select_metrics
+
+            select_metrics(cfg, names)  # unknown names fail before Spark starts
+            check_local_inputs(inputs)
+            with spark_for(cfg, "sluice-backfill") as spark:
+                report = run_backfill(
+                    spark, cfg, list(inputs), fmt, names, start_ms, until_ms,
+                    url=handle.url, fresh=fresh, progress_every_s=progress_every_s,
+                    progress=None if as_json else progress,
+                )  # fmt: skip
+    except Interrupted as e:
+        interrupted = True
+        click.echo(
+            f"backfill: stopped by {signal.Signals(e.signum).name} after"
+            f" {duration_text(time.monotonic() - t0)}. Run the same command again to finish:"
+            " the partitions written so far are skipped, and what was half written is"
+            " written again (a backfill's slices replace, so the result is exact)",
+            err=True,
+        )
+        sys.exit(128 + e.signum)
+    if not as_json:
+        click.echo(format_summary(report), err=True)
+    click.echo(json.dumps(report.as_dict()))
+
+
+COMMANDS = (backfill,)  # what `sluice.cli` adds to `main`: a new offline command goes here

@@ -1,0 +1,188 @@
+"""`sluice backfill` as users run it: a real process on a Parquet archive, real Spark and Redis;
+its answers checked against DuckDB; clear one-line errors; and a run killed halfway (kill -9 of
+the whole process group, Spark's JVM included) then run again, which ends exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+import pytest
+import redis
+import yaml
+
+from sluice.config import Config, config_from_dict
+from sluice.offline.backfill import seam_of
+from sluice.query.engine import QueryEngine
+from sluice.slices.window import slice_start
+from tests.conftest import config_data, wait_until
+from tests.e2e.test_oracle import check, make_events, random_queries
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+SLUICE = str(Path(sys.executable).with_name("sluice"))
+TEN_MIN = 600_000
+PARTITIONS = 16  # spark.shuffle_partitions: the backfill's write tasks
+# A few of the test config's metrics (tests/conftest.py): a filter, several resolutions, `last`.
+METRICS = ("txn_count", "amount_sum", "card_last", "txn_res")
+
+
+def write_config(redis_url: str, tmp_path: Path, **spark: Any) -> tuple[Path, Config]:
+    data = config_data(redis_url, tmp_path / "state", derived=[], spark=spark)
+    data["metrics"] = [m for m in data["metrics"] if m["name"] in METRICS]
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, config_from_dict(data)
+
+
+def sluice(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([SLUICE, *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def check_below_seams(cfg: Config, r: redis.Redis, events: pd.DataFrame, until_ms: int) -> int:
+    """test_oracle's random queries of `cfg`'s metrics whose slices all lie before their
+    metric's seam, checked against DuckDB over exactly the events each answer covers. Returns
+    how many were checked."""
+    engine = QueryEngine(cfg, r)
+    con = duckdb.connect()
+    con.register("ev", events)
+    seams = {m.name: seam_of(until_ms, m) for m in cfg.metrics}
+    checked = 0
+    for q in random_queries(events, until_ms, n=800):
+        if q["metric"] not in seams:
+            continue
+        ans = engine.query(q["metric"], q["key"], q["window"], q["end"])
+        if ans["covered_end"] > seams[q["metric"]]:
+            continue  # the live fold's slices: not this backfill's
+        check(con, ans)
+        checked += 1
+    return checked
+
+
+def one_error_line(res: subprocess.CompletedProcess[str], spark: bool = False) -> str:
+    """The one line a failed command ends with (exit 1). Before Spark starts, it is all of
+    stderr; after, only the JVM's own start-up notes may come before it."""
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert res.stdout == "" and (len(lines) == 1 or spark), res.stderr
+    assert "Traceback" not in res.stderr and "Exception" not in res.stderr, res.stderr
+    assert sum(ln.startswith("Error: ") for ln in lines) == 1, res.stderr
+    return lines[-1]
+
+
+def test_backfill_command_folds_an_archive_and_reports(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    now = time.time_ns() // 1_000_000
+    until = slice_start(now, TEN_MIN)
+    events = make_events(now, 10_000)
+    bad = events.head(3).assign(card=None)  # a non-nullable field missing: not folded
+    half = len(events) // 2
+    events.iloc[:half].to_parquet(tmp_path / "a.parquet")
+    pd.concat([events.iloc[half:], bad]).to_parquet(tmp_path / "b.parquet")
+    path, cfg = write_config(redis_url, tmp_path)
+    until_iso = pd.Timestamp(until, unit="ms").strftime("%Y-%m-%dT%H:%M:%S")  # naive: UTC
+    res = sluice("backfill", "-c", str(path), "--input", str(tmp_path / "a.parquet"),
+                 "--input", str(tmp_path / "b.parquet"), "--metrics", ",".join(METRICS),
+                 "--until", until_iso, "--progress-every", "0.5")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)  # one JSON line, nothing else
+    assert res.stdout.count("\n") == 1
+    assert report["seams"] == {m.name: seam_of(until, m) for m in cfg.metrics}
+    assert report["events"] == (events.ts < until).sum()  # events after `--until` are not read
+    assert report["dead"] == {"missing_field": 3}
+    assert report["partitions"] >= 2 and report["partitions_skipped"] == 0
+    err = res.stderr.splitlines()
+    progress = [ln for ln in err if ln.startswith("backfill: ")]
+    assert progress and any(" tasks, " in ln for ln in progress), res.stderr
+    assert f"backfill {report['run']}: {report['events']:,} events folded into" in res.stderr
+    seam_iso = pd.Timestamp(until, unit="ms").strftime("%Y-%m-%dT%H:%M:%SZ")
+    assert f"  seam {seam_iso} ({until}): " in res.stderr
+    assert "  bad rows: 3 (not folded)" in res.stderr
+    assert '  missing_field          3  e.g. {"' in res.stderr
+    assert check_below_seams(cfg, r, events, until) >= 50
+
+
+def test_backfill_command_errors_are_one_line(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    path, _ = write_config(redis_url, tmp_path)
+    line = one_error_line(sluice("backfill", "-c", str(path), "--input", str(tmp_path / "no")))
+    assert line == f"Error: input '{tmp_path / 'no'}' does not exist (no such file or directory)"
+    pd.DataFrame({"ts": [1], "merchant": ["m"]}).to_parquet(tmp_path / "narrow.parquet")
+    args = ["backfill", "-c", str(path), "--input", str(tmp_path / "narrow.parquet")]
+    line = one_error_line(sluice(*args, "--metrics", "txn_count,nope"))
+    assert line.startswith("Error: config error at `metrics`: metric 'nope' is unknown;"), line
+    line = one_error_line(sluice(*args), spark=True)
+    assert line.startswith("Error: input has no column '"), line
+    assert line.endswith("; its columns are ts, merchant"), line
+
+
+def done_partitions(r: redis.Redis) -> int:
+    return sum(int(r.scard(k)) for k in r.scan_iter(match="sluice:{backfill}:*:done"))
+
+
+def stopped(args: list[str], log: Path, sig: int, ready: Any, what: str) -> tuple[int, str]:
+    """Run `args` (stderr to `log`) until `ready()`, then send `sig` to its whole process group
+    (the driver, Spark's JVM and its Python workers). Returns (exit code, stderr). Fails if it
+    ended before."""
+    with log.open("w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: ready() or proc.poll() is not None, 240, what, every_s=0.02)
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}: make the"
+                        f" archive bigger\n{log.read_text()}")  # fmt: skip
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    return proc.returncode, log.read_text()
+
+
+def test_a_backfill_stopped_halfway_and_run_again_is_exact(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    now = time.time_ns() // 1_000_000
+    until = slice_start(now, TEN_MIN)
+    events = make_events(now, 60_000)
+    archive = tmp_path / "archive.parquet"
+    events.to_parquet(archive)
+    path, cfg = write_config(redis_url, tmp_path, shuffle_partitions=PARTITIONS)
+    args = [SLUICE, "backfill", "-c", str(path), "--input", str(archive), "--until", str(until)]
+    # Ctrl-C (SIGINT to the foreground process group) once it runs: one line says how to go on.
+    log = tmp_path / "ctrl-c.log"
+    code, err = stopped([*args, "--progress-every", "0.2"], log, signal.SIGINT,
+                        lambda: "backfill: " in log.read_text(),
+                        "its first progress line")  # fmt: skip
+    assert code == 128 + signal.SIGINT and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("backfill: stopped by SIGINT after "), err
+    assert "Run the same command again to finish" in last
+    # kill -9 of the whole group once a partition is written: what was half written stays.
+    before = done_partitions(r)
+    code, err = stopped([*args, "--json"], tmp_path / "kill.log", signal.SIGKILL,
+                        lambda: done_partitions(r) > before, "a partition was written")  # fmt: skip
+    assert code == -signal.SIGKILL and "backfill: " not in err, err  # --json: no progress
+    written = done_partitions(r)
+    assert written < PARTITIONS, f"all {PARTITIONS} partitions written: make the archive bigger"
+    # Run again: the partitions written are skipped, the rest written, the answers exact.
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout)
+    assert report["partitions"] == PARTITIONS
+    assert report["partitions_skipped"] == written
+    assert f"{written} skipped (written by an earlier run of it)" in again.stderr
+    assert 0 < report["events"] < len(events)  # only the partitions not written before
+    assert check_below_seams(cfg, r, events, until) >= 50
