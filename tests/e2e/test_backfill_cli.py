@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pandas as pd
 import pytest
 import redis
@@ -21,10 +20,10 @@ import yaml
 
 from sluice.config import Config, config_from_dict
 from sluice.offline.backfill import seam_of
-from sluice.query.engine import QueryEngine
 from sluice.slices.window import slice_start
 from tests.conftest import config_data, wait_until
-from tests.e2e.test_oracle import check, make_events, random_queries
+from tests.e2e.test_oracle import make_events
+from tests.integration.test_backfill import check_below_seams
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -45,26 +44,6 @@ def write_config(redis_url: str, tmp_path: Path, **spark: Any) -> tuple[Path, Co
 
 def sluice(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([SLUICE, *args], capture_output=True, text=True, timeout=timeout_s)
-
-
-def check_below_seams(cfg: Config, r: redis.Redis, events: pd.DataFrame, until_ms: int) -> int:
-    """test_oracle's random queries of `cfg`'s metrics whose slices all lie before their
-    metric's seam, checked against DuckDB over exactly the events each answer covers. Returns
-    how many were checked."""
-    engine = QueryEngine(cfg, r)
-    con = duckdb.connect()
-    con.register("ev", events)
-    seams = {m.name: seam_of(until_ms, m) for m in cfg.metrics}
-    checked = 0
-    for q in random_queries(events, until_ms, n=800):
-        if q["metric"] not in seams:
-            continue
-        ans = engine.query(q["metric"], q["key"], q["window"], q["end"])
-        if ans["covered_end"] > seams[q["metric"]]:
-            continue  # the live fold's slices: not this backfill's
-        check(con, ans)
-        checked += 1
-    return checked
 
 
 def one_error_line(res: subprocess.CompletedProcess[str], spark: bool = False) -> str:
@@ -108,7 +87,7 @@ def test_backfill_command_folds_an_archive_and_reports(
     assert f"  seam {seam_iso} ({until}): " in res.stderr
     assert "  bad rows: 3 (not folded)" in res.stderr
     assert '  missing_field          3  e.g. {"' in res.stderr
-    assert check_below_seams(cfg, r, events, until) >= 50
+    assert check_below_seams(cfg, r, events, until, n=800) >= 50
 
 
 def test_backfill_command_errors_are_one_line(
@@ -176,4 +155,4 @@ def test_a_backfill_stopped_halfway_and_run_again_is_exact(
     assert report["partitions_skipped"] == written
     assert f"{written} skipped (written by an earlier run of it)" in again.stderr
     assert 0 < report["events"] < len(events)  # only the partitions not written before
-    assert check_below_seams(cfg, r, events, until) >= 50
+    assert check_below_seams(cfg, r, events, until, n=800) >= 50
