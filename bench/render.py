@@ -17,7 +17,7 @@ from typing import Any
 
 import jinja2
 
-from lib import plots
+from lib import offline_plots, plots
 from lib.results import RESULTS_DIR, ROOT
 
 # The sections in order: the template's name, then the result files (the first one is the
@@ -35,7 +35,8 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover"],
-            ["freshness", "freshness-highcard"]]  # fmt: skip
+            ["freshness", "freshness-highcard"],
+            ["offline", "offline-backfill", "offline-training"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
 
@@ -100,6 +101,8 @@ def section(env: jinja2.Environment, out: Path, names: list[str], main: dict[str
     kind = main["run"]["quick"]
     follow = [d for d in (pick(x, kind) for x in names[1:]) if d and d["run"]["quick"] == kind]
     png = plots.draw(main, out) or plots.PNG.get(names[0])
+    if names[0] == "offline":  # its parts may come from separate runs (`--part`)
+        png = offline_plots.draw([main, *follow], out)
     text = env.get_template(f"{names[0]}.md").render(
         doc=main, run=main["run"], p=main["params"], r=main["results"], follow=follow, png=png
     )

@@ -1,0 +1,361 @@
+"""Offline: a backfill against the bare engine, a training set against a plain range join.
+
+    .venv/bin/python bench/offline.py                      # both parts, about 50 minutes on 2 cores
+    .venv/bin/python bench/offline.py --quick              # small sizes, 1 round, about 6 minutes
+    .venv/bin/python bench/offline.py --part backfill      # one part (-> offline-backfill.json)
+    .venv/bin/python bench/offline.py --part training
+
+Backfill (`--part backfill`). Per workload, an archive of `--events` events is written as
+ARCHIVE_FILES Parquet files in time order, times uniform over the `--span-h` hours before a
+minute edge (`until`): **zipf**, the throughput benchmark's events (Zipf keys) with the ingest
+benchmark's 3 metrics, and **highcard**, keys uniform over 100,000 cards and 200 merchants with
+its six metrics (`lib.load`); each metric kept for `lib.offline.RETENTION`, so that nothing of
+the archive expires. In one Spark session (`local[2]`), rounds alternate the bare engine (the
+same read, `archive_events` and fold, with a no-op write, over the backfill's shuffle
+partitions: `lib.offline.bare_fold`) and `sluice.offline.backfill` into a fresh embedded Redis
+(the default one: AOF on, `appendfsync everysec`), bare first. Round 0 is the cold start (the
+session's first reads of that archive) and is reported apart, not in the medians. Per run: events
+/ wall time, Spark's stages' times, the cores each process used (Redis, the JVM, its Python
+workers, the driver) and, for a backfill, the slices written and the store's `txn_count` summed
+against the events.
+
+Training sets (`--part training`). An archive of `--train-events` card transactions (cards
+uniform over `--cards`, times uniform over `--span-days` days, 16 Parquet files) and spines of
+labelled rows drawn from it (`lib.offline_training`). `sluice.offline.training.training_set`
+and a plain PySpark range join (`lib.offline_training.range_join`) compute a count and a sum
+per card over each window, and each writes its table as Parquet; rows/s = spine rows / wall
+time. The headline pair (3 windows of both metrics, the largest spine) runs `--rounds` times,
+alternating (range join first); then single runs as the spine grows and as the window list grows.
+Each training set is checked against DuckDB over the archive on a sample of 200 spine rows, and
+against the range join on every row where both ran. A range join over `--range-timeout-s` is
+cancelled and recorded as such. Writes bench/results/offline[.quick].json.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import redis
+
+from lib.load import now_ms
+from lib.offline import (
+    ARCHIVE_FILES,
+    RETENTION,
+    archive_frame,
+    bare_fold,
+    stored_count,
+    timed,
+    workload_config,
+    write_archive,
+)
+from lib.offline_training import (
+    WINDOWS,
+    compare,
+    duckdb_answers,
+    features,
+    range_join,
+    training_config,
+    write_events,
+    write_spine,
+)
+from lib.procs import Workspace
+from lib.results import Run, log, parser
+from sluice.offline.backfill import backfill
+from sluice.offline.events import read_archive
+from sluice.redis.embedded import EmbeddedRedis
+from sluice.slices.window import slice_start
+
+PARTS = ("backfill", "training")
+WORKLOADS = ("zipf", "highcard")
+SAMPLE_ROWS = 200
+# (quick): backfill events per workload, training events, spines, cards
+SIZES = {False: (2_000_000, 10_000_000, (100_000, 1_000_000), 100_000),
+         True: (100_000, 300_000, (10_000, 30_000), 10_000)}  # fmt: skip
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+# -- backfill --------------------------------------------------------------------------------
+
+
+def backfill_workload(spark: Any, ws: Workspace, workload: str, a: Any) -> dict[str, Any]:
+    """Round 0 (cold) and `a.rounds` rounds of (bare, backfill) over one archive."""
+    cfg = workload_config(workload, ws.state_dir(f"cfg-{workload}"))
+    until = slice_start(now_ms(), 60_000)  # a minute edge: every metric's seam
+    df = archive_frame(cfg, workload, a.events, a.seed, until, int(a.span_h * 3_600_000))
+    where = ws.state_dir(f"archive-{workload}")
+    size = write_archive(df, where)
+    del df
+    parts = max(cfg.spark.shuffle_partitions, 2 * spark.sparkContext.defaultParallelism)
+    rounds = []
+    for rnd in range(a.rounds + 1):
+        fold_job = partial(bare_fold, spark, cfg, str(where), until, now_ms(), parts)
+        _, wall, cores, stages = timed(spark, fold_job)
+        bare = {"wall_s": wall, "per_s": a.events / wall, "cores": cores, "stages": stages}
+        log(f"{workload} round {rnd}: bare {bare['per_s']:,.0f} events/s")
+        srv = EmbeddedRedis(ws.state_dir(f"redis-{workload}-{rnd}")).start()
+        try:
+            job = partial(backfill, spark, cfg, str(where), until_ms=until, url=srv.url)
+            report, wall, cores, stages = timed(spark, job, srv.pid)
+            with redis.Redis.from_url(srv.url) as c:
+                stored = stored_count(c, "txn_count")
+                memory = c.info("memory")["used_memory"]
+        finally:
+            srv.stop()
+        r = report.as_dict()
+        fill = {"wall_s": wall, "per_s": a.events / wall, "cores": cores, "stages": stages,
+                "stored_txn_count": stored, "used_memory": memory,
+                "slices_per_s": r["slices"] / wall,
+                **{k: r[k] for k in ("events", "slices", "expired", "after_seam", "partitions",
+                                     "dead", "elapsed_s")}}  # fmt: skip
+        fill["exact"] = (stored == a.events == r["events"] and not r["dead"] and not r["expired"]
+                         and not r["after_seam"])  # fmt: skip
+        log(f"{workload} round {rnd}: backfill {fill['per_s']:,.0f} events/s,"
+            f" {r['slices']:,} slices, Redis {cores['redis']:.2f} cores,"
+            f" exact {fill['exact']}")  # fmt: skip
+        rounds.append({"round": rnd, "bare": bare, "backfill": fill,
+                       "ratio": fill["per_s"] / bare["per_s"]})  # fmt: skip
+    return summarize_backfill(workload, a, size, parts, rounds)
+
+
+def summarize_backfill(workload: str, a: Any, size: int, parts: int,
+                       rounds: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    warm = rounds[1:]
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in warm)
+
+    def cores(side: str) -> dict[str, float]:
+        keys = warm[0][side]["cores"]
+        return {k: statistics.median(r[side]["cores"][k] for r in warm) for k in keys}
+
+    def phases(side: str) -> dict[str, float]:
+        """Medians of the last stage's seconds (the fold's final merge and the write), the
+        stages before it (read, explode, the partial fold and the shuffle), and the rest of the
+        wall time (planning, the driver's own work)."""
+        split = []
+        for r in warm:
+            st, wall = r[side]["stages"], r[side]["wall_s"]
+            last = st[-1]["s"] if st else 0.0
+            before = sum(x["s"] for x in st[:-1])
+            split.append({"before_s": before, "last_s": last,
+                          "rest_s": max(0.0, wall - before - last)})  # fmt: skip
+        return {k: statistics.median(x[k] for x in split) for k in split[0]}
+
+    bare, fill = med("bare", "per_s"), med("backfill", "per_s")
+    slices = statistics.median(r["backfill"]["slices"] for r in warm)
+    return {
+        "workload": workload, "events": a.events, "archive_bytes": size, "files": ARCHIVE_FILES,
+        "partitions": parts, "bare_per_s": bare, "backfill_per_s": fill, "ratio": fill / bare,
+        "ratio_each": [r["ratio"] for r in warm], "bare_each": [r["bare"]["per_s"] for r in warm],
+        "backfill_each": [r["backfill"]["per_s"] for r in warm],
+        "slices": slices, "slices_per_event": slices / a.events,
+        "slices_per_s": med("backfill", "slices_per_s"),
+        "redis_us_per_slice": statistics.median(
+            r["backfill"]["cores"]["redis"] * r["backfill"]["wall_s"] * 1e6
+            / r["backfill"]["slices"] for r in warm),
+        "bare_cores": cores("bare"), "backfill_cores": cores("backfill"),
+        "bare_phases": phases("bare"), "backfill_phases": phases("backfill"),
+        "used_memory": med("backfill", "used_memory"),
+        "exact": all(r["backfill"]["exact"] for r in rounds),
+        "cold": {"bare_per_s": rounds[0]["bare"]["per_s"],
+                 "backfill_per_s": rounds[0]["backfill"]["per_s"], "ratio": rounds[0]["ratio"]},
+        "rounds": rounds,
+    }  # fmt: skip
+
+
+def backfill_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
+    load0 = load1()
+    out = [backfill_workload(spark, ws, w, a) for w in WORKLOADS]
+    return {"workloads": out, "load_start": load0, "load_end": load1(),
+            "params": {"events": a.events, "rounds": a.rounds, "span_h": a.span_h,
+                       "retention": RETENTION, "files": ARCHIVE_FILES,
+                       "driver_memory": a.driver_memory}}  # fmt: skip
+
+
+# -- training sets ---------------------------------------------------------------------------
+
+
+def cancel_after(spark: Any, group: str, timeout_s: float | None) -> threading.Timer | None:
+    if timeout_s is None:
+        return None
+    timer = threading.Timer(timeout_s, spark.sparkContext.cancelJobGroup, [group])
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def train_run(spark: Any, ws: Workspace, a: Any, method: str, spine_n: int,
+              windows: list[str], rnd: int = 0) -> dict[str, Any]:  # fmt: skip
+    """One training set (or range join) written as Parquet; its rate, cores and checks."""
+    from sluice.offline.training import training_set
+
+    out_dir = ws.root / f"out-{method}-{spine_n}-{len(windows)}"
+    spine = spark.read.parquet(str(a.spines[spine_n]))
+
+    def build() -> None:
+        if method == "training_set":
+            events = read_archive(spark, str(a.events_dir), None, a.train_cfg.source.schema_)
+            table = training_set(spark, a.train_cfg, spine, features(windows), "ts", events=events)
+        else:
+            table = range_join(spark, spark.read.parquet(str(a.events_dir)), spine, windows)
+        table.write.mode("overwrite").parquet(str(out_dir))
+
+    group = f"bench-{method}-{spine_n}-{len(windows)}-{rnd}"
+    spark.sparkContext.setJobGroup(group, group, interruptOnCancel=True)
+    timer = cancel_after(spark, group, a.range_timeout_s if method == "range_join" else None)
+    run: dict[str, Any] = {"method": method, "spine": spine_n, "windows": windows,
+                           "features": 2 * len(windows), "round": rnd}  # fmt: skip
+    try:
+        _, wall, cores, stages = timed(spark, build)
+    except Exception as e:  # a cancelled range join is a result, said so
+        if timer is None or timer.is_alive():
+            raise
+        log(f"{method} spine {spine_n:,} x {len(windows)} windows: cancelled after"
+            f" {a.range_timeout_s:,.0f} s ({type(e).__name__})")  # fmt: skip
+        return run | {"cancelled_after_s": a.range_timeout_s}
+    finally:
+        if timer is not None:
+            timer.cancel()
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    run |= {"wall_s": wall, "per_s": spine_n / wall, "cores": cores, "stages": stages,
+            "out": str(out_dir)}  # fmt: skip
+    got = pd.read_parquet(out_dir)
+    if method == "training_set":
+        sample = got.sample(min(SAMPLE_ROWS, len(got)), random_state=a.seed + rnd)
+        run["duckdb"] = compare(got, duckdb_answers(a.events_dir, sample, windows), windows)
+    rival = out_dir.with_name(out_dir.name.replace(method, other(method)))
+    if rival.exists():
+        run["vs_" + other(method)] = compare(got, pd.read_parquet(rival), windows)
+    log(f"{method} spine {spine_n:,} x {len(windows)} windows round {rnd}: {run['per_s']:,.0f}"
+        f" rows/s ({wall:.0f} s); checks {run.get('duckdb', '')} {run.get('vs_range_join', '')}"
+        f" {run.get('vs_training_set', '')}")  # fmt: skip
+    return run
+
+
+def other(method: str) -> str:
+    return "range_join" if method == "training_set" else "training_set"
+
+
+def training_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
+    load0 = load1()
+    spark.conf.set("spark.sql.shuffle.partitions", str(a.train_partitions))
+    a.events_dir = ws.state_dir("train-events")
+    size = write_events(a.events_dir, a.train_events, a.cards, a.span_days, now_ms(), a.seed)
+    a.spines = {}
+    for n in a.spine_sizes:
+        a.spines[n] = ws.state_dir(f"spine-{n}")
+        write_spine(a.events_dir, a.spines[n], n, a.seed + n)
+    log(f"training: {a.train_events:,} events ({size / 1e6:.0f} MB), spines {a.spine_sizes}")
+    big, small = max(a.spine_sizes), min(a.spine_sizes)
+    runs = [train_run(spark, ws, a, "training_set", small, WINDOWS[3]) | {"cold": True}]
+    for rnd in range(1, a.rounds + 1):  # the headline pair, alternating, range join first
+        for method in ("range_join", "training_set"):
+            runs.append(train_run(spark, ws, a, method, big, WINDOWS[3], rnd))
+    for method in ("range_join", "training_set"):  # the spine grows
+        runs.append(train_run(spark, ws, a, method, small, WINDOWS[3]))
+    for k in (1, 5, 20):  # the window list grows
+        for method in ("range_join", "training_set"):
+            runs.append(train_run(spark, ws, a, method, big, WINDOWS[k]))
+    return {"runs": runs, "summary": summarize_training(runs, big),
+            "load_start": load0, "load_end": load1(),
+            "params": {"events": a.train_events, "cards": a.cards, "span_days": a.span_days,
+                       "spines": a.spine_sizes, "rounds": a.rounds, "sample": SAMPLE_ROWS,
+                       "partitions": a.train_partitions, "driver_memory": a.driver_memory,
+                       "range_timeout_s": a.range_timeout_s, "windows": WINDOWS,
+                       "archive_bytes": size}}  # fmt: skip
+
+
+def summarize_training(runs: list[dict[str, Any]], big: int) -> dict[str, Any]:
+    """Medians per (spine, windows, method) over the warm runs; the speed-up per pair."""
+    cells: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in runs:
+        if r.get("cold"):
+            continue
+        cell = cells.setdefault((r["spine"], len(r["windows"])),
+                                {"spine": r["spine"], "windows": len(r["windows"]),
+                                 "features": r["features"]})  # fmt: skip
+        cell.setdefault(r["method"], []).append(r)
+    out = []
+    for (spine, k), cell in sorted(cells.items(), key=lambda x: (x[0][1] != 3, x[0])):
+        row = {key: cell[key] for key in ("spine", "windows", "features")}
+        for method in ("training_set", "range_join"):
+            done = [r for r in cell.get(method, []) if "per_s" in r]
+            row[method] = {
+                "runs": len(cell.get(method, [])),
+                "per_s": statistics.median(r["per_s"] for r in done) if done else None,
+                "each": [r["per_s"] for r in done],
+                "cancelled_after_s": next((r["cancelled_after_s"] for r in cell.get(method, [])
+                                           if "cancelled_after_s" in r), None),
+                "cores": {c: statistics.median(r["cores"][c] for r in done)
+                          for c in done[0]["cores"]} if done else None,
+            }  # fmt: skip
+        ts, rj = row["training_set"]["per_s"], row["range_join"]["per_s"]
+        row["speedup"] = ts / rj if ts and rj else None
+        checks = [r for r in cell.get("training_set", []) if "duckdb" in r]
+        row["duckdb_mismatched"] = sum(r["duckdb"]["mismatched"] for r in checks)
+        row["duckdb_rows"] = sum(r["duckdb"]["rows"] for r in checks)
+        vs = [r["vs_range_join"] for r in cell.get("training_set", []) + cell.get("range_join", [])
+              if "vs_range_join" in r] + [r["vs_training_set"] for r in cell.get("range_join", [])
+              if "vs_training_set" in r]  # fmt: skip
+        row["vs_range_join_mismatched"] = sum(v["mismatched"] for v in vs) if vs else None
+        row["vs_range_join_rows"] = max((v["rows"] for v in vs), default=None)
+        row["headline"] = spine == big and k == 3
+        out.append(row)
+    return {"rows": out}
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--part", choices=(*PARTS, "all"), default="all")
+    p.add_argument("--rounds", type=int, help="measured rounds (default 3; quick 1)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--events", type=int, help="backfill: events per workload (default 2M)")
+    p.add_argument("--span-h", type=float, default=6.0, help="backfill: hours the archive spans")
+    p.add_argument("--train-events", type=int, help="training: archived events (default 10M)")
+    p.add_argument("--spines", help="training: spine sizes, comma-separated (default 100k,1M)")
+    p.add_argument("--cards", type=int, help="training: cards (default 100,000)")
+    p.add_argument("--span-days", type=int, default=30, help="training: days the archive spans")
+    p.add_argument("--train-partitions", type=int, default=8,
+                   help="training: spark.sql.shuffle.partitions, for both methods")  # fmt: skip
+    p.add_argument("--driver-memory", default="8g", help="the Spark driver's heap")
+    p.add_argument("--range-timeout-s", type=float, default=3600.0,
+                   help="training: cancel a range join after this long")  # fmt: skip
+    a = p.parse_args()
+    events, train_events, spines, cards = SIZES[a.quick]
+    a.rounds = a.rounds or (1 if a.quick else 3)
+    a.events, a.train_events = a.events or events, a.train_events or train_events
+    a.spine_sizes = [int(float(x)) for x in a.spines.split(",")] if a.spines else list(spines)
+    a.cards = a.cards or cards
+    if a.part != "all" and a.out is None:
+        suffix = ".quick.json" if a.quick else ".json"
+        a.out = Path(__file__).parent / "results" / f"offline-{a.part}{suffix}"
+    run = Run("offline", a)
+    from sluice.pipeline.spark import build_spark
+
+    ws = Workspace()
+    a.train_cfg = training_config(ws.state_dir("cfg"), a.train_partitions, a.driver_memory)
+    spark = build_spark(a.train_cfg, "sluice-bench-offline")
+    results: dict[str, Any] = {}
+    try:
+        for part in PARTS if a.part == "all" else (a.part,):
+            results[part] = (backfill_part if part == "backfill" else training_part)(spark, ws, a)
+            run.write({"part": a.part, "seed": a.seed}, results)  # so far
+    finally:
+        spark.stop()
+        ws.cleanup()
+
+
+if __name__ == "__main__":
+    main()
