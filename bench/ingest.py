@@ -59,6 +59,7 @@ from lib.procs import (
     CpuSampler,
     CpuSnapshot,
     Workspace,
+    children,
     command_usec,
     count_metric_total,
     pipeline_run,
@@ -89,16 +90,6 @@ SPARK_COMMIT = ("walCommit", "commitOffsets")
 
 
 # -- the worker: one revision, one Spark session ---------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(c) for c in task.read_text().split()]
-        except OSError:
-            continue
-    return out
 
 
 def descendants(pid: int) -> list[int]:

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from lib.load import HIGHCARD, HIGHCARD_METRICS, METRICS, KeySpace, bench_config, highcard_frame
-from lib.procs import CLK_TCK, CpuSnapshot
+from lib.procs import CLK_TCK, CpuSnapshot, children
 from sluice.config import Config
 from sluice.offline.backfill import seam_of
 from sluice.offline.events import TimeBounds, archive_events, read_archive
@@ -80,31 +80,21 @@ def bare_fold(spark: Any, cfg: Config, path: str, until_ms: int, ref_ms: int,
         spark.conf.set("spark.sql.shuffle.partitions", before)
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            out += [int(c) for c in task.read_text().split()]
-        except OSError:
-            continue
-    return out
-
-
 def parties(redis_pid: int | None) -> dict[str, list[int]]:
     """Pids per component: Redis, the JVM (a `java` child of this process), the Python workers
     (the JVM's descendants), the driver (this process)."""
     jvms = []
-    for p in _children(os.getpid()):
+    for p in children(os.getpid()):
         try:
             exe = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0", 1)[0]
         except OSError:
             continue
         if exe.endswith(b"java"):
             jvms.append(p)
-    workers, todo = [], [c for j in jvms for c in _children(j)]
+    workers, todo = [], [c for j in jvms for c in children(j)]
     while todo:
         workers.append(p := todo.pop())
-        todo += _children(p)
+        todo += children(p)
     return {"redis": [redis_pid] if redis_pid else [], "jvm": jvms, "python_workers": workers,
             "driver": [os.getpid()]}  # fmt: skip
 

@@ -323,3 +323,14 @@ class CpuSampler(threading.Thread):
         before = [snap for t, snap in self.samples if t <= t0_ms]
         after = [snap for t, snap in self.samples if t >= t1_ms]
         return after[0].cores_since(before[-1]) if before and after else None
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (from /proc), for per-process CPU readings."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            out += [int(c) for c in task.read_text().split()]
+        except OSError:
+            continue
+    return out
