@@ -37,7 +37,6 @@ from pyspark.sql import types as T
 
 from sluice.config import Config, FieldType
 from sluice.errors import ConfigError, SluiceError
-from sluice.pipeline.plan import DEAD_G
 from sluice.source.values import SPARK_TYPES
 
 FORMATS = ("parquet", "jsonl", "csv")
@@ -220,14 +219,4 @@ def archive_events(
         F.lit(0).alias("_idx"),
         "_raw",
         F.lit(0).cast("bigint").alias("_e"),
-    )
-
-
-def dead_reasons(exploded: DataFrame) -> DataFrame:
-    """The plan's dead-letter rows of offline input (`plan.DEAD_G`), by reason: (reason, rows,
-    one sample record as JSON)."""
-    dead = exploded.where(F.col("g") == F.lit(DEAD_G))
-    reason = F.get_json_object(F.col("k"), "$.reason")
-    return dead.groupBy(reason.alias("reason")).agg(
-        F.count(F.lit(1)).alias("rows"), F.first("k").alias("sample")
     )
