@@ -97,7 +97,7 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
             )  # fmt: skip
             pipeline.run_forever()
         except Exception:
-            if not signals.requested.is_set():
+            if not signals.stopping:
                 raise
             log.debug("stopped while stopping", exc_info=True)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import click
 
 from sluice.config import Config, load_config
 from sluice.errors import SluiceError
+from sluice.pipeline import jvm_stderr
 from sluice.redis.connection import RedisHandle, open_redis
 
 log = logging.getLogger("sluice")
@@ -40,12 +42,25 @@ class StopSignals:
     """SIGINT and SIGTERM, installed at once, ask `then` to stop (once); a second one does not
     interrupt the stop. `systemd`, Kubernetes, `timeout` and Ctrl-C signal the whole process
     group, Spark's JVM included, so what fails while stopping is expected: `quiet` silences the
-    loggers that would report it."""
+    loggers that would report it.
+
+    The handler itself only notes the signal and wakes a thread of its own, which does the rest:
+    a handler runs in the main thread between two of its steps, possibly inside the handler of
+    the signal before (`timeout` forwards a SIGTERM to the group, and the process gets it
+    twice), and anything that takes a lock there can wait for itself forever."""
 
     def __init__(self) -> None:
         self.requested = threading.Event()
+        self.signum: int | None = None  # the first signal, set in the handler itself
         self._then: Callable[[], None] | None = None
+        self._wake: queue.SimpleQueue[int] = queue.SimpleQueue()  # put() is reentrant
+        threading.Thread(target=self._stop, name="sluice-stop-signals", daemon=True).start()
         self.install()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a signal came: true from the handler on, before `requested` is set."""
+        return self.signum is not None
 
     def install(self) -> None:
         """(Again:) PySpark's context puts a SIGINT handler of its own in place, which raises
@@ -60,12 +75,18 @@ class StopSignals:
             action()
 
     def _on_signal(self, signum: int, _: Any) -> None:
-        if not self.requested.is_set():
-            log.info(
-                "stopping after the batch in flight", extra={"signal": signal.Signals(signum).name}
-            )
-        self.requested.set()
+        if self.signum is not None:
+            return
+        self.signum = signum
+        jvm_stderr.stopping()
+        self._wake.put(signum)
+
+    def _stop(self) -> None:
+        signum = self._wake.get()
+        name = signal.Signals(signum).name
+        log.info("stopping after the batch in flight", extra={"signal": name})
         self.quiet()
+        self.requested.set()
         if self._then is not None:
             self._then()
 

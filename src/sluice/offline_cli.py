@@ -26,6 +26,7 @@ import click
 
 from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
+from sluice.pipeline import jvm_stderr
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -119,6 +120,7 @@ class _Interrupts:
         if self.signum is not None or not self.armed:
             return
         self.signum = signum
+        jvm_stderr.stopping()
         # Ctrl-C signals the whole process group, Spark's JVM included: what fails now is
         # expected, and its loggers stay quiet.
         StopSignals.quiet()

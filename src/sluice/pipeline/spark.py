@@ -8,11 +8,13 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.logs import SPARK_LOG_LEVEL_ENV
 from sluice.pipeline.jvm import local_fs_conf
+from sluice.pipeline.jvm_stderr import forward_jvm_stderr
 from sluice.pipeline.ship import is_local, package_zip
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,9 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     The master is `spark.master`, unless this process was launched by `spark-submit`, whose
     `--master` then wins. On any master but a local one, Sluice's own code is shipped to the
     executors (see `sluice.pipeline.ship`). A local Spark that this call starts writes its
-    checkpoint logs without a child process per file (see `sluice.pipeline.jvm`).
+    checkpoint logs without a child process per file (see `sluice.pipeline.jvm`). A JVM that this
+    call starts has its stderr passed on without the tracebacks of a clean stop (see
+    `sluice.pipeline.jvm_stderr`).
     """
     # Executors run this interpreter unless `spark.pyspark.python` says otherwise (a cluster
     # whose workers keep Python elsewhere sets it in `spark.conf`).
@@ -77,7 +81,11 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
             builder = builder.config(k, v)
     for k, v in cfg.spark.conf.items():
         builder = builder.config(k, v)
-    spark = builder.getOrCreate()
+    if submitted or SparkContext._gateway is not None:
+        spark = builder.getOrCreate()  # the JVM runs already: its stderr is what it is
+    else:
+        with forward_jvm_stderr():  # launches the JVM (see sluice.pipeline.jvm_stderr)
+            spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(level)
     master = spark.sparkContext.master or cfg.spark.master
     if not is_local(master):

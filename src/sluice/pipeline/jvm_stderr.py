@@ -1,0 +1,206 @@
+"""The JVM's stderr, passed on without the noise of processes dying in the wrong order.
+
+A local Spark's JVM inherits this process's stderr, and so do the Python processes it starts:
+the executors' workers and, for each streaming query on a Python data source, the source's
+planner (`python_streaming_source_runner`). When a query stops, Spark closes the planner's
+socket and then sends it SIGTERM. If the planner wakes first, it finds the socket closed
+(`EOFError`), tries to report that on the same socket (`BrokenPipeError`) and prints both
+tracebacks, which the JVM copies to its stderr. The same happens when Ctrl-C or a service
+manager signals the whole process group and the JVM goes before its children. Nothing is wrong
+in either case (the query was stopping), but a user sees three tracebacks on a clean stop, in
+one stop out of some dozens, as the race falls.
+
+`forward_jvm_stderr` starts the JVM with its stderr on a pipe, and a thread passes every line on
+to this process's stderr except:
+
+- a Python traceback that comes from a Spark worker or planner and ends in the errors of a
+  peer going away (`EOFError`, `BrokenPipeError`, `ConnectionResetError`);
+- Spark's ERROR lines about a query that ended, once this process was asked to stop
+  (`stopping`): a SIGTERM to the whole process group (systemd, `timeout`, `kill -- -PGID`)
+  kills the planner in the middle of a call, and Spark reports that as an error of the query.
+  Such lines are held for `HOLD_S` before they pass, so that the signal that caused them is
+  seen first;
+- the JVM's start-up notice about incubator modules.
+
+Any other line, tracebacks included, passes unchanged. A worker that fails for a real reason
+reaches the query as an error, which Sluice reports itself; a batch cut short by a stop runs
+again from the checkpoint on the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+# Where a traceback must come from to be dropped: Spark's own Python processes.
+SPARK_PYTHON = ("pyspark/sql/streaming/python_streaming_source_runner", "pyspark/worker_util")
+# What it must end in: the other end went away.
+PEER_GONE = ("EOFError", "BrokenPipeError", "ConnectionResetError")
+DROPPED_LINES = ("WARNING: Using incubator modules: jdk.incubator.vector",)
+HEADER = "Traceback (most recent call last):"
+CHAINS = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+# A traceback with no line after its error for this long is complete.
+QUIET_S = 0.2
+# Spark's report of a query that ended, which a stop makes (see `stopping`).
+QUERY_ENDED = (" level=ERROR logger=org.apache.spark", "terminated with error")
+HOLD_S = 0.5
+
+_stop_requested: list[float] = []  # monotonic time of the stop request, once made
+
+
+def stopping() -> None:
+    """This process was asked to stop: Spark's reports of queries ending are the stop's from now
+    on (and for `HOLD_S` before). Safe in a signal handler: it takes no lock."""
+    if not _stop_requested:
+        _stop_requested.append(time.monotonic())
+
+
+def _stopped_by(arrived: float) -> bool:
+    return bool(_stop_requested) and _stop_requested[0] <= arrived + HOLD_S
+
+
+def query_ended(line: str) -> bool:
+    return all(part in line for part in QUERY_ENDED)
+
+
+def _exception_lines(block: list[str]) -> list[str]:
+    return [
+        line
+        for line in block
+        if line.strip() and not line[0].isspace() and line != HEADER and line not in CHAINS
+    ]
+
+
+def noise(block: list[str]) -> bool:
+    """Whether a traceback (its lines, without newlines) is a Spark Python process finding its
+    JVM gone."""
+    errors = _exception_lines(block)
+    from_spark = any(any(where in line for where in SPARK_PYTHON) for line in block)
+    return (
+        from_spark and bool(errors) and all(e.split(":", 1)[0].strip() in PEER_GONE for e in errors)
+    )
+
+
+class TracebackFilter:
+    """Feed it lines (without newlines); it gives back the lines to pass on. A traceback is held
+    until it is complete, then passed on whole or dropped whole (see `noise`)."""
+
+    def __init__(self) -> None:
+        self._block: list[str] = []
+        self._after_error = False  # the last non-blank line of the block is an error line
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._block)
+
+    def feed(self, line: str) -> list[str]:
+        if not self._block:
+            if line == HEADER:
+                self._block = [line]
+                return []
+            return [] if line.strip() in DROPPED_LINES else [line]
+        ends = self._after_error and line.strip() and line not in CHAINS and line != HEADER
+        if ends:  # an error line followed by anything but a chained traceback
+            return self.flush() + self.feed(line)
+        self._block.append(line)
+        if line in CHAINS or line == HEADER:
+            self._after_error = False
+        elif line.strip() and not line[0].isspace():
+            self._after_error = True
+        return []
+
+    def flush(self) -> list[str]:
+        """End the traceback held (if any): its lines, or none if it is noise."""
+        block, self._block, self._after_error = self._block, [], False
+        return [] if not block or noise(block) else block
+
+
+def pump(read_fd: int, write: Callable[[bytes], None]) -> None:
+    """Pass lines from `read_fd` to `write` through a `TracebackFilter`, until end of file.
+    Spark's reports of a query that ended wait `HOLD_S` (see `stopping`), and the lines after
+    them wait with them, to keep their order."""
+    lines = TracebackFilter()
+    held: list[tuple[float, str, bool]] = []  # (arrival, line, whether a stop drops it)
+    pending = b""
+    last = time.monotonic()  # when the last chunk came
+
+    def release(until: float) -> None:
+        out = []
+        while held and held[0][0] + HOLD_S <= until:
+            arrived, line, droppable = held.pop(0)
+            if not (droppable and _stopped_by(arrived)):
+                out.append(line)
+        _write_lines(write, out)
+
+    def emit(passed: list[str], arrived: float) -> None:
+        out = []
+        for line in passed:
+            if query_ended(line) or held:
+                held.append((arrived, line, query_ended(line)))
+            else:
+                out.append(line)
+        _write_lines(write, out)
+
+    while True:
+        now = time.monotonic()
+        release(now)
+        waits = [held[0][0] + HOLD_S - now] if held else []
+        if lines.holding and not pending:
+            waits.append(last + QUIET_S - now)
+        if waits:
+            ready, _, _ = select.select([read_fd], [], [], max(0.0, min(waits)))
+            if not ready:
+                if lines.holding and time.monotonic() >= last + QUIET_S:
+                    emit(lines.flush(), last)  # the traceback is complete
+                continue
+        chunk = os.read(read_fd, 65536)
+        if not chunk:
+            break
+        last = time.monotonic()
+        pending += chunk
+        *complete, pending = pending.split(b"\n")
+        for raw in complete:
+            emit(lines.feed(raw.decode("utf-8", "replace")), last)
+    tail = [*lines.feed(pending.decode("utf-8", "replace"))] if pending else []
+    emit([*tail, *lines.flush()], last)
+    release(float("inf"))
+
+
+def _write_lines(write: Callable[[bytes], None], lines: list[str]) -> None:
+    if lines:
+        write("".join(line + "\n" for line in lines).encode("utf-8", "replace"))
+
+
+@contextmanager
+def forward_jvm_stderr() -> Iterator[None]:
+    """Within the block, processes started get a pipe as their stderr (fd 2), passed on to this
+    process's stderr by a daemon thread through `TracebackFilter`. This process's own writes to
+    fd 2 in the block take the same way. Meant around the call that launches the JVM."""
+    try:
+        target = os.dup(2)
+    except OSError:  # no stderr at all: nothing to pass on
+        yield
+        return
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+
+    def write(data: bytes) -> None:
+        try:
+            while data:
+                data = data[os.write(target, data) :]
+        except OSError:
+            pass  # whoever read our stderr is gone; the JVM's lines go with it
+
+    threading.Thread(target=pump, args=(read_fd, write), name="jvm-stderr", daemon=True).start()
+    try:
+        yield
+    finally:
+        os.dup2(target, 2)  # the JVM keeps the pipe; this process writes to its stderr again

@@ -1,0 +1,170 @@
+"""The JVM's stderr filter and the stop signals: what a clean stop prints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sluice.commands import StopSignals
+from sluice.pipeline import jvm_stderr
+from sluice.pipeline.jvm_stderr import TracebackFilter, noise
+
+ZIP = "/venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark"
+# What Spark's streaming-source planner printed in a CI run when a Ctrl-C stop closed its socket
+# before it got SIGTERM.
+PLANNER_GONE = f"""\
+Traceback (most recent call last):
+  File "{ZIP}/sql/streaming/python_streaming_source_runner.py", line 265, in main
+  File "{ZIP}/serializers.py", line 604, in read_int
+EOFError
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "{ZIP}/worker_util.py", line 253, in get_sock_file_to_executor
+  File "{ZIP}/sql/streaming/python_streaming_source_runner.py", line 299, in main
+  File "/usr/lib/python3.11/socket.py", line 724, in write
+    return self._sock.send(b)
+           ^^^^^^^^^^^^^^^^^^
+BrokenPipeError: [Errno 32] Broken pipe
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "{ZIP}/sql/streaming/python_streaming_source_runner.py", line 313, in <module>
+  File "{ZIP}/worker_util.py", line 255, in get_sock_file_to_executor
+    return self._sock.send(b)
+           ^^^^^^^^^^^^^^^^^^
+BrokenPipeError: [Errno 32] Broken pipe
+""".splitlines()
+
+A_REAL_ERROR = f"""\
+Traceback (most recent call last):
+  File "{ZIP}/sql/streaming/python_streaming_source_runner.py", line 265, in main
+  File "/app/sluice/source/reader.py", line 80, in latestOffset
+ValueError: bad offset 'x'
+""".splitlines()
+
+LOG = 'ts=2026-11-28T21:26:29.532Z level=INFO logger=sluice msg="stopping after the batch"'
+
+
+def _through(lines: list[str]) -> list[str]:
+    f = TracebackFilter()
+    out = [passed for line in lines for passed in f.feed(line)]
+    return out + f.flush()
+
+
+def test_the_planner_finding_its_jvm_gone_is_dropped_whole() -> None:
+    assert noise(PLANNER_GONE)
+    assert _through([LOG, *PLANNER_GONE, LOG]) == [LOG, LOG]
+
+
+def test_other_tracebacks_and_lines_pass_unchanged() -> None:
+    assert not noise(A_REAL_ERROR)
+    assert _through([LOG, *A_REAL_ERROR, LOG]) == [LOG, *A_REAL_ERROR, LOG]
+    ours = ["Traceback (most recent call last):", '  File "x.py", line 1', "EOFError"]
+    assert _through(ours) == ours  # an EOFError that is not Spark's own processes'
+    # A traceback cut off by a line that is no part of it ends there; both pass.
+    cut = [*A_REAL_ERROR, "  indented, after the error", LOG]
+    assert _through(cut) == cut
+
+
+def test_the_jvm_incubator_notice_is_dropped() -> None:
+    notice = "WARNING: Using incubator modules: jdk.incubator.vector"
+    assert _through([notice, LOG]) == [LOG]
+
+
+def _run_child(code: str, stop_first: bool) -> str:
+    """A child process stands in for the JVM: it inherits the pipe as its stderr."""
+    script = textwrap.dedent(f"""
+        import subprocess, sys, time
+        from sluice.pipeline import jvm_stderr
+        if {stop_first}:
+            jvm_stderr.stopping()
+        with jvm_stderr.forward_jvm_stderr():
+            child = subprocess.Popen([sys.executable, "-c", {code!r}])
+        child.wait()
+        print("ours, after", file=sys.stderr, flush=True)
+        time.sleep(jvm_stderr.HOLD_S + jvm_stderr.QUIET_S + 0.5)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def test_a_child_process_stderr_goes_through_the_filter() -> None:
+    text = "\n".join([LOG, *PLANNER_GONE, LOG]) + "\n"
+    code = f"import sys; sys.stderr.write({text!r})"
+    err = _run_child(code, stop_first=False)
+    assert "Traceback" not in err
+    assert err.count(LOG) == 2 and "ours, after" in err
+
+
+QUERY_ENDED = (
+    "ts=2026-11-28T21:48:33.516Z level=ERROR logger=org.apache.spark.sql.execution.streaming."
+    'runtime.MicroBatchExecution msg="Query sluice [id = f2d8] terminated with error" '
+    'exc="java.io.EOFException"'
+)
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_spark_reporting_a_query_ended_is_dropped_only_when_stopping(stop_first: bool) -> None:
+    code = f"import sys; sys.stderr.write({QUERY_ENDED + chr(10) + LOG + chr(10)!r})"
+    err = _run_child(code, stop_first=stop_first)
+    assert (QUERY_ENDED in err) is not stop_first, err
+    assert LOG in err  # the line after it waited with it, and passed
+
+
+def test_a_signal_in_the_middle_of_the_stop_does_not_wait_for_it() -> None:
+    """A second SIGTERM can come while the first one's stop holds a lock (`timeout` forwards
+    one to the group): the handler takes none, so it cannot wait for itself."""
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        signals = StopSignals()
+        calls: list[int] = []
+        signals.then(lambda: calls.append(1))
+        with signals.requested._cond:  # as if interrupted inside Event.set()
+            signals._on_signal(signal.SIGTERM, None)
+            signals._on_signal(signal.SIGTERM, None)
+            assert signals.stopping
+        assert signals.requested.wait(10)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert calls == [1]
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        jvm_stderr._stop_requested.clear()
+
+
+def test_signals_to_a_process_in_a_row_stop_it_once() -> None:
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from sluice.commands import StopSignals
+        from sluice.logs import setup_logging
+        setup_logging("info")
+        signals = StopSignals()
+        stops = []
+        signals.then(lambda: stops.append(1))
+        print("ready", flush=True)
+        for _ in range(50):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.requested.wait(10)
+        time.sleep(0.2)
+        print("stops", len(stops), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "stops 1" in done.stdout
+    assert done.stderr.count("stopping after the batch in flight") == 1, done.stderr
