@@ -71,7 +71,7 @@ def run_demo(
     """Run until `duration_s` passes or `stop` is set (the CLI sets it on SIGINT or SIGTERM),
     then stop everything. Prints the URL and a status line. `on_spark` is called once the
     Spark session exists (the CLI puts its signal handlers back then)."""
-    from sluice.pipeline.fold import FoldQuery
+    from sluice.pipeline.run import Pipeline
     from sluice.pipeline.spark import build_spark
     from sluice.server.app import create_app
     from sluice.source.loadgen import Profile, run_load
@@ -99,8 +99,20 @@ def run_demo(
         spark = build_spark(cfg, app_name="sluice-demo")
         if on_spark is not None:
             on_spark()
-        pipeline = FoldQuery(cfg, handle, spark)
-        pipeline.start()
+        # As `sluice run` runs it: the supervisor (health, restarts), the lease and the role,
+        # so that the dashboard's state, heartbeat and processes are true here too.
+        pipeline = Pipeline(cfg, handle, spark)
+        pipeline.prepare()
+        failed: list[BaseException] = []
+
+        def run_pipeline() -> None:
+            try:
+                pipeline.run_forever()
+            except Exception as e:  # noqa: BLE001 - shown below, and the demo stops
+                failed.append(e)
+
+        runner = threading.Thread(target=run_pipeline, name="pipeline", daemon=True)
+        runner.start()
         load = threading.Thread(
             target=run_load,
             kwargs={
@@ -143,9 +155,8 @@ def run_demo(
                     f" {_flow(st['flow']['stages']['ingest'])} | total {events_in:,}"
                 )
                 print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
-                q = pipeline.query
-                if q is not None and q.exception() is not None:
-                    print(f"\npipeline failed: {q.exception()}", file=sys.stderr)
+                if failed and not stop.is_set():
+                    print(f"\npipeline failed: {failed[0]}", file=sys.stderr)
                     break
         except Exception:
             if not stop.is_set():
@@ -155,8 +166,9 @@ def run_demo(
             stop.set()
             print("\nstopping...", flush=True)
             load.join(timeout=10)
+            pipeline.request_stop()  # the batch in flight ends, then the queries and the lease
+            runner.join(timeout=30)
             try:  # a signal to the whole process group stops Spark's JVM too
-                pipeline.stop()
                 spark.stop()
             except Exception as e:  # noqa: BLE001 - py4j raises all kinds once the JVM is gone
                 log.debug("spark stop", extra={"error": str(e)})

@@ -7,7 +7,8 @@ build. One pipeline runs for the module, under bursty load with some malformed e
 - the page's charts receive data, the audit books balance, the dead letters show their reasons;
 - the metric explorer, run for a real metric and key, shows exactly the API's answer;
 - the page asks for the bearer token when the API wants one, and works once it is pasted;
-- `GET /metrics` parses with the official parser, and its families move under the load.
+- `GET /metrics` parses with the official parser, and its families move under the load;
+- `sluice demo`, run as a user runs it, answers and shows its pipeline running.
 
 A screenshot goes to the test's tmp dir; with SLUICE_UPDATE_SCREENSHOT=1 also to
 docs/dashboard.png (the README's), after a longer, demo-like load.
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -36,7 +39,7 @@ from sluice.redis.connection import RedisHandle
 from sluice.server.app import create_app
 from sluice.source.loadgen import Profile, run_load
 from sluice.source.producer import Producer
-from tests.conftest import ServerThread, make_config
+from tests.conftest import ServerThread, free_port, make_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -264,6 +267,51 @@ def _screenshot(driver: Any, path: Path) -> None:
 
 def _severe_errors(driver: Any) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_the_demo_runs_the_real_pipeline_and_its_dashboard_says_so(
+    browser: Any, tmp_path: Path
+) -> None:
+    """`sluice demo` as a new user runs it: the API answers, and the pipeline runs as `sluice
+    run` runs it (supervisor, health, lease and role), so the dashboard's badge says running."""
+    from selenium.webdriver.common.by import By
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "demo", "--duration", "40", "--port", str(port),
+         "--rate", "500", "--state-dir", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    base = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    checked = False
+    deadline = time.monotonic() + 150
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"total ([\d,]+)", line)
+        if checked or not m or int(m.group(1).replace(",", "")) == 0:
+            if time.monotonic() > deadline:
+                break
+            continue
+        answer = httpx.get(f"{base}/v1/metrics/txn_count",
+                           params={"key": "card-0", "window": "5m"}).json()  # fmt: skip
+        assert answer["value"] > 0, answer
+        status = httpx.get(f"{base}/v1/status").json()
+        assert status["pipeline"]["state"] == "running", status["pipeline"]
+        assert status["pipeline"]["heartbeat_age_ms"] is not None
+        browser.get(f"{base}/")
+        badge = "document.getElementById('pipeline-state')"
+        _wait(browser, f"{badge}.textContent === 'pipeline running'", 30, "the running badge")
+        assert "running" in browser.find_element(By.ID, "pipeline-state").get_attribute("class")
+        checked = True
+    assert proc.wait(timeout=90) == 0, "".join(lines)
+    text = "".join(lines)
+    assert checked, text
+    assert f"{base}/" in text
+    assert "processed" in text and "freshness" in text
+    assert "Traceback" not in text, text
 
 
 def test_the_page_asks_for_the_token_and_uses_it(

@@ -10,12 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 import yaml
-
-from tests.conftest import free_port
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]
@@ -68,39 +65,6 @@ def test_run_processes_events_and_stops_cleanly_on_sigterm(
     assert "log4j" not in output and "Setting default log level" not in output
     assert " level=INFO logger=org.apache" not in output
     assert r.xlen("events") <= 1  # committed input was trimmed
-
-
-def test_demo_serves_the_api_and_shows_live_status(tmp_path: Path) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [*SLUICE, "demo", "--duration", "25", "--port", str(port), "--rate", "500",
-         "--state-dir", str(tmp_path / "demo")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    assert proc.stdout is not None
-    lines: list[str] = []
-    answer = None
-    deadline = time.monotonic() + 150
-    for line in proc.stdout:
-        lines.append(line)
-        if time.monotonic() > deadline:
-            break
-        m = re.search(r"total ([\d,]+)", line)
-        if m and int(m.group(1).replace(",", "")) > 0 and answer is None:
-            base = f"http://127.0.0.1:{port}"
-            answer = httpx.get(
-                f"{base}/v1/metrics/txn_count", params={"key": "card-0", "window": "5m"}
-            ).json()
-            assert httpx.get(f"{base}/").status_code == 200
-    assert proc.wait(timeout=60) == 0, "".join(lines)
-    text = "".join(lines)
-    assert f"http://127.0.0.1:{port}/" in text
-    assert "processed" in text and "freshness" in text
-    assert answer is not None, text
-    assert answer["value"] > 0
 
 
 # Makes Spark's planner process lose the race of a stop every time (see the module there).
