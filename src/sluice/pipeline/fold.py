@@ -465,6 +465,8 @@ class FoldQuery(StreamQuery):
         self._flow_stop.set()
         super().stop(grace_s)
         self._settle()
+        if self._releaser is not None:  # after the last release: its commit thread and clients
+            self._releaser.close()
 
     # -- for tests and benchmarks -------------------------------------------------------------
 

@@ -17,9 +17,9 @@ last stable offsets (read_committed), so an open transaction's records wait unti
   consumer. Either read is the planner's or the audit's own, not the batch's.
 - After a batch commits, this reader's positions are kept in Redis (`sluice:rd:{kafka:...}`,
   per partition), and the smallest over the topic's readers is committed to `group_id`: Kafka's
-  own lag tools (kafka-consumer-groups, Burrow, exporters) then show Sluice as a consumer.
-  Readers commit from their own clients, so each checks the smallest again after its commit
-  (`release`): a stale commit that lands last is made good.
+  own lag tools (kafka-consumer-groups, Burrow, exporters) then show Sluice as a consumer. The
+  commits run on a thread of their own, retried with a backoff, and each checks the smallest
+  again after it lands (`source.kafka_commits`): a batch never waits on the coordinator.
 - Kafka does not report a lag in bytes, so the backlog's bytes are the lag in records times the
   mean record size Sluice has read (`bytes_estimated`).
 """
@@ -43,6 +43,7 @@ from sluice.redis.keys import shard_side_key
 from sluice.redis.scripts import RELEASE_OFFSET, evalsha_on, execute_loading
 from sluice.source.decode import Decoder
 from sluice.source.ids import event_ids, xor_all
+from sluice.source.kafka_commits import COMMIT_TIMEOUT_S, Committer
 from sluice.source.kafka_records import (
     Records,
     forget_consumers,
@@ -69,10 +70,6 @@ METADATA_TTL_S = 5.0
 REQUEST_TIMEOUT_S = 5.0
 SAMPLE_RECORDS = 32
 RECORD_BYTES_TTL_S = 30.0
-# Group commits a release makes at most: one, then one more each time the readers' floor moved
-# while it was in flight (another reader's release). A floor still moving after that is left to
-# the next release, as a failed commit is.
-COMMIT_ROUNDS = 3
 
 
 def shard_name(topic: str, partition: str | int) -> str:
@@ -90,21 +87,25 @@ class KafkaLog(Log):
     kind = "kafka"
     origin: ClassVar[Any] = 0
 
-    def __init__(self, opts: SourceOptions, client: Any = None) -> None:
+    def __init__(
+        self, opts: SourceOptions, client: Any = None, commit_timeout_s: float = COMMIT_TIMEOUT_S
+    ) -> None:
         if not isinstance(opts.log, KafkaSpec):
             raise TypeError("KafkaLog needs a KafkaSpec")
         self.opts = opts
         self.spec: KafkaSpec = opts.log
+        self.commit_timeout_s = commit_timeout_s
         self._admin: Any = None
-        self._committer: Any = None
+        self._lookup: Any = None  # reads the group's offsets; never commits
+        self._commits: Committer | None = None
         self._redis: Any = client
         self._parts: tuple[float, list[int]] | None = None
-        self._committed: dict[int, int] = {}
+        self._ends: dict[str, Position] = {}  # what this reader released, for the commit thread
         self._record_bytes: tuple[float, float] | None = None  # (mean bytes, when measured)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Plain options only: clients are made anew where the log is unpickled."""
-        return {**self.__dict__, "_admin": None, "_committer": None, "_redis": None}
+        """Plain options only: clients and threads are made anew where the log is unpickled."""
+        return {**self.__dict__, "_admin": None, "_lookup": None, "_commits": None, "_redis": None}
 
     @staticmethod
     def before(a: Position, b: Position) -> bool:
@@ -320,7 +321,7 @@ class KafkaLog(Log):
         """The group's committed offsets, else each partition's earliest offset."""
         out: dict[int, int] = {}
         try:
-            got = self._committer_client().committed(
+            got = self._lookup_client().committed(
                 [TopicPartition(self.spec.topic, p) for p in parts], timeout=REQUEST_TIMEOUT_S
             )
             out = {tp.partition: int(tp.offset) for tp in got if tp.offset >= 0}
@@ -364,22 +365,34 @@ class KafkaLog(Log):
 
     # -- housekeeping -------------------------------------------------------------------------
 
-    def _committer_client(self) -> Any:
-        if self._committer is None:
-            self._committer = Consumer(
+    def _lookup_client(self) -> Any:
+        if self._lookup is None:
+            self._lookup = Consumer(
                 self.spec.client_config(
                     **{"group.id": self.spec.group_id, "enable.auto.commit": False}
                 )
             )
-        return self._committer
+        return self._lookup
 
     def release(self, end: Mapping[str, Position]) -> None:
-        """Keep this reader's offsets in Redis and commit, per partition, the smallest over the
-        topic's readers to `group_id` (when it moved), then check it against Redis again (see
-        below). A failed commit is logged and made again after the next batch: the offsets only
-        say how far Sluice got, they never decide what it reads."""
+        """Keep this reader's offsets in Redis, and have the smallest over the topic's readers,
+        per partition, committed to `group_id` by the commit thread (`source.kafka_commits`).
+        Returns once Redis holds them; the commit never holds up the caller, and a failed one
+        is tried again in the background: the offsets only say how far Sluice got, they never
+        decide what it reads. Raises what the Redis client raises."""
         if not end:
             return
+        self._ends = {**self._ends, **end}
+        low = self._floors(end)
+        if self._commits is None:
+            self._commits = Committer(
+                self.spec, lambda: self._floors(self._ends), self.commit_timeout_s
+            )
+        self._commits.offer(low)
+
+    def _floors(self, end: Mapping[str, Position]) -> dict[int, int]:
+        """Record this reader's offsets `end` (they only move forward), and return the smallest
+        offset over the readers of each partition that every reader has released."""
         client = self._client()
         shards = sorted(end, key=int)
 
@@ -393,35 +406,9 @@ class KafkaLog(Log):
                 )  # fmt: skip
             return pipe.execute()
 
-        def floors() -> dict[int, int]:
-            mins = execute_loading(client, run, (RELEASE_OFFSET,))
-            return {int(s): int(low) for s, low in zip(shards, mins, strict=True)
-                    if low is not None}  # fmt: skip
-
-        low = floors()
-        for _ in range(COMMIT_ROUNDS):
-            commit = {p: o for p, o in low.items() if o > self._committed.get(p, -1)}
-            if not commit or not self._commit(commit):
-                return
-            # Readers commit from their own clients, and the broker keeps whichever commit
-            # lands last: one computed before another reader moved may land after that
-            # reader's. So once the commit is done the floor is taken again (the script only
-            # moves offsets forward, so running it again changes nothing else) and committed
-            # again where it moved; the last commit to land is then never behind Redis.
-            low = floors()
-
-    def _commit(self, offsets: dict[int, int]) -> bool:
-        tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(offsets.items())]
-        try:
-            self._committer_client().commit(offsets=tps, asynchronous=False)
-        except Exception as e:  # noqa: BLE001 - retried after the next batch
-            log.warning(
-                "kafka offsets not committed; trying again after the next batch",
-                extra={"group_id": self.spec.group_id, "error": str(e)},
-            )
-            return False
-        self._committed.update(offsets)
-        return True
+        mins = execute_loading(client, run, (RELEASE_OFFSET,))
+        return {int(s): int(low) for s, low in zip(shards, mins, strict=True)
+                if low is not None}  # fmt: skip
 
     # -- executor side ------------------------------------------------------------------------
 
@@ -439,13 +426,17 @@ class KafkaLog(Log):
                 )
 
     def close(self) -> None:
+        """Stop the commit thread (a due commit still goes, within `kafka_commits.CLOSE_WAIT_S`)
+        and close the clients."""
         forget_consumers(self.spec)
-        if self._committer is not None:
+        if self._commits is not None:
+            self._commits.close()
+        if self._lookup is not None:
             try:
-                self._committer.close()
+                self._lookup.close()
             except Exception:
-                log.debug("committer close failed", exc_info=True)
-        self._committer = self._admin = None
+                log.debug("group lookup close failed", exc_info=True)
+        self._commits = self._lookup = self._admin = None
 
 
 def _records_xor(offsets: Any, counts: list[int], salt: str) -> int:
