@@ -44,6 +44,7 @@ from sluice.redis.keys import (
     slice_hash_key,
     slice_hll_key,
 )
+from sluice.redis.loading import wait_while_loading
 from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 
@@ -148,28 +149,10 @@ def write_partition(
     client = client_for(ctx.url, timeout_s=60, connect_timeout_s=10)
     t0 = time.perf_counter()
     try:
-        totals = [0] * REPLY_COUNTS
-        dead: list[str] = []
-        if rows.table is not None:
-            # A metric's script calls go out from a sender thread while the next metric's are
-            # built here (Arrow kernels and socket waits let go of the GIL); the client is used
-            # by one thread at a time: the other states are written once the scripts are done.
-            parts: list[list[int]] = []
-            with ThreadPoolExecutor(1, thread_name_prefix="sluice-send") as sender:
-                pending = [
-                    apply_lua(client, ctx, rows, sp, sender) for sp in ctx.specs if AGGS[sp.agg].lua
-                ]
-                parts += [done() for done in pending]
-            for sp in ctx.specs:
-                if AGGS[sp.agg].lua:
-                    continue
-                if AGGS[sp.agg].state == HLL:
-                    parts.append([apply_hll(client, rows, sp), 0, 0, 0])
-                else:
-                    parts.append(_apply_blob(client, ctx, rows, sp))
-            totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
-            dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
-        reasons = write_dead_letters(client, ctx, dead) if dead else {}
+        # Redis loading its dataset (a restart) refuses every write: wait and write the whole
+        # partition again. Exact: a slice or dead letter already written holds this token.
+        what = f"the writer of token {ctx.token}"
+        totals, reasons = wait_while_loading(lambda: _write_rows(client, ctx, rows), what)
     finally:
         client.close()
     write_ms = (time.perf_counter() - t0) * 1000
@@ -186,6 +169,37 @@ def write_partition(
     ]
     out += [{"kind": "dead", "reason": r, "events": n} for r, n in reasons.items()]
     yield pa.RecordBatch.from_pylist(out, schema=RESULT_SCHEMA)
+
+
+def _write_rows(
+    client: Any, ctx: WriterContext, rows: PartitionRows
+) -> tuple[list[int], dict[str, int]]:
+    """One attempt at writing the partition: the [applied, duplicate, expired, before seam]
+    totals and the dead letters by reason. Safe to repeat (see the module docstring)."""
+    rows.failed[:] = False
+    totals = [0] * REPLY_COUNTS
+    dead: list[str] = []
+    if rows.table is not None:
+        # A metric's script calls go out from a sender thread while the next metric's are
+        # built here (Arrow kernels and socket waits let go of the GIL); the client is used
+        # by one thread at a time: the other states are written once the scripts are done.
+        parts: list[list[int]] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="sluice-send") as sender:
+            pending = [
+                apply_lua(client, ctx, rows, sp, sender) for sp in ctx.specs if AGGS[sp.agg].lua
+            ]
+            parts += [done() for done in pending]
+        for sp in ctx.specs:
+            if AGGS[sp.agg].lua:
+                continue
+            if AGGS[sp.agg].state == HLL:
+                parts.append([apply_hll(client, rows, sp), 0, 0, 0])
+            else:
+                parts.append(_apply_blob(client, ctx, rows, sp))
+        totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
+        dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
+    reasons = write_dead_letters(client, ctx, dead) if dead else {}
+    return totals, reasons
 
 
 def _signed(x: int) -> int:

@@ -14,7 +14,8 @@ clusters keep using redis-py's asyncio clients (see `sluice.server.app.AsyncClie
 Errors are redis-py's exception classes, so callers handle both clients alike:
 `ConnectionError` (connect failed, connection lost; every waiting caller gets it and the next
 call reconnects), `TimeoutError` (no reply within `socket_timeout`: the connection is dropped,
-since later replies could no longer be matched), `NoScriptError` and `ResponseError`.
+since later replies could no longer be matched), `NoScriptError`, `BusyLoadingError` (Redis is
+loading its dataset) and `ResponseError`.
 """
 
 from __future__ import annotations
@@ -221,8 +222,10 @@ class MuxClient:
         return proto
 
 
-def _typed(error: exceptions.ResponseError) -> exceptions.ResponseError:
+def _typed(error: exceptions.ResponseError) -> exceptions.RedisError:
     message = str(error)
     if message.startswith("NOSCRIPT"):
         return exceptions.NoScriptError(message)
+    if message.startswith("LOADING"):
+        return exceptions.BusyLoadingError(message)
     return error

@@ -3,7 +3,9 @@
     Timer ─▶ Guard ─▶ FastLookups ─▶ FastAPI (routes.py)
     (latency) (token)  (GET and batch lookups, answered without FastAPI)
 
-JSON in and out; every error is {"error": {"code", "message"}} (`middleware.error`).
+JSON in and out; every error is {"error": {"code", "message"}} (`middleware.error`). While Redis
+loads its dataset (a restart) every answer that needs it is 503 `redis_loading` with
+Retry-After, and /healthz says not ready.
 """
 
 from __future__ import annotations
@@ -28,9 +30,17 @@ from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.query.answers import AnswerLog
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
+from sluice.redis.loading import is_loading
 from sluice.server.clients import AsyncClients
 from sluice.server.fast import FastLookups
-from sluice.server.middleware import Guard, ORJSONResponse, SluiceApp, Timer, error
+from sluice.server.middleware import (
+    Guard,
+    ORJSONResponse,
+    SluiceApp,
+    Timer,
+    error,
+    redis_loading,
+)
 from sluice.server.routes import Api, router
 from sluice.source.log import LogUnavailable
 from sluice.status.history import Sampler
@@ -107,6 +117,8 @@ async def _validation(_: Request, e: Exception) -> Response:
 
 
 async def _unavailable(_: Request, e: Exception) -> Response:
+    if is_loading(e):
+        return redis_loading(e)
     return error(503, "unavailable", f"the slice store is unavailable: {e}")
 
 

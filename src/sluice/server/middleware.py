@@ -26,6 +26,19 @@ def error(status: int, code: str, message: str, headers: dict[str, str] | None =
     return ORJSONResponse({"error": {"code": code, "message": message}}, status, headers=headers)
 
 
+LOADING_RETRY_AFTER_S = 1
+
+
+def redis_loading(e: Exception) -> Response:
+    """503 while Redis loads its dataset (a restart): transient, so with Retry-After."""
+    return error(
+        503,
+        "redis_loading",
+        f"redis is loading its dataset after a restart; retry shortly ({e})",
+        headers={"Retry-After": str(LOADING_RETRY_AFTER_S)},
+    )
+
+
 class Guard:
     """Bearer token on /v1/* (when configured) and a cap on the declared body size.
 

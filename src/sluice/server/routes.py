@@ -17,8 +17,9 @@ from sluice.config import Config
 from sluice.errors import BackpressureError, QueryError
 from sluice.flow.valves import IngestValve
 from sluice.query.engine import QueryEngine
+from sluice.redis.loading import is_loading
 from sluice.server.clients import AsyncClients
-from sluice.server.middleware import MAX_BODY_BYTES, ORJSONResponse, error
+from sluice.server.middleware import MAX_BODY_BYTES, ORJSONResponse, error, redis_loading
 from sluice.server.params import BatchQuery, parse_events, parse_history, parse_limit, parse_reason
 from sluice.source.admission import ingest_valve
 from sluice.source.producer import Producer
@@ -168,6 +169,8 @@ def healthz(request: Request) -> Response:
         pipeline = pipeline_health(api.client, now_ms)
         roles = read_roles(api.client, api.cfg, now_ms)
     except redis.RedisError as e:
+        if is_loading(e):
+            return redis_loading(e)
         return error(503, "unavailable", f"redis: {e}")
     if pipeline["state"] == "failing":
         return error(

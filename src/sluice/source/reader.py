@@ -10,8 +10,10 @@ batch once its write is done, `pipeline.behind`).
 Admission control: `latestOffset(start, limit)` honours `ReadMaxRows(n)` with n counted in
 *events* (a `jsonl` entry holds many), capped by the stage's controller (`Admission`).
 
-A log that cannot be read (Kafka unreachable, its topic gone) plans no new data and is shown as
-waiting (`source.waiting`); the query keeps running and picks up when the log is back.
+A log that cannot be read (Kafka unreachable, its topic gone, a Redis loading its dataset) plans
+no new data and is shown as waiting (`source.waiting`), with a backoff between plans (50 ms
+doubling up to `WAIT_S`); the query keeps running and picks up when the log is back. Reads on
+the executors wait likewise (`Log.read`'s `on_wait`).
 
 Each read reports how long it spent reading and decoding (`note_read_ms`): the batch's longest
 partition, kept per batch for its time breakdown (`pipeline.timing`).
@@ -46,6 +48,7 @@ from sluice.source.waiting import LogState
 FORMAT = "sluice"
 START_FILE = "sluice-start-positions.json"
 WAIT_S = 1.0  # how long a fresh query waits between tries for its log's start positions
+FIRST_BACKOFF_S = 0.05  # the first pause after a plan that could not read the log (doubling)
 JSONL_PART_ENTRIES = 500  # a jsonl entry carries many events: fewer entries per partition
 READ_TIMES_TTL_S = 3600  # read times a driver never collected (it crashed) go with the key
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class LogStreamReader(DataSourceStreamReader):
         stage = opts.flow.stage if opts.flow is not None else "spark"
         self.state = LogState(opts.url, stage)
         self._released: dict[str, Any] | None = None
+        self._backoff_s = FIRST_BACKOFF_S  # between plans while the log cannot be read
         self._lease_client: Any = None
 
     # -- driver side ------------------------------------------------------------------------
@@ -140,7 +144,11 @@ class LogStreamReader(DataSourceStreamReader):
             self.state.waiting(e.reason, str(e))
             if self.admission is not None:
                 self.admission.admitted(0, False)
+            # Spark asks again at once (its polling delay is 10 ms): back off, up to WAIT_S.
+            time.sleep(self._backoff_s)
+            self._backoff_s = min(WAIT_S, self._backoff_s * 2)
             return start
+        self._backoff_s = FIRST_BACKOFF_S
         self.state.ok()
         if self.admission is not None:
             self.admission.admitted(plan.events, plan.more)

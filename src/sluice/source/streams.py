@@ -21,11 +21,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import pyarrow as pa
+import redis
 
+from sluice.redis.connection import redact
 from sluice.redis.keys import shard_side_key
+from sluice.redis.loading import LOADING, is_loading
 from sluice.redis.scripts import (
     RELEASE,
     evalsha_on,
@@ -38,7 +42,16 @@ from sluice.source.ids import (
     parse_id,
     split_range,
 )
-from sluice.source.log import Admitted, Backlog, Log, Plan, Position, Span, spread_budget
+from sluice.source.log import (
+    Admitted,
+    Backlog,
+    Log,
+    LogUnavailable,
+    Plan,
+    Position,
+    Span,
+    spread_budget,
+)
 from sluice.source.options import SourceOptions
 from sluice.source.resp import StreamReply
 from sluice.source.walk import WALK_CHUNK, Walked, read_entries, walk
@@ -54,6 +67,10 @@ from sluice.source.xrange import (
 # hundreds of events, so its replies are already large.
 XRANGE_COUNT = {"fields": 10_000, "jsonl": 2000}
 log = logging.getLogger(__name__)
+
+
+def _quiet(message: str) -> None:
+    """Waiting for a loading Redis without reporting it (the wait is logged)."""
 
 
 def _text(x: Any) -> str:
@@ -124,6 +141,21 @@ class RedisStreamsLog(Log):
         return dict.fromkeys(self.shards, ZERO_ID)
 
     def plan(self, start: Mapping[str, Position], budget: int | None, ref_ms: int) -> Plan:
+        """Raises LogUnavailable (`loading`) while Redis loads its dataset: the reader plans no
+        batch and shows the log as waiting. A failed plan leaves what it walked for the next."""
+        try:
+            return self._plan(start, budget)
+        except (redis.exceptions.ConnectionError, redis.exceptions.ResponseError) as e:
+            if is_loading(e):
+                raise self._loading(e) from None
+            raise
+
+    def _loading(self, e: Exception) -> LogUnavailable:
+        return LogUnavailable(
+            LOADING, f"redis at {redact(self.opts.url)} is loading its dataset: {e}"
+        )
+
+    def _plan(self, start: Mapping[str, Position], budget: int | None) -> Plan:
         ids = {s: start.get(s, ZERO_ID) for s in self.shards}
         admitted: dict[str, list[Any]] = {}
         if self._ahead_walk is not None:
@@ -230,7 +262,8 @@ class RedisStreamsLog(Log):
         acc = events = entries = 0
         fmt, limit = self.opts.format, self.opts.max_entry_bytes
         for span in spans:
-            for chunk in read_range(client, span.shard, span.lo, span.hi, WALK_CHUNK[fmt]):
+            chunks = read_range(client, span.shard, span.lo, span.hi, WALK_CHUNK[fmt], _quiet)
+            for chunk in chunks:
                 got = Walked.of(chunk, span.shard, fmt, limit)
                 acc ^= got.xor()
                 events += got.total
@@ -296,21 +329,29 @@ class RedisStreamsLog(Log):
                 evalsha_on(pipe, RELEASE, keys, [self.opts.reader, last, *names])
             return pipe.execute()
 
-        execute_loading(client, run, (RELEASE,))
+        try:
+            execute_loading(client, run, (RELEASE,))
+        except (redis.exceptions.ConnectionError, redis.exceptions.ResponseError) as e:
+            if is_loading(e):
+                raise self._loading(e) from None
+            raise
 
     # -- executor side ------------------------------------------------------------------------
 
     def read(
         self, span: Span, ref_ms: int, on_wait: Callable[[str, str], None] | None = None
     ) -> Iterator[pa.RecordBatch]:
+        """Reads wait while Redis loads its dataset, reporting it as `on_wait("loading", ..)`."""
         decoder = Decoder(self.opts, ref_ms, span.shard)
         fmt, url = self.opts.format, self.opts.url
         count = XRANGE_COUNT[fmt]
+        waiting = _quiet if on_wait is None else partial(on_wait, LOADING)
         if fmt != "fields":
-            for chunk in read_range(raw_client(url), span.shard, span.lo, span.hi, count):
+            chunks = read_range(raw_client(url), span.shard, span.lo, span.hi, count, waiting)
+            for chunk in chunks:
                 yield from decoder.decode(chunk)
             return
-        for part in read_replies(url, span.shard, span.lo, span.hi, count):
+        for part in read_replies(url, span.shard, span.lo, span.hi, count, waiting):
             if isinstance(part, StreamReply):
                 yield from decoder.decode_reply(part)
             else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import hiredis
@@ -25,6 +25,7 @@ import redis
 from sluice.collector import paused
 from sluice.redis.cluster import node_clients
 from sluice.redis.connection import client_for
+from sluice.redis.loading import wait_while_loading
 from sluice.source.resp import StreamReply, parse_xrange
 
 _clients: dict[str, Any] = {}
@@ -80,11 +81,35 @@ def xrange_chunk(client: Any, shard: str, after: str, hi: str, count: int) -> An
         return _raw_entries(reply)
 
 
-def read_range(client: Any, shard: str, lo: str, hi: str, count: int = 2000) -> Iterator[list[Any]]:
-    """Yield raw XRANGE chunks covering (lo, hi]."""
+def _chunk(
+    client: Any,
+    shard: str,
+    after: str,
+    hi: str,
+    count: int,
+    on_loading: Callable[[str], None] | None,
+) -> Any:
+    if on_loading is None:
+        return xrange_chunk(client, shard, after, hi, count)
+    return wait_while_loading(
+        lambda: xrange_chunk(client, shard, after, hi, count), f"XRANGE of {shard!r}", on_loading
+    )
+
+
+def read_range(
+    client: Any,
+    shard: str,
+    lo: str,
+    hi: str,
+    count: int = 2000,
+    on_loading: Callable[[str], None] | None = None,
+) -> Iterator[list[Any]]:
+    """Yield raw XRANGE chunks covering (lo, hi]. With `on_loading`, a chunk read while Redis
+    loads its dataset is read again once it has loaded (`redis.loading.wait_while_loading`,
+    which calls `on_loading(message)` meanwhile); without, LOADING is raised."""
     cursor = lo
     while True:
-        chunk = xrange_chunk(client, shard, cursor, hi, count)
+        chunk = _chunk(client, shard, cursor, hi, count, on_loading)
         if not chunk:
             return
         yield chunk
@@ -125,6 +150,8 @@ class RawReplies:
                     if not data:
                         raise redis.exceptions.ConnectionError("redis closed the connection")
                     buf += data
+                    if _both_errors(buf):  # e.g. LOADING: the ECHO failed too, no tail comes
+                        return bytes(buf[: buf.index(b"\r\n") + 2])
             except TimeoutError as e:  # socket.timeout
                 conn.disconnect()
                 raise redis.exceptions.TimeoutError(f"reading XRANGE of {shard!r}: {e}") from e
@@ -138,6 +165,14 @@ class RawReplies:
 
     def close(self) -> None:
         self.conn.disconnect()
+
+
+def _both_errors(buf: bytearray) -> bool:
+    """Whether `buf` holds two error replies: the XRANGE's and the ECHO's."""
+    if buf[:1] != b"-":
+        return False
+    end = buf.find(b"\r\n")
+    return buf[end + 2 : end + 3] == b"-" and buf.endswith(b"\r\n") and buf.count(b"\r\n") >= 2
 
 
 def _raw_for(url: str, shard: str) -> RawReplies:
@@ -169,12 +204,18 @@ def _drop_raw(url: str, shard: str) -> None:
 
 
 def read_replies(
-    url: str, shard: str, lo: str, hi: str, count: int
+    url: str,
+    shard: str,
+    lo: str,
+    hi: str,
+    count: int,
+    on_loading: Callable[[str], None] | None = None,
 ) -> Iterator[StreamReply | list[Any]]:
     """Chunks covering (lo, hi] in order: columnar replies, or hiredis' entries where the
     columnar parser declined (see the module docstring). A chunk whose raw read fails (an
     error reply, a lost connection) is read through the client instead, which redirects,
-    retries as it is configured to, or raises."""
+    retries as it is configured to, or raises; with `on_loading`, it waits while Redis loads
+    (as `read_range`)."""
     cursor = lo
     while True:
         try:
@@ -183,7 +224,7 @@ def read_replies(
             part = None
         if part is None:
             _drop_raw(url, shard)
-            part = xrange_chunk(raw_client(url), shard, cursor, hi, count)
+            part = _chunk(raw_client(url), shard, cursor, hi, count, on_loading)
         n = len(part)
         if not n:
             return

@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import redis
 
 from sluice.config import Config
 from sluice.flow.levels import QueueLevel, memory_fraction
 from sluice.graph import graph_topology, log_spec, reader_name
 from sluice.redis.keys import BATCHES_KEY, HEALTH_KEY, STATS_KEY, stats_keys
+from sluice.redis.loading import LOADING, is_loading
 from sluice.source.log import Backlog, Log, LogUnavailable
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
@@ -84,7 +86,52 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -> dict[str, Any]:
-    """A JSON-ready snapshot: backlog, totals, processed rate and freshness over `window_s`."""
+    """A JSON-ready snapshot: backlog, totals, processed rate and freshness over `window_s`.
+
+    While Redis loads its dataset (a restart) nothing can be read: the snapshot is then
+    `loading_status`. Any other Redis error is raised."""
+    try:
+        return _read_status(client, cfg, now_ms, window_s)
+    except (redis.exceptions.ConnectionError, redis.exceptions.ResponseError) as e:
+        if not is_loading(e):
+            raise
+        return loading_status(cfg, str(e))
+
+
+def loading_status(cfg: Config, message: str) -> dict[str, Any]:
+    """The snapshot while Redis loads its dataset: `redis.state` is `loading`, the log and the
+    pipeline are waiting (the source and the writer wait for it too), everything else is
+    unknown: None, or empty. Same shape as a full snapshot, so every view can show it."""
+    unknown: dict[str, Any] = {
+        "entries": None, "bytes": None, "bytes_estimated": False, "shards": {},
+        "high_watermark": cfg.backpressure.high_watermark,
+        "low_watermark": cfg.backpressure.low_watermark,
+    }  # fmt: skip
+    kind = "redis" if cfg.source.kafka is None else "kafka"
+    rates = dict.fromkeys(("input_events_per_s", "admitted_events_per_s",
+                           "processed_events_per_s"), 0.0)  # fmt: skip
+    return {
+        "backlog": unknown,
+        "log": {"kind": kind, "state": "waiting", "reason": LOADING, "message": message},
+        "processed_events_per_s": 0.0,
+        "rates": rates,
+        "freshness_ms": {"p50": None, "p99": None},
+        "counters": {},
+        "last_batch": None,
+        "last_batch_age_ms": None,
+        "redis": {"state": LOADING, "message": message, "used_memory": None, "maxmemory": None},
+        "flow": None,
+        "pipeline": {"state": "waiting_for_redis", "consecutive_failures": 0, "restarts": 0,
+                     "last_error": message, "heartbeat_age_ms": None, "changed_ms": None},
+        "audit": None,
+        "stages": {},
+        "roles": {},
+        "timing": {},
+        "consistency": None,
+    }  # fmt: skip
+
+
+def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict[str, Any]:
     level, log_section = log_status(client, cfg)
     raw = client.hgetall(STATS_KEY)
     stats = {k.decode(): v.decode() for k, v in raw.items()}
@@ -122,7 +169,7 @@ def read_status(client: Any, cfg: Config, now_ms: int, window_s: float = 10.0) -
         "counters": counters,
         "last_batch": last,
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
-        "redis": {"used_memory": used, "maxmemory": cap},
+        "redis": {"state": "ok", "used_memory": used, "maxmemory": cap},
         "flow": flow,
         "pipeline": pipeline_health(client, now_ms, log_section),
         "audit": audit_status(client, cfg, counters, last),

@@ -39,6 +39,8 @@ def format_status(st: dict[str, Any]) -> str:
         ("batches", f"{c.get('batches', 0):,}"),
         ("redis memory", _size((st.get("redis") or {}).get("used_memory"))),
     ]
+    if (st.get("redis") or {}).get("state") == "loading":
+        rows.insert(0, ("redis", f"LOADING its dataset; waiting: {st['redis'].get('message')}"))
     audit = st.get("audit")
     if audit is None:
         rows += [
