@@ -1,4 +1,4 @@
-"""Crash test: `sluice run` is killed with SIGKILL five times under steady load (at least once in
+"""Crash test: `sluice run` is killed with SIGKILL three times under steady load (at least once in
 the middle of a batch) and restarted each time. At the end every count and sum equals the
 reference computed from what the producer had acknowledged, and every batch passed its audit."""
 
@@ -26,7 +26,7 @@ from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]
-KILLS = 5
+KILLS = 3  # each a cold restart (~25 s here); every one lands mid-batch or close to it
 
 
 class SteadyProducer(threading.Thread):
@@ -134,7 +134,7 @@ def steady_config(tmp_path: Path, redis_url: str, state: str = "state", **extra:
     return path
 
 
-def test_five_sigkills_under_load_lose_nothing_and_count_nothing_twice(
+def test_repeated_sigkills_under_load_lose_nothing_and_count_nothing_twice(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     cfg = steady_config(tmp_path, redis_url)

@@ -27,7 +27,8 @@ from tests.e2e.test_crash import SteadyProducer, assert_exact, steady_config
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]
-KILLS = 3  # each costs ~40 s here: a new `sluice run` to start and warm up as the standby
+KILLS = 2  # each costs ~40-60 s here: a new `sluice run` to start and warm up as the standby;
+# two kills make the two processes lead in turn, each once after a kill
 TAKEOVER_S = 20.0  # from the kill to the new leader's first batch; a cold start takes ~45 s
 
 
