@@ -5,10 +5,12 @@ refusal of a second checkpoint over the same queries."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from redis.crc import key_slot
 
 from sluice.clock import ManualClock
 from sluice.errors import LeaderConflict, LeaseLost
@@ -16,6 +18,7 @@ from sluice.pipeline.lease import Claim, Keeper, Lease, last_planned
 from sluice.pipeline.query import writer_token
 from sluice.pipeline.standby import announce
 from sluice.redis.keys import EPOCH_KEY, PROCESSES_KEY
+from sluice.redis.local_cluster import LocalCluster
 from sluice.server.app import create_app
 from sluice.status.roles import read_roles
 from sluice.status.views import format_status
@@ -218,3 +221,44 @@ def test_status_shows_each_process_role_and_lease_age(r: redis.Redis, tmp_path: 
     clock.advance(10_000)  # neither beats any more: both left out
     assert read_roles(r, cfg, clock.now_ms())["processes"] == []
     assert r.hlen(PROCESSES_KEY) == 2
+
+
+def test_on_a_cluster_a_standby_takes_over_at_once_too(rc: Any, tmp_path: Path) -> None:
+    """The named connection goes to the `{lease}` slot's master: a standby sees a killed
+    leader's connection gone there, as on one Redis, without waiting for the ttl."""
+    clock = ManualClock(1_000)
+    a, b = _lease(rc, tmp_path / "c", clock, 1), _lease(rc, tmp_path / "c", clock, 2)
+    assert a._named is not None and a.try_acquire() is None
+    assert b.try_acquire() is not None
+    a._named.connection_pool.disconnect()
+    assert b.try_acquire() is not None  # missing once: maybe a reconnect
+    assert b.try_acquire() is None  # missing twice: a is gone (no time passed)
+    assert b.epoch is not None and a.epoch is not None and b.epoch > a.epoch
+
+
+def test_on_a_cluster_the_leases_connection_follows_its_slot(
+    rc: Any, redis_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The `{lease}` slot moves to another master (resharding): the holder is still found
+    where its connection is, follows the slot at its next call, and keeps its lease; a standby
+    takes over only once that connection closes."""
+    clock = ManualClock(1_000)
+    a, b = _lease(rc, tmp_path / "c", clock, 1), _lease(rc, tmp_path / "c", clock, 2)
+    assert a.try_acquire() is None
+    slot = key_slot(a.keys[0].encode())
+    home = redis_cluster.node_of_slot(slot)
+    try:
+        redis_cluster.migrate_slot(slot, (home + 1) % redis_cluster.masters)
+        for _ in range(3):  # the holder has not followed yet: its connection is still found
+            assert b.try_acquire() is not None
+        clock.advance(500)
+        assert a.renew()  # MOVED: the connection follows the slot, and the renewal lands
+        port = a._named.connection_pool.connection_kwargs["port"]
+        assert port == redis_cluster.ports[(home + 1) % redis_cluster.masters]
+        for _ in range(3):
+            assert b.try_acquire() is not None
+        a._named.connection_pool.disconnect()
+        assert b.try_acquire() is not None
+        assert b.try_acquire() is None
+    finally:
+        redis_cluster.migrate_slot(slot, home)

@@ -33,6 +33,10 @@ looks in a row takes the lease at once (seed 001's "route around the unhealthy n
 safe for the same reason as above: a leader that was only cut off for a moment finds its lease
 taken at its next renewal or lease check, and stands by. A host that vanishes without closing
 its connections, or a Redis where `CLIENT LIST` is not allowed, waits for the ttl.
+
+On a Redis Cluster the named connection goes to the master of the `{lease}` slot, and a standby
+looks for it in `CLIENT LIST` of every master: a holder whose lease slot just moved (resharding,
+a failover) is still found where its connection is, and follows the slot at its next call.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.exceptions import AskError, MovedError
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.errors import LeaderConflict, LeaseLost
@@ -168,12 +173,19 @@ class Lease:
         self._valid_until = 0.0  # monotonic seconds
         self.lost = threading.Event()  # set once another process is known to hold a lease
         self._script = client.register_script(script_source(LEASE))
-        self._named = _named_client(client, self.conn)
+        self._cluster = isinstance(client, redis.RedisCluster)
+        self._named: Any = None
+        self._named_script: Any = None
+        self._name_connection()
+        self._missing: dict[str, int] = {}  # holder -> looks in a row its connection was gone
+        self._lock = threading.Lock()
+
+    def _name_connection(self) -> None:
+        """The named connection's client, to the lease keys' node (see the module docstring)."""
+        self._named = _named_client(self.client, self.conn, self.keys[0])
         self._named_script = (
             self._named.register_script(script_source(LEASE)) if self._named else None
         )
-        self._missing: dict[str, int] = {}  # holder -> looks in a row its connection was gone
-        self._lock = threading.Lock()
 
     @property
     def renew_every_s(self) -> float:
@@ -227,7 +239,7 @@ class Lease:
         if not holder.conn:
             return False
         try:
-            names = {c.get("name") for c in self.client.client_list(_type="normal")}
+            names = {c.get("name") for c in self._connections()}
         except Exception as e:  # noqa: BLE001 - e.g. CLIENT not allowed: wait for the ttl
             log.debug("cannot list connections", extra={"error": str(e)})
             return False
@@ -236,6 +248,17 @@ class Lease:
             return False
         self._missing = {holder.owner: self._missing.get(holder.owner, 0) + 1}
         return self._missing[holder.owner] >= GONE_POLLS
+
+    def _connections(self) -> list[dict[str, Any]]:
+        """`CLIENT LIST` of the lease's Redis: of every master, on a cluster."""
+        if not self._cluster:
+            return list(self.client.client_list(_type="normal"))
+        per_node = self.client.client_list(
+            _type="normal", target_nodes=redis.RedisCluster.PRIMARIES
+        )
+        if isinstance(per_node, list):  # a cluster of one master answers as a node does
+            return per_node
+        return [c for conns in per_node.values() for c in conns]
 
     def probe(self) -> None:
         """Raise LeaderConflict when a live lease of these queries is held from another
@@ -350,15 +373,48 @@ class Lease:
         return reply
 
     def _call(self, op: str, *args: Any) -> Any:
-        """Run `op` on every lease, over the named connection when there is one."""
-        script = self._named_script or self._script
-        return script(keys=self.keys, args=[op, self.clock.now_ms(), *args])
+        """Run `op` on every lease, over the named connection when there is one. On a cluster
+        whose `{lease}` slot moved (or whose master failed over), the named connection follows
+        it first."""
+        if self._named_script is None:
+            return self._script(keys=self.keys, args=[op, self.clock.now_ms(), *args])
+        try:
+            return self._named_script(keys=self.keys, args=[op, self.clock.now_ms(), *args])
+        except (MovedError, AskError, redis.ConnectionError):
+            if not self._cluster:  # one Redis: the caller retries (a reconnect is automatic)
+                raise
+        old = self._named
+        self.client.nodes_manager.initialize()  # the slot map as it is now
+        self._name_connection()
+        self._named.ping()  # connected (and named) before the standbys look for it
+        old.connection_pool.disconnect()  # its name must not be found on the old master
+        log.info("the lease's slot moved; its connection follows", extra={"node": self._where()})
+        return self._named_script(keys=self.keys, args=[op, self.clock.now_ms(), *args])
+
+    def _where(self) -> str:
+        kw = self._named.connection_pool.connection_kwargs if self._named else {}
+        return f"{kw.get('host')}:{kw.get('port')}"
 
 
-def _named_client(client: Any, name: str) -> Any:
-    """A client like `client` whose connections carry `name` (set again on every
-    reconnect), for the holder's own renewals; None for a cluster client, whose lease node
-    a standby could not list."""
+def _named_client(client: Any, name: str, key: str) -> Any:
+    """A client like `client` whose connections carry `name` (set again on every reconnect),
+    for the holder's own calls: to `key`'s master on a cluster. None for a client of neither
+    kind (the lease then waits for the ttl)."""
+    if isinstance(client, redis.RedisCluster):
+        node = client.get_node_from_key(key)
+        pool = node.redis_connection.connection_pool if node.redis_connection else None
+        if pool is None:
+            return None
+        kw = pool.connection_kwargs
+        # The node's own pool also carries the cluster client's hooks; a plain connection
+        # needs only where and how to connect.
+        kwargs = {k: kw[k] for k in _CONNECT_KWARGS if k in kw}
+        return redis.Redis(
+            connection_pool=redis.ConnectionPool(
+                connection_class=pool.connection_class, max_connections=2,
+                client_name=name, **kwargs,
+            )
+        )  # fmt: skip
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         return None
@@ -368,6 +424,14 @@ def _named_client(client: Any, name: str) -> Any:
             connection_class=pool.connection_class, max_connections=2, **kwargs
         )
     )
+
+
+_CONNECT_KWARGS = (
+    "host", "port", "username", "password", "credential_provider", "socket_timeout",
+    "socket_connect_timeout", "socket_keepalive", "socket_keepalive_options", "ssl_keyfile",
+    "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data",
+    "ssl_check_hostname", "ssl_password",
+)  # fmt: skip
 
 
 def _pairs(flat: Sequence[Any]) -> dict[str, str]:
