@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import pyarrow as pa
 import redis
 
+from sluice.errors import ConfigError
 from sluice.redis.connection import redact
 from sluice.redis.keys import shard_side_key
 from sluice.redis.loading import LOADING, is_loading
@@ -156,6 +157,7 @@ class RedisStreamsLog(Log):
         )
 
     def _plan(self, start: Mapping[str, Position], budget: int | None) -> Plan:
+        self._check_dropped(start)
         ids = {s: start.get(s, ZERO_ID) for s in self.shards}
         admitted: dict[str, list[Any]] = {}
         if self._ahead_walk is not None:
@@ -174,6 +176,26 @@ class RedisStreamsLog(Log):
             self._ahead_walk.start()
         ref = max(id_ms(v) for v in end.values()) if end else 0
         return Plan(end, {}, entries, events, more, ref, admitted or None)
+
+    def _check_dropped(self, start: Mapping[str, Position]) -> None:
+        """A shard that the checkpoint read and the config no longer names (`source.shards`
+        lowered) is never read again: raise ConfigError while it holds entries after the
+        position read, rather than leave them unread. More shards need nothing: a shard the
+        checkpoint does not name is read from its start."""
+        dropped = sorted(s for s in start if s not in self.shards)
+        if not dropped:
+            return
+        pipe = self._client().pipeline(transaction=False)
+        for s in dropped:
+            pipe.execute_command("XRANGE", s, f"({start[s]}", "+", "COUNT", 1)
+        unread = [s for s, after in zip(dropped, pipe.execute(), strict=True) if after]
+        if unread:
+            raise ConfigError(
+                f"lowered to {len(self.shards)} while {', '.join(unread)} still hold entries this"
+                f" pipeline has not read; run with the old count until they are read (the backlog"
+                f" is 0) and no producer writes to them, then lower it",
+                "source.shards",
+            )
 
     def _walk_ahead(self, ends: Mapping[str, str], target: int) -> None:
         """Walk the entries after each shard's end until `target` events of them are walked,
