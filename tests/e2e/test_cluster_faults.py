@@ -2,8 +2,9 @@
 
 - a master is shut down and started again. Its slots are unavailable meanwhile (no replicas), so
   batches fail and the supervisor restarts the query;
-- slots are migrated to another master with their keys (the stats, an input shard, busy slice
-  hashes), as a resharding does, while clients keep using them.
+- a fourth master joins, and slots are migrated to it and round all four masters with their keys
+  (the stats, an input shard, busy slice hashes), as adding a machine and resharding do, while
+  clients keep using them.
 
 At the end every count and sum equals the reference computed from what the cluster
 acknowledged, and every committed batch balanced its audit."""
@@ -115,7 +116,7 @@ def _check_final_state(cfg: Any, client: Any, producer: ClusterProducer) -> dict
     return stats
 
 
-def test_slots_migrated_under_load_lose_nothing_and_count_nothing_twice(
+def test_a_master_added_and_slots_migrated_under_load_lose_nothing_and_count_nothing_twice(
     spark: Any, tmp_path: Path
 ) -> None:
     with LocalCluster(tmp_path / "cluster", masters=3) as cluster:
@@ -141,16 +142,19 @@ def test_slots_migrated_under_load_lose_nothing_and_count_nothing_twice(
         moved = migrations = 0
         try:
             _wait(lambda: stat("events_in") > 2000, 240, "batches before the migrations")
-            # Keep moving the slots round the masters until several more batches committed and
-            # every slot moved at least twice, so that migrations overlap batch writes, audits
-            # and commits however quick the batches are.
+            # A master joins the running cluster and takes every slot first (a machine added
+            # under load); then the slots keep moving round all four masters until several more
+            # batches committed and every slot moved at least twice, so that migrations overlap
+            # batch writes, audits and commits however quick the batches are.
+            added = cluster.add_master()
             first = stat("batches")
             deadline = time.monotonic() + 180
             while (
                 stat("batches") < first + 4 or migrations < 2 * len(slots)
             ) and time.monotonic() < deadline:
                 slot = slots[migrations % len(slots)]
-                moved += cluster.migrate_slot(slot, (cluster.node_of_slot(slot) + 1) % 3)
+                to = added if migrations < len(slots) else cluster.node_of_slot(slot) + 1
+                moved += cluster.migrate_slot(slot, to % cluster.masters)
                 migrations += 1
                 time.sleep(0.2)
             assert stat("batches") >= first + 4, "too few batches during the migrations"

@@ -7,7 +7,8 @@ benchmarks: the same binary as the embedded server (`embedded.find_server_binary
 Master i serves the i-th of `masters` equal, contiguous slot ranges, as `redis-cli --cluster
 create` would assign them. A node can be stopped and started again in place (`restart_node`);
 with `appendonly` it comes back with its data and, from its nodes file, its slots. A slot can be
-moved to another master with its keys, under load (`migrate_slot`).
+moved to another master with its keys, under load (`migrate_slot`), and a master with no slots
+can join the running cluster (`add_master`), to take slots that way.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class LocalCluster:
         if masters < 1:
             raise ValueError(f"`masters` must be at least 1, got {masters}")
         self.data_dir = Path(data_dir)
-        self.masters = masters
+        self.masters = masters  # master nodes now (`add_master` adds one)
+        self.initial = masters  # the masters the slots were first split over
         self.appendonly = appendonly
         self.ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes] | None] = []
@@ -58,11 +60,11 @@ class LocalCluster:
 
     def slot_range(self, i: int) -> tuple[int, int]:
         """The slots (first, last) master i serves."""
-        return i * SLOTS // self.masters, (i + 1) * SLOTS // self.masters - 1
+        return i * SLOTS // self.initial, (i + 1) * SLOTS // self.initial - 1
 
     def node_of_slot(self, slot: int) -> int:
         """The master serving `slot`: its initial one, unless `migrate_slot` moved it."""
-        return self.moved.get(slot, slot * self.masters // SLOTS)
+        return self.moved.get(slot, slot * self.initial // SLOTS)
 
     def migrate_slot(self, slot: int, to: int, batch: int = 100) -> int:
         """Move `slot` and its keys to master `to` while clients keep using it, as
@@ -150,11 +152,11 @@ class LocalCluster:
         on every node. Raises RedisUnavailable; on failure nothing started is left running."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
-            for _ in range(self.masters):
+            for _ in range(self.initial):
                 port = _free_cluster_port()
                 self.ports.append(port)
                 self.procs.append(self._spawn(port, timeout_s))
-            for i in range(self.masters):
+            for i in range(self.initial):
                 first, last = self.slot_range(i)
                 with self._client(i) as c:
                     c.execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
@@ -209,6 +211,19 @@ class LocalCluster:
         if self.procs[i] is None:
             self.procs[i] = self._spawn(self.ports[i], timeout_s)
         self.wait_ok(timeout_s)
+
+    def add_master(self, timeout_s: float = 30.0) -> int:
+        """Start one more master, with no slots, and join it to the running cluster (`CLUSTER
+        MEET`), as an operator adding a machine does before resharding onto it; blocks until
+        every node knows it. Returns its index, for `migrate_slot(slot, to=index)`."""
+        port = _free_cluster_port()
+        self.ports.append(port)
+        self.procs.append(self._spawn(port, timeout_s))
+        self.masters += 1
+        with self._client(0) as c:
+            c.execute_command("CLUSTER MEET", "127.0.0.1", port)
+        self.wait_ok(timeout_s)
+        return self.masters - 1
 
     def restart_node(self, i: int, down_s: float = 0.0) -> None:
         self.stop_node(i)
