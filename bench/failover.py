@@ -3,6 +3,15 @@ without a hot standby.
 
     .venv/bin/python bench/failover.py            # 5 kills per mode, about 14 minutes
     .venv/bin/python bench/failover.py --quick    # 2 kills per mode
+    .venv/bin/python bench/failover.py --plan six --modes standby   # the six-metric plan
+
+Plans (`--plan`): `bench`, the benchmarks' 3 metrics on Zipf keys in jsonl; `six`, six metrics
+over three key sets (card; merchant; card + merchant) with 10 s, 30 s and 1 m slices (count,
+sum, min, max, avg, a filtered count) on Zipf keys in `fields`; `highcard`, the ingest
+benchmark's high-cardinality workload (its six metrics, 100,000 cards, events spread over 10
+minutes) in `fields`. For each kill the new leader's first batches are recorded with their
+phases (`sluice:{stats}:timings`), and when it took the lease (its log), so that a slow
+takeover shows where its seconds went.
 
 Per mode, a fresh embedded Redis and state_dir; a paced producer (`--rate`, jsonl) and a probe
 every PROBE_EVERY_S: one event with a card of its own, queryable once its slice hash exists
@@ -20,8 +29,11 @@ bench/results/failover[.quick].json, with every probe's (sent ms, latency ms) as
 
 from __future__ import annotations
 
+import datetime as dt
+import re
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -29,6 +41,7 @@ import redis
 import yaml
 
 from lib.load import (
+    HIGHCARD_METRICS,
     PacedProducer,
     bench_config_data,
     build_pool,
@@ -43,12 +56,36 @@ from sluice.config import config_from_dict
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.keys import STATS_KEY, encode_key, slice_hash_key
 from sluice.status.roles import read_roles
+from sluice.status.timings import read_timings
 
 PROBE_EVERY_S = 0.1
 POLL_S = 0.05
 WAIT_S = 240.0
 BATCH_CAP = 200_000
 MODES = ("restart", "standby", "standby-shared")
+SIX_METRICS: list[dict[str, Any]] = [
+    {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1h"},
+    {"name": "card_amount", "key": ["card"], "agg": "sum", "value": "amount", "slice": "10s",
+     "retention": "1h"},
+    {"name": "merchant_max", "key": ["merchant"], "agg": "max", "value": "amount",
+     "slice": "30s", "retention": "1h"},
+    {"name": "merchant_min", "key": ["merchant"], "agg": "min", "value": "amount",
+     "slice": "30s", "retention": "1h"},
+    {"name": "pair_avg", "key": ["card", "merchant"], "agg": "avg", "value": "amount",
+     "slice": "1m", "retention": "1h"},
+    {"name": "pair_big", "key": ["card", "merchant"], "agg": "count", "filter": "amount > 100",
+     "slice": "1m", "retention": "1h"},
+]  # fmt: skip
+# plan -> (metrics, format, workload)
+PLANS: dict[str, tuple[list[dict[str, Any]] | None, str, str]] = {
+    "bench": (None, "jsonl", "zipf"),
+    "six": (SIX_METRICS, "fields", "zipf"),
+    "highcard": (HIGHCARD_METRICS, "fields", "highcard"),
+}
+LEADER_LINE = re.compile(rb'^ts=(\S+) level=INFO logger=\S+ msg="pipeline role" role=leader')
+FIRST_BATCH_LINE = re.compile(
+    rb'^ts=(\S+) level=INFO logger=\S+ msg="first batch" .*since_start_ms=(\d+)'
+)
 
 
 class Probes(threading.Thread):
@@ -101,15 +138,51 @@ def wait(ok: Any, what: str, timeout_s: float = WAIT_S) -> None:
         time.sleep(POLL_S)
 
 
-def run_mode(mode: str, ws: Workspace, kills: int, rate: float, steady_s: float) -> dict[str, Any]:
-    root = ws.state_dir(mode)
+def _ts_ms(raw: bytes) -> int:
+    return int(dt.datetime.fromisoformat(raw.decode().replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def takeover_log(log_path: Path, after_ms: int) -> dict[str, Any]:
+    """From the new leader's log: when it took the lease and when its query started (both in
+    s after `after_ms`), and how long that start took to its first batch."""
+    out: dict[str, Any] = {}
+    for line in log_path.read_bytes().splitlines():
+        if (m := LEADER_LINE.match(line)) and _ts_ms(m.group(1)) >= after_ms:
+            out["lease_taken_s"] = (_ts_ms(m.group(1)) - after_ms) / 1000
+        if (m := FIRST_BATCH_LINE.match(line)) and _ts_ms(m.group(1)) >= after_ms:
+            at, took = _ts_ms(m.group(1)), int(m.group(2))
+            out["query_started_s"] = (at - took - after_ms) / 1000
+            out["start_to_first_batch_ms"] = took
+    return out
+
+
+def first_batches(client: Any, after_ms: int, n: int = 4) -> list[dict[str, Any]]:
+    """The first `n` batches done after `after_ms`, with when they started (relative to it)."""
+    out = []
+    for e in read_timings(client, n=200):
+        if e["done_ms"] > after_ms and len(out) < n:
+            started = e["done_ms"] - e["total_ms"]
+            phases = {k: round(v) for k, v in e["phases"].items() if v >= 50}
+            out.append({"batch": e["batch"], "events": e["events"],
+                        "started_s": round((started - after_ms) / 1000, 2),
+                        "took_ms": round(e["total_ms"]), "phases_ms": phases})  # fmt: skip
+    return out
+
+
+def run_mode(
+    mode: str, ws: Workspace, kills: int, rate: float, steady_s: float, plan: str
+) -> dict[str, Any]:
+    root = ws.state_dir(f"{plan}-{mode}")
+    metrics, fmt, workload = PLANS[plan]
     with EmbeddedRedis(root / "redis") as server:
-        data = bench_config_data("jsonl", root / "state", BATCH_CAP) | {"redis": server.url}
+        data = bench_config_data(fmt, root / "state", BATCH_CAP) | {"redis": server.url}
+        if metrics is not None:
+            data["metrics"] = metrics
         cfg_path = root / "sluice.yaml"
         cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
         cfg = config_from_dict(data)
         client = redis.Redis.from_url(server.url)
-        pool = build_pool(cfg, 20_000, 1, now_ms())
+        pool = build_pool(cfg, 20_000 if workload == "zipf" else 200_000, 1, now_ms(), workload)
         n = 0
 
         def spawn() -> SluiceProcess:
@@ -161,12 +234,15 @@ def run_mode(mode: str, ws: Workspace, kills: int, rate: float, steady_s: float)
                 first_ms = last_done()
                 if mode == "standby":
                     wait(lambda t=first_ms: probes.seen_since(t), "the new leader to catch up")
+                    time.sleep(2.0)  # the batches after the first, for the breakdown below
                     standby = spawn()
+                cycle = {"killed_ms": killed_ms, "first_batch_s": (first_ms - killed_ms) / 1000,
+                         "batches": first_batches(client, killed_ms)}  # fmt: skip
+                cycle |= takeover_log(leader.log_path, killed_ms)
+                log(f"{mode}: {cycle}")
                 if standby is not None:
                     wait(lambda s=standby: warm(s), "the restarted process to stand by warm")
-                cycles.append(
-                    {"killed_ms": killed_ms, "first_batch_s": (first_ms - killed_ms) / 1000}
-                )
+                cycles.append(cycle)
             time.sleep(steady_s)
         finally:
             stopped_ms = now_ms()
@@ -189,7 +265,7 @@ def run_mode(mode: str, ws: Workspace, kills: int, rate: float, steady_s: float)
         every = probes.latencies(steady_from_ms, stopped_ms)  # after the first start's warm-up
         series = sorted([t, probes.seen[c] - t] for c, t in probes.sent.items() if c in probes.seen)
         return {
-            "mode": mode, "kills": cycles, "steady_from_ms": steady_from_ms,
+            "plan": plan, "mode": mode, "kills": cycles, "steady_from_ms": steady_from_ms,
             "probe_series": series, "events_sent": sent, "events_in": events_in,
             "exact": events_in == sent, "probes": len(probes.sent),
             "worst_latency_ms": max(every, default=None),
@@ -206,19 +282,20 @@ def main() -> None:
     p.add_argument("--kills", type=int, help="kills per mode: 5, quick 2")
     p.add_argument("--steady", type=float, default=10.0, help="seconds between kills")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--plan", default="bench", choices=sorted(PLANS), help="see above")
     a = p.parse_args()
     modes_wanted = [m.strip() for m in a.modes.split(",") if m.strip()]
     unknown = [m for m in modes_wanted if m not in MODES]
     if unknown or not modes_wanted:
         p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     a.kills = a.kills or (2 if a.quick else 5)
-    run = Run("failover", a)
+    run = Run("failover" if a.plan == "bench" else f"failover-{a.plan}", a)
     ws = Workspace()
     try:
-        modes = [run_mode(m, ws, a.kills, a.rate, a.steady) for m in modes_wanted]
+        modes = [run_mode(m, ws, a.kills, a.rate, a.steady, a.plan) for m in modes_wanted]
     finally:
         ws.cleanup()
-    params = {"rate_per_s": a.rate, "kills": a.kills, "steady_s": a.steady,
+    params = {"plan": a.plan, "rate_per_s": a.rate, "kills": a.kills, "steady_s": a.steady,
               "probe_every_ms": PROBE_EVERY_S * 1000, "poll_ms": POLL_S * 1000,
               "batch_cap": BATCH_CAP}  # fmt: skip
     series = {m["mode"]: m.pop("probe_series") for m in modes}  # [sent ms, latency ms] per probe

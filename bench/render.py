@@ -34,7 +34,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["store", "ingest", "store-instructions", "store-servers"], ["collector"], ["query"],
             ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
-            ["failover"],
+            ["failover", "failover-six", "failover-highcard"],
             ["freshness", "freshness-highcard"],
             ["offline", "offline-backfill", "offline-training"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}

@@ -161,6 +161,7 @@ class StreamQuery(ABC):
         self.epoch: int | None = None  # the checkpoint's, for batches run without a lease
         self.timings = timing.BatchTimings(redis.client, self.name)
         self._epochs: dict[int, int] = {}
+        self._started_s: float | None = None  # monotonic time of start(), until its first batch
         self._frame: DataFrame | None = None
         self._record: Any = None
         self._stop = threading.Event()
@@ -221,6 +222,11 @@ class StreamQuery(ABC):
         q = self.query
         if q is not None:  # the previous batch's time breakdown, now that Spark reported it
             self.timings.publish_last(q)
+        if self._started_s is not None:  # how long a (re)start or takeover took to a batch
+            since_ms = round((time.monotonic() - self._started_s) * 1000)
+            log.info("first batch", extra={"stage": self.name, "batch": batch_id,
+                                           "since_start_ms": since_ms})  # fmt: skip
+            self._started_s = None
         lease = self.lease
         if lease is not None:
             self._epochs[batch_id] = lease.batch_epoch(self.claim, batch_id)
@@ -234,6 +240,7 @@ class StreamQuery(ABC):
 
     def start(self) -> StreamingQuery:
         """Start the streaming query (non-blocking)."""
+        self._started_s = time.monotonic()
         self.prepare()
         if self.lease is None:
             self.token(0)  # take the checkpoint's epoch now, not in the first batch
