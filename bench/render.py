@@ -36,7 +36,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover", "failover-six", "failover-highcard"],
             ["freshness", "freshness-highcard"],
-            ["offline", "offline-backfill", "offline-training"]]  # fmt: skip
+            ["offline", "offline-backfill", "offline-training"], ["soak"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
 

@@ -14,7 +14,8 @@ import matplotlib.pyplot as plt
 
 PNG = {"throughput": "throughput.png", "query": "query_latency.png", "burst": "burst.png",
        "audit": "audit_recovery.png", "branches": "branches.png",
-       "ingest": "ingest_fields.png", "freshness": "freshness_breakdown.png"}  # fmt: skip
+       "ingest": "ingest_fields.png", "freshness": "freshness_breakdown.png",
+       "soak": "soak_rss.png"}  # fmt: skip
 # Benchmarks drawn as one figure per part: name -> {png: what the figure function gets}.
 PARTS = {"ingest": {"ingest_fields.png": "fields", "ingest_jsonl.png": "jsonl"}}
 
@@ -217,4 +218,28 @@ def freshness(doc: dict[str, Any], series: dict[str, Any]) -> Any:
            ylabel="ms per batch")  # fmt: skip
     ax.tick_params(axis="x", labelsize=8)
     ax.set_ylim(0, max(bottom, default=1.0) * 1.6)  # room for the legend above the bars
+    return fig
+
+
+def soak(doc: dict[str, Any], series: dict[str, Any]) -> Any:
+    """Per process: RSS of its whole process group (top), and its threads (bottom), over the
+    soak, with Redis's used_memory and the faults marked."""
+    t0 = series["t0_ms"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    for name in dict.fromkeys(r[1] for r in series["procs"]):
+        rows = [r for r in series["procs"] if r[1] == name]
+        t = [(r[0] - t0) / 60_000 for r in rows]
+        top.plot(t, [r[2] for r in rows], lw=1, label=name)
+        bottom.plot(t, [r[6] for r in rows], lw=1, label=name)
+    if mem := [r for r in series["redis"] if r[1] is not None]:
+        top.plot([(r[0] - t0) / 60_000 for r in mem], [r[1] for r in mem], "k:", lw=1,
+                 label="Redis used_memory")  # fmt: skip
+    for at_s, kind in series["faults"]:
+        for ax in (top, bottom):
+            ax.axvline(at_s / 60, color="tab:red" if "kill" in kind else "tab:purple", lw=0.8,
+                       ls="--")  # fmt: skip
+    top.set(title="soak: RSS per process group (red: kill -9 of the leader; purple: Redis "
+            "restart)", ylabel="MB")  # fmt: skip
+    bottom.set(title="threads per process group", xlabel="minutes since the first standby was warm",
+               ylabel="threads")  # fmt: skip
     return fig
