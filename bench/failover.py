@@ -49,7 +49,7 @@ from lib.load import (
     open_writer,
     probe_command,
 )
-from lib.procs import SluiceProcess, Workspace, stat_counter
+from lib.procs import SluiceProcess, Workspace, stat_counter, wait_until
 from lib.results import Run, log, parser
 from lib.stats import median
 from sluice.config import config_from_dict
@@ -131,11 +131,7 @@ class Probes(threading.Thread):
 
 
 def wait(ok: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(POLL_S)
+    wait_until(ok, what, timeout_s, POLL_S)
 
 
 def _ts_ms(raw: bytes) -> int:

@@ -56,7 +56,7 @@ from lib.load import (
     now_ms,
     resp_command,
 )
-from lib.procs import ServeProcess, SluiceProcess, Workspace, http_json, stat_counter
+from lib.procs import ServeProcess, SluiceProcess, Workspace, http_json, stat_counter, wait_until
 from lib.results import Run, log, parser
 from sluice.config import Config, config_from_dict
 from sluice.redis.embedded import EmbeddedRedis
@@ -84,11 +84,7 @@ TS_LINE = re.compile(rb"^ts=(\S+) ")
 
 
 def wait(ok: Any, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ok():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(POLL_S)
+    wait_until(ok, what, timeout_s, POLL_S)
 
 
 # -- load ---------------------------------------------------------------------------------------

@@ -34,6 +34,17 @@ from sluice.status.snapshot import backlog, recent_batches
 from sluice.testing.faults import SlowStore
 from sluice.testing.ports import free_port
 
+
+def wait_until(ok: Callable[[], Any], what: str, timeout_s: float, poll_s: float) -> None:
+    """Poll `ok()` every `poll_s` until it is true; RuntimeError naming `what` after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(poll_s)
+
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 os.environ.setdefault("SLUICE_SPARK_LOG_LEVEL", "ERROR")  # read by build_spark
 
