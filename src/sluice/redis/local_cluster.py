@@ -8,7 +8,8 @@ Master i serves the i-th of `masters` equal, contiguous slot ranges, as `redis-c
 create` would assign them. A node can be stopped and started again in place (`restart_node`);
 with `appendonly` it comes back with its data and, from its nodes file, its slots. A slot can be
 moved to another master with its keys, under load (`migrate_slot`), and a master with no slots
-can join the running cluster (`add_master`), to take slots that way.
+can join the running cluster (`add_master`), to take slots that way. A master that gives away
+its last slot stays a master (`cluster-allow-replica-migration no`), so slots can come back to it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ class LocalCluster:
                     "cluster-enabled yes",
                     f"cluster-config-file nodes-{port}.conf",
                     "cluster-node-timeout 2000",
+                    # A master whose last slot moves away stays a master with no slots. By
+                    # default (6.2+) it would turn into a replica of the slot's new owner, and a
+                    # later `migrate_slot` to it would fail ("use SETSLOT only with masters").
+                    "cluster-allow-replica-migration no",
                     f"appendonly {'yes' if self.appendonly else 'no'}",
                     f'appendfilename "appendonly-{port}.aof"',
                     "appendfsync everysec",
