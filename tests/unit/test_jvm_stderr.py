@@ -13,7 +13,7 @@ import pytest
 
 from sluice.commands import StopSignals
 from sluice.pipeline import jvm_stderr
-from sluice.pipeline.jvm_stderr import TracebackFilter, noise
+from sluice.pipeline.jvm_stderr import TracebackFilter, noise, query_ended
 
 ZIP = "/venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark"
 # What Spark's streaming-source planner printed in a CI run when a Ctrl-C stop closed its socket
@@ -121,6 +121,36 @@ def test_spark_reporting_a_query_ended_is_dropped_only_when_stopping(stop_first:
     err = _run_child(code, stop_first=stop_first)
     assert (QUERY_ENDED in err) is not stop_first, err
     assert LOG in err  # the line after it waited with it, and passed
+
+
+# What a CI run printed after "stopped" when the JVM's shutdown hook stopped Spark's RPC while
+# the stream thread was still ending (cut down: the stack had 10 more frames).
+STREAM_THREAD_DIED = [
+    'Exception in thread "stream execution thread for sluice [id = 4b1c, runId = 9e0a]" '
+    "org.apache.spark.SparkException: Exception thrown in awaitResult: ",
+    "\tat org.apache.spark.util.SparkThreadUtils$.awaitResult(SparkThreadUtils.scala:53)",
+    "\tat org.apache.spark.sql.execution.streaming.state.StateStoreCoordinatorRef"
+    ".deactivateInstances(StateStoreCoordinator.scala:196)",
+    "Caused by: org.apache.spark.rpc.RpcEnvStoppedException: RpcEnv already stopped.",
+    "\tat org.apache.spark.rpc.netty.Dispatcher.postMessage(Dispatcher.scala:179)",
+    "\t... 8 more",
+]
+
+
+def test_a_java_exception_is_held_whole_and_passed_as_one_item() -> None:
+    other = ['Exception in thread "main" java.lang.OutOfMemoryError: Java heap space', "\tat X.y"]
+    out = _through([LOG, *STREAM_THREAD_DIED, *other, LOG])
+    assert out == [LOG, "\n".join(STREAM_THREAD_DIED), "\n".join(other), LOG]
+    assert query_ended(out[1]) and not query_ended(out[2]) and not query_ended(LOG)
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_a_stream_thread_dying_of_the_stop_is_dropped_only_when_stopping(stop_first: bool) -> None:
+    text = "\n".join([*STREAM_THREAD_DIED, LOG]) + "\n"
+    err = _run_child(f"import sys; sys.stderr.write({text!r})", stop_first=stop_first)
+    for line in STREAM_THREAD_DIED:
+        assert (line in err) is not stop_first, err
+    assert LOG in err
 
 
 def test_a_signal_in_the_middle_of_the_stop_does_not_wait_for_it() -> None:

@@ -20,6 +20,10 @@ to this process's stderr except:
   kills the planner in the middle of a call, and Spark reports that as an error of the query.
   Such lines are held for `HOLD_S` before they pass, so that the signal that caused them is
   seen first;
+- likewise once stopping, a Java exception that escaped a query's stream thread (`Exception in
+  thread "stream execution thread for ..."`, printed by the JVM with its stack) or that says
+  Spark's RPC was already shut down: the JVM's shutdown hook stops the SparkContext while the
+  stream thread is still winding down, and the thread's last call finds the RPC gone;
 - the JVM's start-up notice about incubator modules.
 
 Any other line, tracebacks included, passes unchanged. A worker that fails for a real reason
@@ -46,6 +50,11 @@ CHAINS = (
     "During handling of the above exception, another exception occurred:",
     "The above exception was the direct cause of the following exception:",
 )
+# A Java exception the JVM prints for a thread that died of it, and its stack's lines.
+JAVA_HEADER = 'Exception in thread "'
+JAVA_STACK = ("\t", " ", "Caused by: ", "Suppressed: ")
+# What makes such an exception the stop's (see `stopping`): where it escaped, or its cause.
+STOP_MADE = ('Exception in thread "stream execution thread', "RpcEnvStoppedException")
 # A traceback with no line after its error for this long is complete.
 QUIET_S = 0.2
 # Spark's report of a query that ended, which a stop makes (see `stopping`).
@@ -67,6 +76,10 @@ def _stopped_by(arrived: float) -> bool:
 
 
 def query_ended(line: str) -> bool:
+    """Whether a line (or a Java exception block, see `TracebackFilter`) is what a stop makes
+    Spark print: dropped once this process is stopping."""
+    if line.startswith(JAVA_HEADER):
+        return any(marker in line for marker in STOP_MADE)
     return all(part in line for part in QUERY_ENDED)
 
 
@@ -89,21 +102,32 @@ def noise(block: list[str]) -> bool:
 
 
 class TracebackFilter:
-    """Feed it lines (without newlines); it gives back the lines to pass on. A traceback is held
-    until it is complete, then passed on whole or dropped whole (see `noise`)."""
+    """Feed it lines (without newlines); it gives back the lines to pass on. A Python traceback
+    is held until it is complete, then passed on whole or dropped whole (see `noise`). A Java
+    exception block (`JAVA_HEADER` and its stack) is held too, and given back as one item, its
+    lines joined by newlines, so that what follows can judge it whole (`query_ended`)."""
 
     def __init__(self) -> None:
         self._block: list[str] = []
         self._after_error = False  # the last non-blank line of the block is an error line
+        self._java: list[str] = []
 
     @property
     def holding(self) -> bool:
-        return bool(self._block)
+        return bool(self._block or self._java)
 
     def feed(self, line: str) -> list[str]:
+        if self._java:
+            if line.startswith(JAVA_STACK):
+                self._java.append(line)
+                return []
+            return self.flush() + self.feed(line)
         if not self._block:
             if line == HEADER:
                 self._block = [line]
+                return []
+            if line.startswith(JAVA_HEADER):
+                self._java = [line]
                 return []
             return [] if line.strip() in DROPPED_LINES else [line]
         ends = self._after_error and line.strip() and line not in CHAINS and line != HEADER
@@ -117,7 +141,11 @@ class TracebackFilter:
         return []
 
     def flush(self) -> list[str]:
-        """End the traceback held (if any): its lines, or none if it is noise."""
+        """End the block held (if any): a traceback's lines, or none if it is noise; a Java
+        exception as one item."""
+        if self._java:
+            java, self._java = self._java, []
+            return ["\n".join(java)]
         block, self._block, self._after_error = self._block, [], False
         return [] if not block or noise(block) else block
 
