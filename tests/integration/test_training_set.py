@@ -134,6 +134,35 @@ def test_values_match_the_reference_for_every_aggregation(
                 check_row(con, cfg, row, metric, window)
 
 
+def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """Counts, sums and averages of one key group (and a formula over them) come from running
+    totals in one pass, the spine's columns riding along (`offline.prefix`): the same values,
+    every spine row once, in the spine's order."""
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    spine = spine_rows(events, now_ms, n=300)
+    features = {"amount_sum": ["1s", "90s", "1h"], "qty_sum": ["2h"], "avg_amount": ["17m"],
+                "merchant_txn": ["10s", "1h"], "avg_ticket": ["1h"]}  # fmt: skip
+    out = training_set(
+        spark, cfg, spark.createDataFrame(spine), features, ts="t",
+        keys={"card": "card_id"}, events=spark.read.parquet(str(path)),
+    )  # fmt: skip
+    plan = out._jdf.queryExecution().optimizedPlan().toString()
+    assert "Join" not in plan, plan  # one part: nothing joined back
+    got = out.toPandas()
+    cols = ["card_id", "merchant", "t", "label"]
+    assert list(got.columns[:4]) == cols
+    assert got[cols].values.tolist() == spine[cols].values.tolist()  # in the spine's order
+    con = duckdb.connect()
+    con.register("ev", events)
+    for _, row in got.iterrows():
+        for metric, windows in features.items():
+            for window in windows:
+                check_row(con, cfg, row, metric, window)
+
+
 def test_no_event_after_t_counts(spark: Any, redis_url: str, tmp_path: Path) -> None:
     """Not one in t's own slice, not one at t + 1; the event at t itself counts."""
     cfg = make_config(redis_url, tmp_path)

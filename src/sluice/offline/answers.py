@@ -1,7 +1,7 @@
 """The answering step of a training set: per row and feature, the states of its parts (the
-full slices, t's own slice, the late events) merged by `Agg.merge` and answered by
-`Agg.finalize`, the query server's own code, in `mapInArrow` tasks; derived features by
-`formula.evaluate`. Nothing here defines an aggregation again."""
+full slices, t's own slice, the late events; or the window's state by running totals) merged
+by `Agg.merge` and answered by `Agg.finalize`, the query server's own code, in `mapInArrow`
+tasks; derived features by `formula.evaluate`. Nothing here defines an aggregation again."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from sluice.offline.features import (
     PART_EDGE,
     PART_FULL,
     PART_LATE,
+    PART_PREFIX,
     ROW,
+    SPINE,
     arrow_column,
     part_column,
 )
@@ -33,6 +35,7 @@ class AnswerPlan:
     features: tuple[tuple[str, str, int], ...]  # (column, metric or derived name, window ms)
     derived: tuple[tuple[str, str], ...]  # (name, formula text)
     types: dict[str, str]  # feature column -> Spark type
+    prefix: frozenset[int] = frozenset()  # metrics merged by running totals (`offline.prefix`)
 
 
 def _texts(agg: Agg, n: pa.Array, folds: list[pa.Array]) -> list[bytes | None]:
@@ -84,6 +87,18 @@ def _collected(batch: pa.RecordBatch, mi: int, agg: Agg, w: int) -> tuple[list[A
     return states, sets
 
 
+def _prefixed(batch: pa.RecordBatch, mi: int, agg: Agg, w: int) -> list[Any]:
+    """A window's state merged by running totals, per row, as `Agg.merge` gives it: [0] with no
+    data, else [1, the merged numbers] (the answer reads only whether any slice had data)."""
+    names = batch.schema.names
+    has = batch.column(names.index(part_column(mi, PART_PREFIX, "has", w))).to_pylist()
+    numbers = [
+        batch.column(names.index(part_column(mi, PART_PREFIX, f"x{j}", w))).to_pylist()
+        for j in range(agg.width)
+    ]
+    return [[1.0, *xs] if h else [0] for h, *xs in zip(has, *numbers, strict=True)]
+
+
 def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: per row, every feature's value (`Agg.merge` then `Agg.finalize`)."""
     from sluice.slices.hll import estimate
@@ -95,6 +110,13 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
         for mi, (mcfg, integral, windows) in enumerate(plan.metrics):
             agg = AGGS[mcfg.agg]
             ok = batch.column(batch.schema.names.index(part_column(mi, "", "ok"))).to_pylist()
+            if mi in plan.prefix:
+                for wi, w_ms in enumerate(windows):
+                    values[(mcfg.name, w_ms)] = [
+                        agg.finalize(merged, mcfg, integral) if ok[i] else None
+                        for i, merged in enumerate(_prefixed(batch, mi, agg, wi))
+                    ]
+                continue
             edge, edge_sets = _part(batch, mi, PART_EDGE, agg)
             for wi, w_ms in enumerate(windows):
                 if agg.collects:
@@ -125,6 +147,9 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
             else:
                 cols.append(arrow_column(values[(name, w_ms)], plan.types[column]))
         names = [ROW, *[c for c, _, _ in plan.features]]
+        if SPINE in batch.schema.names:  # the spine's columns ride along
+            cols.append(batch.column(batch.schema.names.index(SPINE)))
+            names.append(SPINE)
         yield pa.RecordBatch.from_arrays(cols, names=names)
 
 

@@ -5,23 +5,25 @@ names of the columns that carry each part of a value between the Spark job
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame, WindowSpec
+from pyspark.sql import functions as F
 
 from sluice import formula
 from sluice.config import Config, FieldType
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.engine import integral_value, parse_window
-from sluice.slices.aggs import AGGS
+from sluice.slices.aggs import AGGS, Agg
 from sluice.source.values import SPARK_TYPES
 
 ROW = "_sluice_row"
 SLICE_T = "_sluice_t"
-PART_FULL, PART_EDGE, PART_LATE = "f", "e", "l"
+SPINE = "_sluice_spine"  # the spine row's own columns, as one struct, where they ride along
+PART_FULL, PART_EDGE, PART_LATE, PART_PREFIX = "f", "e", "l", "p"
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,14 @@ def parse_features(
         column = f"{name}_{re.sub(r'[^0-9A-Za-z]+', '_', window)}"
         out.setdefault(column, Feature(name, window, window_ms, column))
     return list(out.values())
+
+
+def fold_aggs(agg: Agg, v: Column, t: Column, name: Callable[[str], str],
+              over: WindowSpec | None = None) -> list[Column]:  # fmt: skip
+    """The fold's own aggregates of one metric (its count `n`, then its folds), named by
+    `name(column)`: what the live fold computes for a cell; over a window if given."""
+    built = [("n", F.count(v)), *agg.fold_columns(v, t)]
+    return [(c if over is None else c.over(over)).alias(name(n)) for n, c in built]
 
 
 def part_column(m: int, part: str, name: str, w: int | None = None) -> str:

@@ -33,10 +33,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from sluice.config import Config, MetricConfig
 from sluice.offline.answers import AnswerPlan, answer_batches
@@ -47,14 +48,17 @@ from sluice.offline.features import (
     PART_LATE,
     ROW,
     SLICE_T,
+    SPINE,
     check_spine,
     feature_types,
+    fold_aggs,
     parse_features,
     part_column,
     spark_type,
     windows_by_metric,
 )
 from sluice.offline.fold import offline_config, plan_specs, select_metrics
+from sluice.offline.prefix import prefix_part
 from sluice.offline.store import store_values
 from sluice.pipeline.plan import MetricSpec, explode_updates, key_column
 from sluice.query.engine import integral_value
@@ -81,14 +85,6 @@ class _Metric:
 
 def _state_columns(agg: Agg) -> list[str]:
     return ["n", *[f.column for f in agg.folds]]
-
-
-def _fold_aggs(agg: Agg, v: Column, t: Column, prefix: Any) -> list[Column]:
-    """The fold's own aggregates of one metric (its count `n`, then its folds), named by
-    `prefix(column)`: what the live fold computes for a cell."""
-    return [F.count(v).alias(prefix("n"))] + [
-        build.alias(prefix(name)) for name, build in agg.fold_columns(v, t)
-    ]
 
 
 def _group_rows(
@@ -172,7 +168,7 @@ def _edge(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFram
         cond = cond & (F.col("e.a") <= F.col(f"p.{SLICE_T}"))
     aggs: list[Column] = []
     for mi, m in members:
-        aggs += _fold_aggs(m.agg, F.col(f"e.v{mi}"), F.col("e.t"),
+        aggs += fold_aggs(m.agg, F.col(f"e.v{mi}"), F.col("e.t"),
                            partial(part_column, mi, PART_EDGE))  # fmt: skip
     return p.join(e, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
@@ -196,7 +192,7 @@ def _late(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFram
         for wi, w_ms in enumerate(m.windows):
             lo = t - F.lit(w_ms - 1)
             v = F.when(F.col("e.s") >= lo - F.pmod(lo, F.lit(s)), F.col(f"e.v{mi}"))
-            aggs += _fold_aggs(m.agg, v, F.col("e.t"), partial(part_column, mi, PART_LATE, w=wi))
+            aggs += fold_aggs(m.agg, v, F.col("e.t"), partial(part_column, mi, PART_LATE, w=wi))
     return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
@@ -222,8 +218,9 @@ def training_set(
     spine's time column (epoch ms, a timestamp, or ISO 8601 text). `arrival` names the
     archive's arrival-time column: an event then counts only once it had arrived by t.
 
-    Lazy, like any DataFrame: nothing runs until it is written or collected. The spine is
-    checkpointed locally first (each row's id must stay the same in every branch). Raises
+    Lazy, like any DataFrame: nothing runs until it is written or collected. Where the
+    features need parts joined by row id, the spine is checkpointed locally first (each row's
+    id must stay the same in every branch). Raises
     UnknownMetric, BadQuery or ConfigError for features, columns or metrics it cannot answer.
     """
     keys = dict(keys or {})
@@ -231,10 +228,11 @@ def training_set(
     windows = windows_by_metric(cfg, feats)
     check_spine(cfg, spine, ts, keys, list(windows), feats)
     chosen = select_metrics(cfg, list(windows))
-    spine_in = spine.withColumn(ROW, F.monotonically_increasing_id()).localCheckpoint()
+    spine_in = spine.withColumn(ROW, F.monotonically_increasing_id())
     t_ms = to_ms(F.col(f"`{ts}`"), spine.schema[ts].dataType).alias(SLICE_T)
     types = feature_types(cfg, feats)
     if events is None:
+        spine_in = spine_in.localCheckpoint()
         return store_values(spark, cfg, spine_in, t_ms, keys, feats, types, url or cfg.redis)
     cfg_off = offline_config(cfg, chosen, finest_only=True)
     specs = plan_specs(spark, cfg_off)
@@ -242,7 +240,9 @@ def training_set(
         archive_events(events, cfg_off, TimeBounds(), arrival), cfg_off, specs
     )
     schema = cfg.source.schema_
+    whole: list[DataFrame] = []  # parts with a row for every spine row
     parts: list[DataFrame] = []
+    prefixed: list[set[int]] = []
     plan_metrics = []
     groups: dict[int, list[tuple[int, _Metric]]] = {}
     for mi, m in enumerate(chosen):
@@ -250,36 +250,68 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
+    # One part answers every feature when one key group holds every metric and each one is
+    # additive: the spine's columns then ride along with it (`SPINE`), and no join is needed.
+    # Else the parts are joined by row id, which must stay the same in every branch.
+    carry = (
+        len(groups) == 1
+        and not arrival
+        and all(m.agg.additive for ms in groups.values() for _, m in ms)
+    )
+    if not carry:
+        spine_in = spine_in.localCheckpoint()
     for members in groups.values():
         first = members[0][1]
         fields = [
             F.col(f"`{keys.get(f, f)}`").cast(spark_type(schema[f])).alias(f) for f in first.cfg.key
         ]
         s = first.slice_ms
-        spine_g = spine_in.select(ROW, t_ms, *fields).select(
+        passed = [F.struct(*[F.col(f"`{c}`") for c in spine.columns]).alias(SPINE)] if carry else []
+        spine_g = spine_in.select(ROW, t_ms, *fields, *passed).select(
             ROW, SLICE_T, key_column(first.cfg.key).alias("k"),
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
+            *[F.col(SPINE)] * carry,
         )  # fmt: skip
-        rows = _group_rows(exploded, members, arrival is not None)
+        # Additive states take running totals (`offline.prefix`); as known at, or for any other
+        # agg, the slice frames, t's own slice and (as known at) the late events.
+        additive = [(mi, m) for mi, m in members if m.agg.additive and not arrival]
+        framed = [(mi, m) for mi, m in members if not (m.agg.additive and not arrival)]
+        if additive:
+            prefixed.append({mi for mi, _ in additive})
+            whole.append(prefix_part(additive, _group_rows(exploded, additive, False), spine_g, s))
+        if not framed:
+            continue
+        rows = _group_rows(exploded, framed, arrival is not None)
         prompt = rows.where(F.col("a") < F.col("s") + F.lit(s)) if arrival else rows
         cell_aggs = [
-            a for mi, m in members
-            for a in _fold_aggs(m.agg, F.col(f"v{mi}"), F.col("t"), partial(_cell, mi))
+            a for mi, m in framed
+            for a in fold_aggs(m.agg, F.col(f"v{mi}"), F.col("t"), partial(_cell, mi))
         ]  # fmt: skip
         cells = prompt.groupBy("k", "s").agg(*cell_aggs)
-        parts.append(_frames(members, cells, spine_g))
-        parts.append(_edge(members, rows, spine_g, arrival is not None))
+        whole.append(_frames(framed, cells, spine_g))
+        parts.append(_edge(framed, rows, spine_g, arrival is not None))
         if arrival:
-            parts.append(_late(members, rows, spine_g))
-    joined = spine_in.select(ROW)
-    for part in parts:
+            parts.append(_late(framed, rows, spine_g))
+    # A part in `whole` has a row for every spine row: the first one is the base to join onto.
+    joined = whole[0] if whole else spine_in.select(ROW)
+    for part in [*whole[1:], *parts]:
         joined = joined.join(part, ROW, "left")
     plan = AnswerPlan(
         metrics=tuple(plan_metrics),
         features=tuple((f.column, f.name, f.window_ms) for f in feats),
         derived=tuple((d.name, d.expr) for d in cfg.derived),
         types=types,
+        prefix=frozenset().union(*prefixed),
     )
     ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
+    if carry:
+        out = cast(StructType, StructType.fromDDL(ddl)).add(SPINE, joined.schema[SPINE].dataType)
+        answers = joined.mapInArrow(partial(answer_batches, plan), out)
+        # Computed once: the sort's sampling job would otherwise run the whole job twice.
+        return (
+            answers.localCheckpoint(eager=False)
+            .orderBy(ROW)
+            .select(f"{SPINE}.*", *[F.col(f"`{f.column}`") for f in feats])
+        )  # the spine's order
     answers = joined.mapInArrow(partial(answer_batches, plan), ddl)
     return spine_in.join(answers, ROW, "left").orderBy(ROW).drop(ROW)  # the spine's order

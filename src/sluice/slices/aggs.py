@@ -126,6 +126,12 @@ class Agg:
         each column in Spark."""
         return any(f.merge == "collect" for f in self.folds)
 
+    @property
+    def additive(self) -> bool:
+        """Every state column merges by addition (`Fold.merge`), the count `n` included: a
+        window's state is a difference of running totals (`sluice.offline.prefix`)."""
+        return self.lua and all(f.merge == "sum" for f in self.folds)
+
     def fold_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
         """(column name prefix, Spark aggregate) for each fold, over `value` and event `time`."""
         from pyspark.sql import functions as F

@@ -1,0 +1,258 @@
+"""Training-set windows by prefix sums, for the aggregations whose every state column merges by
+addition (`Agg.additive`: count, sum, avg).
+
+Such a state merged over a window is a difference of two running totals. For a key's events in
+time order, with each spine row of that key placed after the events of its own time t:
+
+    window (t − W, t] covered from cs = slice_start(t − W + 1):
+    state = total(events before and at t) − total(events before cs)
+
+so one pass answers every window of every additive metric of a key group:
+
+    events ∪ spine rows ─ one shuffle by key ─▶ sorted by (key, time, spine after events)
+      ─▶ each event's state by the fold's own aggregates (a one-row frame: `Agg.fold_columns`)
+      ─▶ per partition, in numpy: running totals of each state column; per spine row and
+         window, the first row at or after cs (a binary search); the difference of the totals
+      ─▶ the merged state's numbers as `Agg.encode` writes them, answered later by
+         `Agg.finalize` (`offline.answers`), as the query server answers a merged state.
+
+The window cover is the online one (`slices.window.slice_start` at the metric's finest slice),
+and nothing after t counts: a spine row's total stops at its own place in the order. Against
+the slice frames (`offline.training._frames`) this needs no cell aggregation, no join for t's
+own slice and no frame per window: a window costs one binary search per spine row.
+
+A partition is processed in chunks that end at a key boundary (`CHUNK_ROWS` or more rows,
+never part of a key), so memory stays bounded by the chunk and the largest key. Sums of
+doubles run in extended precision (`numpy.longdouble`), so the difference of two large totals
+keeps the precision of the window's own sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, cast
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
+
+from sluice.offline.features import PART_PREFIX, ROW, SLICE_T, SPINE, fold_aggs, part_column
+from sluice.slices.aggs import AGGS, Agg
+from sluice.slices.window import slice_start
+
+CHUNK_ROWS = 1 << 20
+_INT_TYPES = ("bigint", "int", "smallint", "tinyint")
+
+
+@dataclass(frozen=True)
+class PrefixMember:
+    """One additive metric of the group: its index among the job's metrics (`mi`), its agg,
+    its windows (ms) and the Spark types of its state columns (`n`, then `Agg.folds`)."""
+
+    mi: int
+    agg_name: str
+    windows: tuple[int, ...]
+    state_types: tuple[str, ...]
+
+    @property
+    def agg(self) -> Agg:
+        return AGGS[self.agg_name]
+
+    @property
+    def states(self) -> list[str]:
+        return ["n", *[f.column for f in self.agg.folds]]
+
+
+def _state(mi: int, name: str) -> str:
+    return f"_p{mi}_{name}"
+
+
+def prefix_ddl(members: list[PrefixMember]) -> str:
+    """The prefix part's columns: ROW, per member `ok`, and per member and window `has` (any
+    event in the window) and the merged state's numbers `x0..`."""
+    cols = [f"{ROW} long"]
+    for m in members:
+        cols.append(f"{part_column(m.mi, '', 'ok')} boolean")
+        for wi in range(len(m.windows)):
+            cols.append(f"{part_column(m.mi, PART_PREFIX, 'has', wi)} boolean")
+            cols += [
+                f"{part_column(m.mi, PART_PREFIX, f'x{j}', wi)} double" for j in range(m.agg.width)
+            ]
+    return ", ".join(cols)
+
+
+def prefix_part(
+    members: list[tuple[int, Any]], rows: DataFrame, spine_g: DataFrame, slice_ms: int
+) -> DataFrame:
+    """Per spine row of the group, each additive member's windows merged (module docstring).
+    `members` are (mi, training._Metric); `rows` the group's exploded rows (k, s, t, v{mi});
+    `spine_g` the spine's (ROW, SLICE_T, k, _s, and the spine's own columns as `SPINE` when
+    they ride along). Every spine row gets a row."""
+    none = F.lit(None).cast("long")
+    values = [f"v{mi}" for mi, _ in members]
+    passed = [SPINE] if SPINE in spine_g.columns else []
+    blank = [F.lit(None).cast(spine_g.schema[SPINE].dataType).alias(SPINE)] if passed else []
+    events = rows.select("k", "t", none.alias(ROW), *values, *blank)
+    spine = spine_g.select(
+        "k",
+        F.col(SLICE_T).alias("t"),
+        ROW,
+        *[F.lit(None).cast(rows.schema[v].dataType).alias(v) for v in values],
+        *passed,
+    )
+    both = events.unionByName(spine).repartition("k")
+    one_row = Window.partitionBy("k").orderBy("t", F.col(ROW).asc_nulls_first()).rowsBetween(0, 0)
+    states: list[Column] = []
+    for mi, m in members:
+        states += fold_aggs(m.agg, F.col(f"v{mi}"), F.col("t"), partial(_state, mi), one_row)
+    folded = both.select("k", "t", ROW, *states, *passed)
+    plan = [
+        PrefixMember(
+            mi,
+            m.cfg.agg,
+            tuple(m.windows),
+            tuple(
+                folded.schema[_state(mi, name)].dataType.simpleString()
+                for name in ["n", *[f.column for f in m.agg.folds]]
+            ),
+        )
+        for mi, m in members
+    ]
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return prefix_batches(plan, slice_ms, batches)
+
+    schema = cast(StructType, StructType.fromDDL(prefix_ddl(plan)))
+    if passed:
+        schema = schema.add(SPINE, spine_g.schema[SPINE].dataType)
+    return folded.mapInArrow(run, schema)
+
+
+# -- the tasks -------------------------------------------------------------------------------
+
+
+def prefix_batches(
+    members: list[PrefixMember], slice_ms: int, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """mapInArrow body over one partition sorted by (k, t, spine rows after events): the
+    spine rows' merged windows, a chunk of whole keys at a time."""
+    held: list[pa.RecordBatch] = []
+    rows = 0
+    for batch in batches:
+        held.append(batch)
+        rows += batch.num_rows
+        if rows < CHUNK_ROWS:
+            continue
+        table = pa.Table.from_batches(held).combine_chunks()
+        cut = _last_key_start(table)
+        if cut == 0:
+            continue  # one key so far: it must be whole
+        yield from _answer(members, slice_ms, table.slice(0, cut))
+        rest = table.slice(cut)
+        held, rows = rest.to_batches(), rest.num_rows
+    if held:
+        yield from _answer(members, slice_ms, pa.Table.from_batches(held).combine_chunks())
+
+
+def _key_ids(table: pa.Table) -> np.ndarray:
+    """Per row, the index of its key's run (rows are sorted by key; nulls form one run)."""
+    codes = pc.dictionary_encode(table.column("k")).combine_chunks().indices
+    codes = pc.fill_null(codes, -1).to_numpy(zero_copy_only=False)
+    starts = np.empty(len(codes), dtype=bool)
+    if len(codes):
+        starts[0] = True
+        np.not_equal(codes[1:], codes[:-1], out=starts[1:])
+    return np.cumsum(starts) - 1
+
+
+def _last_key_start(table: pa.Table) -> int:
+    ids = _key_ids(table)
+    return int(np.searchsorted(ids, ids[-1], side="left")) if len(ids) else 0
+
+
+def _first_at_or_after(kid: np.ndarray, t: np.ndarray, q_kid: np.ndarray,
+                       q_t: np.ndarray) -> np.ndarray:  # fmt: skip
+    """For each query (q_kid, q_t): the first row index with (kid, t) >= it, rows sorted by
+    (kid, t). One binary search over a composite key when it fits in 63 bits, else per key."""
+    if not len(t):
+        return np.zeros(len(q_t), dtype=np.int64)
+    lo = min(int(t.min()), int(q_t.min()) if len(q_t) else 0)
+    span = max(int(t.max()), int(q_t.max()) if len(q_t) else 0) - lo + 1
+    if int(kid[-1]) * span + span < (1 << 62):
+        comp = kid * span + (t - lo)
+        return np.searchsorted(comp, q_kid * span + (q_t - lo), side="left")
+    out = np.empty(len(q_t), dtype=np.int64)
+    starts = np.searchsorted(kid, np.arange(int(kid[-1]) + 2), side="left")
+    for key in np.unique(q_kid):
+        a, b = starts[key], starts[key + 1]
+        at = q_kid == key
+        out[at] = a + np.searchsorted(t[a:b], q_t[at], side="left")
+    return out
+
+
+def _running(column: pa.ChunkedArray | pa.Array, type_: str) -> np.ndarray:
+    """0, then the running total of a state column (nulls as 0)."""
+    if type_ in _INT_TYPES:
+        values = pc.fill_null(column, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    else:
+        values = pc.fill_null(column, 0.0).to_numpy(zero_copy_only=False).astype(np.longdouble)
+    out = np.zeros(len(values) + 1, dtype=values.dtype)
+    np.cumsum(values, out=out[1:])
+    return out
+
+
+def _answer(members: list[PrefixMember], slice_ms: int,
+            table: pa.Table) -> Iterator[pa.RecordBatch]:  # fmt: skip
+    row_col = table.column(ROW)
+    spine = np.flatnonzero(row_col.is_valid().to_numpy(zero_copy_only=False))
+    if not len(spine):
+        return
+    kid = _key_ids(table)
+    t_col = table.column("t")
+    t = pc.fill_null(t_col, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    ok = (
+        t_col.is_valid().to_numpy(zero_copy_only=False)
+        & table.column("k").is_valid().to_numpy(zero_copy_only=False)
+    )[spine]
+    t_row, k_row = t[spine], kid[spine]
+    cols: list[pa.Array] = [pc.take(row_col, pa.array(spine)).combine_chunks()]
+    names = [ROW]
+    starts: dict[int, np.ndarray] = {}
+    for m in members:
+        cols.append(pa.array(ok))
+        names.append(part_column(m.mi, "", "ok"))
+        running = {
+            name: _running(table.column(_state(m.mi, name)), type_)
+            for name, type_ in zip(m.states, m.state_types, strict=True)
+        }
+        for wi, w_ms in enumerate(m.windows):
+            if w_ms not in starts:
+                cs = np.asarray(slice_start(t_row - w_ms + 1, slice_ms))
+                starts[w_ms] = _first_at_or_after(kid, t, k_row, cs)
+            first = starts[w_ms]
+            merged = {name: total[spine + 1] - total[first] for name, total in running.items()}
+            n = merged["n"]
+            numbers = m.agg.encode(  # type: ignore[misc]
+                pa.array(n.astype(np.int64)),
+                *[_arrow(merged[f.column]) for f in m.agg.folds],
+            )
+            cols.append(pa.array((n > 0) & ok))
+            names.append(part_column(m.mi, PART_PREFIX, "has", wi))
+            for j, text in enumerate(numbers):
+                cols.append(pc.cast(text, pa.float64()))
+                names.append(part_column(m.mi, PART_PREFIX, f"x{j}", wi))
+    if SPINE in table.column_names:  # the spine's columns ride along
+        cols.append(pc.take(table.column(SPINE), pa.array(spine)).combine_chunks())
+        names.append(SPINE)
+    yield pa.RecordBatch.from_arrays(cols, names=names)
+
+
+def _arrow(values: np.ndarray) -> pa.Array:
+    if values.dtype == np.longdouble:
+        return pa.array(values.astype(np.float64))
+    return pa.array(values)

@@ -1,0 +1,128 @@
+"""The running-total tasks of training sets (`offline.prefix`) against a brute-force sum over
+the same rows: every window, keys cut across batches and chunks, nulls, both searches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sluice.offline import prefix
+from sluice.offline.features import PART_PREFIX, ROW, part_column
+from sluice.offline.prefix import PrefixMember, prefix_batches
+from sluice.slices.window import slice_start
+
+SLICE = 10_000
+WINDOWS = (1, 9_999, 10_000, 25_000, 3_600_000)
+MEMBERS = [
+    PrefixMember(0, "count", WINDOWS, ("bigint",)),
+    PrefixMember(1, "sum", WINDOWS, ("bigint", "double")),
+]
+
+
+def partition(seed: int, keys: int = 30, events: int = 3_000, spine: int = 400) -> pa.Table:
+    """Rows as the Spark side hands them over: sorted by (k, t, spine rows after events), each
+    event's state (`_p{mi}_{column}`), spine rows with null states and their ROW."""
+    rng = np.random.default_rng(seed)
+    ek = rng.integers(0, keys, events)
+    et = rng.integers(0, 2 * 3_600_000, events) // 1000 * 1000  # ties at one time
+    amount = np.round(rng.lognormal(2, 1, events), 2)
+    counted = rng.random(events) < 0.8  # the metric's filter: some events do not count for it
+    sk = rng.integers(0, keys + 2, spine)  # two keys with no events
+    st = np.where(rng.random(spine) < 0.3, et[rng.integers(0, events, spine)],
+                  rng.integers(0, 2 * 3_600_000, spine))  # fmt: skip
+    rows: list[tuple[Any, ...]] = [(f"k{k:03d}", int(t), None, 1, int(c), float(a) if c else None)
+            for k, t, a, c in zip(ek, et, amount, counted, strict=True)]  # fmt: skip
+    rows += [
+        (f"k{k:03d}", int(t), i, 0, 0, None) for i, (k, t) in enumerate(zip(sk, st, strict=True))
+    ]
+    rows += [(None, 5, len(sk), 0, 0, None), ("k001", None, len(sk) + 1, 0, 0, None)]
+    rows.sort(key=lambda r: (r[0] is not None, r[0] or "", r[1] is not None, r[1] or 0,
+                             r[2] is not None, r[2] or 0))  # fmt: skip
+    k, t, row, n0, n1, s1 = zip(*rows, strict=True)
+    return pa.table({
+        "k": pa.array(k, pa.string()), "t": pa.array(t, pa.int64()),
+        ROW: pa.array(row, pa.int64()), "_p0_n": pa.array(n0, pa.int64()),
+        "_p1_n": pa.array(n1, pa.int64()), "_p1_sum": pa.array(s1, pa.float64()),
+    })  # fmt: skip
+
+
+def brute(table: pa.Table) -> dict[int, dict[str, object]]:
+    d = table.to_pylist()
+    out: dict[int, dict[str, object]] = {}
+    for r in d:
+        if r[ROW] is None:
+            continue
+        got: dict[str, object] = {}
+        for wi, w in enumerate(WINDOWS):
+            if r["k"] is None or r["t"] is None:
+                got[f"count{wi}"] = got[f"sum{wi}"] = None
+                continue
+            lo = slice_start(r["t"] - w + 1, SLICE)
+            inside = [
+                e for e in d if e[ROW] is None and e["k"] == r["k"] and lo <= e["t"] <= r["t"]
+            ]
+            got[f"count{wi}"] = sum(e["_p0_n"] for e in inside)
+            n = sum(e["_p1_n"] for e in inside)
+            got[f"sum{wi}"] = sum(e["_p1_sum"] or 0.0 for e in inside) if n else None
+        out[r[ROW]] = got
+    return out
+
+
+def answers(table: pa.Table, batch_rows: int) -> dict[int, dict[str, object]]:
+    out: dict[int, dict[str, object]] = {}
+    for b in prefix_batches(MEMBERS, SLICE, iter(table.to_batches(max_chunksize=batch_rows))):
+        cols = b.to_pydict()
+        for i, row in enumerate(cols[ROW]):
+            assert row not in out  # every spine row once
+            got: dict[str, object] = {}
+            for wi in range(len(WINDOWS)):
+                ok = cols[part_column(0, "", "ok")][i]
+                has0 = cols[part_column(0, PART_PREFIX, "has", wi)][i]
+                count = cols[part_column(0, PART_PREFIX, "x0", wi)][i]
+                got[f"count{wi}"] = (int(count) if has0 else 0) if ok else None
+                has1 = cols[part_column(1, PART_PREFIX, "has", wi)][i]
+                total = cols[part_column(1, PART_PREFIX, "x0", wi)][i]
+                got[f"sum{wi}"] = total if has1 else None
+            out[row] = got
+    return out
+
+
+def same(got: dict[int, dict[str, object]], want: dict[int, dict[str, object]]) -> None:
+    assert got.keys() == want.keys()
+    for row, values in want.items():
+        for name, w in values.items():
+            g = got[row][name]
+            if isinstance(w, float):
+                assert g == pytest.approx(w, rel=1e-12), (row, name)
+            else:
+                assert g == w, (row, name, got[row], values)
+
+
+@pytest.mark.parametrize("batch_rows", [10_000, 97])
+def test_every_window_matches_a_brute_force_sum(batch_rows: int) -> None:
+    table = partition(1)
+    same(answers(table, batch_rows), brute(table))
+
+
+def test_chunks_end_at_key_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks: every chunk but the last holds whole keys, and answers do not change."""
+    table = partition(2)
+    monkeypatch.setattr(prefix, "CHUNK_ROWS", 150)
+    same(answers(table, 61), brute(table))
+
+
+def test_the_search_per_key_agrees_with_the_composite_one() -> None:
+    rng = np.random.default_rng(5)
+    kid = np.sort(rng.integers(0, 50, 2_000))
+    t = np.concatenate([np.sort(rng.integers(0, 10**6, int((kid == k).sum()))) for k in range(50)])
+    q_kid, q_t = rng.integers(0, 50, 500), rng.integers(-10, 10**6 + 10, 500)
+    fast = prefix._first_at_or_after(kid, t, q_kid, q_t)
+    # A query far in the future makes the composite key overflow: the search goes per key.
+    far = prefix._first_at_or_after(kid, t, np.append(q_kid, 49), np.append(q_t, 1 << 61))
+    assert (far[:-1] == fast).all() and far[-1] == len(t)
+    for i in range(500):
+        want = next((j for j in range(len(t)) if (kid[j], t[j]) >= (q_kid[i], q_t[i])), len(t))
+        assert fast[i] == want
