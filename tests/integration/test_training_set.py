@@ -163,6 +163,33 @@ def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(
                 check_row(con, cfg, row, metric, window)
 
 
+def test_every_additive_fold_is_the_sum_of_its_events_units(spark: Any) -> None:
+    """The per-event states running totals add (`Agg.unit_columns`) sum to what the fold's own
+    aggregates make of the same cell, nulls (events a metric does not count) included."""
+    from pyspark.sql import functions as F
+
+    from sluice.offline.features import fold_aggs
+    from sluice.slices.aggs import AGGS
+
+    rng = np.random.default_rng(9)
+    rows = [(int(k), int(t), None if rng.random() < 0.2 else float(v), int(v))
+            for k, t, v in zip(rng.integers(0, 7, 500), rng.integers(0, 10**6, 500),
+                               np.round(rng.lognormal(2, 1, 500), 2), strict=True)]  # fmt: skip
+    df = spark.createDataFrame(rows, "k long, t long, x double, i long")
+    additive = [agg for agg in AGGS.values() if agg.additive]
+    assert {a.name for a in additive} >= {"count", "sum", "avg"}
+    for agg in additive:
+        for col in ("x", "i"):
+            v, t = F.col(col), F.col("t")
+            folded = df.groupBy("k").agg(*fold_aggs(agg, v, t, lambda c: c)).toPandas()
+            units = df.select("k", *[u.alias(c) for c, u in agg.unit_columns(v, t)])
+            summed = units.groupBy("k").agg(*[F.sum(c).alias(c) for c in units.columns[1:]])
+            want = folded.set_index("k").sort_index()
+            got = summed.toPandas().set_index("k").sort_index()[want.columns]
+            pd.testing.assert_frame_equal(got.fillna(0), want.fillna(0), check_dtype=False,
+                                          rtol=1e-12)  # fmt: skip
+
+
 def test_no_event_after_t_counts(spark: Any, redis_url: str, tmp_path: Path) -> None:
     """Not one in t's own slice, not one at t + 1; the event at t itself counts."""
     cfg = make_config(redis_url, tmp_path)

@@ -17,7 +17,7 @@ from sluice import formula
 from sluice.config import Config, FieldType
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.engine import integral_value, parse_window
-from sluice.slices.aggs import AGGS, Agg
+from sluice.slices.aggs import AGGS, Agg, N
 from sluice.source.values import SPARK_TYPES
 
 ROW = "_sluice_row"
@@ -73,7 +73,7 @@ def fold_aggs(agg: Agg, v: Column, t: Column, name: Callable[[str], str],
               over: WindowSpec | None = None) -> list[Column]:  # fmt: skip
     """The fold's own aggregates of one metric (its count `n`, then its folds), named by
     `name(column)`: what the live fold computes for a cell; over a window if given."""
-    built = [("n", F.count(v)), *agg.fold_columns(v, t)]
+    built = [("n", N.build(F, v, t)), *agg.fold_columns(v, t)]
     return [(c if over is None else c.over(over)).alias(name(n)) for n, c in built]
 
 

@@ -10,7 +10,8 @@ time order, with each spine row of that key placed after the events of its own t
 so one pass answers every window of every additive metric of a key group:
 
     events ∪ spine rows ─ one shuffle by key ─▶ sorted by (key, time, spine after events)
-      ─▶ each event's state by the fold's own aggregates (a one-row frame: `Agg.fold_columns`)
+      ─▶ each event's state as the aggregation record gives it (`Agg.unit_columns`: the
+         fold of a cell that holds just that event)
       ─▶ per partition, in numpy: running totals of each state column; per spine row and
          window, the first row at or after cs (a binary search); the difference of the totals
       ─▶ the merged state's numbers as `Agg.encode` writes them, answered later by
@@ -31,17 +32,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from sluice.offline.features import PART_PREFIX, ROW, SLICE_T, SPINE, fold_aggs, part_column
+from sluice.offline.features import PART_PREFIX, ROW, SLICE_T, SPINE, part_column
 from sluice.slices.aggs import AGGS, Agg
 from sluice.slices.window import slice_start
 
@@ -105,12 +105,20 @@ def prefix_part(
         *[F.lit(None).cast(rows.schema[v].dataType).alias(v) for v in values],
         *passed,
     )
-    both = events.unionByName(spine).repartition("k")
-    one_row = Window.partitionBy("k").orderBy("t", F.col(ROW).asc_nulls_first()).rowsBetween(0, 0)
+    # Each event's state (`Agg.unit_columns`: what the fold makes of a cell holding just that
+    # event) is a row expression; a spine row's is all zeros.
     states: list[Column] = []
     for mi, m in members:
-        states += fold_aggs(m.agg, F.col(f"v{mi}"), F.col("t"), partial(_state, mi), one_row)
-    folded = both.select("k", "t", ROW, *states, *passed)
+        states += [
+            unit.alias(_state(mi, name))
+            for name, unit in m.agg.unit_columns(F.col(f"v{mi}"), F.col("t"))
+        ]
+    folded = (
+        events.unionByName(spine)
+        .select("k", "t", ROW, *states, *passed)
+        .repartition("k")
+        .sortWithinPartitions("k", "t", F.col(ROW).asc_nulls_first())
+    )
     plan = [
         PrefixMember(
             mi,

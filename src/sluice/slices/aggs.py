@@ -67,6 +67,10 @@ class Fold(NamedTuple):
     column: str
     build: Callable[[Any, Column, Column], Column]  # (pyspark.sql.functions, value, event time)
     merge: str = "collect"
+    # For a column merged by `sum`: its state for one event (the fold of a cell that holds just
+    # that event), as a row expression; a window's state is then the sum of its events' units
+    # (`sluice.offline.prefix`). tests/integration/test_training_set.py checks both agree.
+    unit: Callable[[Any, Column, Column], Column] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,17 @@ class Agg:
         window's state is a difference of running totals (`sluice.offline.prefix`)."""
         return self.lua and all(f.merge == "sum" for f in self.folds)
 
+    def unit_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
+        """(column name, one event's state) for the count `n` and each fold of an `additive`
+        agg: row expressions whose sums are what `fold_columns` (and `n`) fold."""
+        from pyspark.sql import functions as F
+
+        units = [(f.column, f.unit) for f in (N, *self.folds)]
+        missing = [name for name, unit in units if unit is None]
+        if not self.additive or missing:
+            raise ValueError(f"agg {self.name!r} has no per-event state for {missing}")
+        return [(name, unit(F, value, time)) for name, unit in units if unit is not None]
+
     def fold_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
         """(column name prefix, Spark aggregate) for each fold, over `value` and event `time`."""
         from pyspark.sql import functions as F
@@ -167,7 +182,9 @@ def _timed(F: Any, v: Column, t: Column) -> Column:
     return F.when(v.isNotNull(), F.struct(t.alias("t"), v.alias("v")))
 
 
-SUM = Fold("sum", lambda F, v, t: F.sum(v), "sum")
+# Every metric's count of the events it folded, the first number of each state.
+N = Fold("n", lambda F, v, t: F.count(v), "sum", lambda F, v, t: v.isNotNull().cast("long"))
+SUM = Fold("sum", lambda F, v, t: F.sum(v), "sum", lambda F, v, t: v)
 MIN = Fold("min", lambda F, v, t: F.min(v), "min")
 MAX = Fold("max", lambda F, v, t: F.max(v), "max")
 MEAN = Fold("avg", lambda F, v, t: F.avg(v))
