@@ -18,7 +18,11 @@ METHODS = {"training_set": ("training set", "tab:blue"), "range_join": ("range j
 def draw(docs: list[dict[str, Any]], out: Path) -> str | None:
     """Draw the plot into `out` if one of `docs` (an offline section's runs) has the training
     part; the PNG's name, else None."""
-    have = [d for d in docs if d["benchmark"] == "offline" and "training" in d["results"]]
+    have = [
+        d for d in docs
+        if d["benchmark"] == "offline" and "training" in d["results"]
+        and d["results"]["training"]["params"].get("cells", "all") == "all"
+    ]  # fmt: skip
     if not have:
         return None
     t = max(have, key=lambda d: d["run"]["date"])["results"]["training"]

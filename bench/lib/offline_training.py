@@ -20,6 +20,7 @@ from lib.load import SCHEMA
 from sluice.config import Config, config_from_dict
 from sluice.query.engine import parse_window
 from sluice.slices.window import slice_start
+from sluice.source.loadgen import zipf_ids
 
 SLICE = "1m"
 SLICE_MS = 60_000
@@ -53,14 +54,21 @@ def features(windows: Sequence[str]) -> dict[str, list[str]]:
     return {m["name"]: list(windows) for m in METRICS}
 
 
+def card_ids(rng: np.random.Generator, n: int, cards: int, keys: str, zipf_a: float) -> Any:
+    """`uniform` over `cards`, or `zipf`: as the load generator draws its keys (`zipf_ids`), so
+    that a few cards are hot."""
+    return zipf_ids(rng, n, zipf_a, cards) if keys == "zipf" else rng.integers(0, cards, n)
+
+
 def write_events(where: Path, n_events: int, cards: int, span_days: int, end_ms: int,
-                 seed: int, files: int = 16) -> int:  # fmt: skip
-    """`n_events` transactions, cards uniform over `cards`, times uniform over the `span_days`
+                 seed: int, files: int = 16, keys: str = "uniform",
+                 zipf_a: float = 1.3) -> int:  # fmt: skip
+    """`n_events` transactions, cards drawn by `card_ids`, times uniform over the `span_days`
     before `end_ms`, amounts log-normal; as `files` Parquet files in time order. Returns bytes."""
     where.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     ts = np.sort(end_ms - rng.integers(1, span_days * DAY_MS, n_events).astype(np.int64))
-    ids = rng.integers(0, cards, n_events)
+    ids = card_ids(rng, n_events, cards, keys, zipf_a)
     names = np.array([f"card-{i}" for i in range(cards)], dtype=object)
     amount = np.round(rng.lognormal(3.0, 1.0, n_events), 2)
     step = -(-n_events // files)

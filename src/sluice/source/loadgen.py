@@ -25,6 +25,11 @@ from sluice.source.producer import Producer, shard_of
 TICK_S = 0.05
 
 
+def zipf_ids(rng: np.random.Generator, n: int, a: float, n_keys: int) -> np.ndarray:
+    """`n` key ids in [0, n_keys): Zipf(`a`) ranks folded onto the keys, so a few are hot."""
+    return (rng.zipf(a, n) - 1) % n_keys
+
+
 @dataclass(frozen=True)
 class Profile:
     """Rate over time. `burst`: `burst_factor` x the base rate for `burst_s` of every `period_s`."""
@@ -64,7 +69,7 @@ class EventGenerator:
         self.types = cfg.source.field_types()
 
     def _zipf(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return (rng.zipf(self.zipf_a, n) - 1) % self.n_keys
+        return zipf_ids(rng, n, self.zipf_a, self.n_keys)
 
     def frame(self, n: int, now_ms: int) -> pd.DataFrame:
         cols: dict[str, Any] = {}
