@@ -6,7 +6,9 @@ event time <= t: the window (t − W, t], rounded outward to m's finest slice at
 (covered_start = slice_start(t − W + 1)), merged and finalized as the query server does. No
 event after t counts, not even one in t's own slice.
 
-How it is computed, from the archive (`events`), with the live fold's plan (`offline.fold`):
+How it is computed, from the archive (`events`), with the live fold's plan (`offline.fold`).
+Additive metrics (`Agg.additive`: count, sum, avg) take running totals in one pass over events
+and spine rows in key and time order (`offline.prefix`), unless as known at. The others:
 
     events ─▶ explode (the plan) ─▶ per (key, slice) cells, as the fold makes them
     spine  ─▶ key (the plan's key column), t
