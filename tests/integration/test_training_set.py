@@ -110,6 +110,17 @@ def check_row(con: Any, cfg: Any, row: pd.Series, metric: str, window: str) -> N
         assert got == want, (what, want)
 
 
+def check_rows(cfg: Any, events: pd.DataFrame, out: pd.DataFrame,
+               features: dict[str, list[str]]) -> None:  # fmt: skip
+    """Every feature of every row of a training set against DuckDB over the same events."""
+    con = duckdb.connect()
+    con.register("ev", events)
+    for _, row in out.iterrows():
+        for metric, windows in features.items():
+            for window in windows:
+                check_row(con, cfg, row, metric, window)
+
+
 def test_values_match_the_reference_for_every_aggregation(
     spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
 ) -> None:
@@ -126,12 +137,7 @@ def test_values_match_the_reference_for_every_aggregation(
     assert sorted(map(tuple, out[cols].values.tolist())) == sorted(
         map(tuple, spine[cols].values.tolist())
     )  # every spine row once, passed through
-    con = duckdb.connect()
-    con.register("ev", events)
-    for _, row in out.iterrows():
-        for metric, windows in FEATURES.items():
-            for window in windows:
-                check_row(con, cfg, row, metric, window)
+    check_rows(cfg, events, out, FEATURES)
 
 
 def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(
@@ -155,12 +161,7 @@ def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(
     cols = ["card_id", "merchant", "t", "label"]
     assert list(got.columns[:4]) == cols
     assert got[cols].values.tolist() == spine[cols].values.tolist()  # in the spine's order
-    con = duckdb.connect()
-    con.register("ev", events)
-    for _, row in got.iterrows():
-        for metric, windows in features.items():
-            for window in windows:
-                check_row(con, cfg, row, metric, window)
+    check_rows(cfg, events, got, features)
 
 
 def test_every_additive_fold_is_the_sum_of_its_events_units(spark: Any) -> None:

@@ -206,10 +206,6 @@ def _answer(agg: Any, m: Any, integral: bool, cells: list[dict[str, Any]]) -> An
     return agg.finalize(agg.merge(cell_states(agg, cells)), m, integral)
 
 
-def _state(agg: Any) -> list[str]:
-    return ["n", *[f.column for f in agg.folds]]
-
-
 def _inputs(cfg: Config, name: str) -> list[str]:
     d = cfg.derived_metric(name)
     return [name] if d is None else formula.names(formula.parse(d.expr))

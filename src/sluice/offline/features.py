@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql import Column, DataFrame, WindowSpec
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from sluice import formula
@@ -69,12 +69,11 @@ def parse_features(
     return list(out.values())
 
 
-def fold_aggs(agg: Agg, v: Column, t: Column, name: Callable[[str], str],
-              over: WindowSpec | None = None) -> list[Column]:  # fmt: skip
+def fold_aggs(agg: Agg, v: Column, t: Column, name: Callable[[str], str]) -> list[Column]:
     """The fold's own aggregates of one metric (its count `n`, then its folds), named by
-    `name(column)`: what the live fold computes for a cell; over a window if given."""
-    built = [("n", N.build(F, v, t)), *agg.fold_columns(v, t)]
-    return [(c if over is None else c.over(over)).alias(name(n)) for n, c in built]
+    `name(column)`: what the live fold computes for a cell."""
+    built = [(N.column, N.build(F, v, t)), *agg.fold_columns(v, t)]
+    return [c.alias(name(n)) for n, c in built]
 
 
 def part_column(m: int, part: str, name: str, w: int | None = None) -> str:

@@ -63,10 +63,6 @@ class PrefixMember:
     def agg(self) -> Agg:
         return AGGS[self.agg_name]
 
-    @property
-    def states(self) -> list[str]:
-        return ["n", *[f.column for f in self.agg.folds]]
-
 
 def _state(mi: int, name: str) -> str:
     return f"_p{mi}_{name}"
@@ -125,8 +121,7 @@ def prefix_part(
             m.cfg.agg,
             tuple(m.windows),
             tuple(
-                folded.schema[_state(mi, name)].dataType.simpleString()
-                for name in ["n", *[f.column for f in m.agg.folds]]
+                folded.schema[_state(mi, name)].dataType.simpleString() for name in m.agg.columns
             ),
         )
         for mi, m in members
@@ -157,14 +152,16 @@ def prefix_batches(
         if rows < CHUNK_ROWS:
             continue
         table = pa.Table.from_batches(held).combine_chunks()
-        cut = _last_key_start(table)
+        kid = _key_ids(table)
+        cut = int(np.searchsorted(kid, kid[-1], side="left"))  # where the last key starts
         if cut == 0:
             continue  # one key so far: it must be whole
-        yield from _answer(members, slice_ms, table.slice(0, cut))
+        yield from _answer(members, slice_ms, table.slice(0, cut), kid[:cut])
         rest = table.slice(cut)
         held, rows = rest.to_batches(), rest.num_rows
     if held:
-        yield from _answer(members, slice_ms, pa.Table.from_batches(held).combine_chunks())
+        table = pa.Table.from_batches(held).combine_chunks()
+        yield from _answer(members, slice_ms, table, _key_ids(table))
 
 
 def _key_ids(table: pa.Table) -> np.ndarray:
@@ -176,11 +173,6 @@ def _key_ids(table: pa.Table) -> np.ndarray:
         starts[0] = True
         np.not_equal(codes[1:], codes[:-1], out=starts[1:])
     return np.cumsum(starts) - 1
-
-
-def _last_key_start(table: pa.Table) -> int:
-    ids = _key_ids(table)
-    return int(np.searchsorted(ids, ids[-1], side="left")) if len(ids) else 0
 
 
 def _first_at_or_after(kid: np.ndarray, t: np.ndarray, q_kid: np.ndarray,
@@ -214,13 +206,13 @@ def _running(column: pa.ChunkedArray | pa.Array, type_: str) -> np.ndarray:
     return out
 
 
-def _answer(members: list[PrefixMember], slice_ms: int,
-            table: pa.Table) -> Iterator[pa.RecordBatch]:  # fmt: skip
+def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table,
+            kid: np.ndarray) -> Iterator[pa.RecordBatch]:  # fmt: skip
+    """The spine rows' merged windows in a chunk of whole keys; `kid`: its rows' key runs."""
     row_col = table.column(ROW)
     spine = np.flatnonzero(row_col.is_valid().to_numpy(zero_copy_only=False))
     if not len(spine):
         return
-    kid = _key_ids(table)
     t_col = table.column("t")
     t = pc.fill_null(t_col, 0).to_numpy(zero_copy_only=False).astype(np.int64)
     ok = (
@@ -236,7 +228,7 @@ def _answer(members: list[PrefixMember], slice_ms: int,
         names.append(part_column(m.mi, "", "ok"))
         running = {
             name: _running(table.column(_state(m.mi, name)), type_)
-            for name, type_ in zip(m.states, m.state_types, strict=True)
+            for name, type_ in zip(m.agg.columns, m.state_types, strict=True)
         }
         for wi, w_ms in enumerate(m.windows):
             if w_ms not in starts:

@@ -85,10 +85,6 @@ class _Metric:
         return self.spec.slice_ms
 
 
-def _state_columns(agg: Agg) -> list[str]:
-    return ["n", *[f.column for f in agg.folds]]
-
-
 def _group_rows(
     exploded: DataFrame, members: list[tuple[int, _Metric]], arrival: bool
 ) -> DataFrame:
@@ -112,7 +108,7 @@ def _frames(members: list[tuple[int, _Metric]], cells: DataFrame, spine_g: DataF
     either one column per state column (merged in Spark) or one list of the cells' states (an
     agg that collects). One sort serves every member and window of the group."""
     s = members[0][1].slice_ms
-    names = [_cell(mi, c) for mi, m in members for c in _state_columns(m.agg)]
+    names = [_cell(mi, c) for mi, m in members for c in m.agg.columns]
     none = F.lit(None).cast("long")
     cell_cols = [F.col("k"), F.col("s").cast("long").alias("_i"), none.alias(ROW),
                  none.alias(SLICE_T), *[F.col(c) for c in names]]  # fmt: skip
@@ -134,7 +130,7 @@ def _frames(members: list[tuple[int, _Metric]], cells: DataFrame, spine_g: DataF
     for mi, m in members:
         agg = m.agg
         out.append(ok.alias(part_column(mi, "", "ok")))
-        state = F.struct(*[F.col(_cell(mi, c)).alias(c) for c in _state_columns(agg)])
+        state = F.struct(*[F.col(_cell(mi, c)).alias(c) for c in agg.columns])
         for wi, w_ms in enumerate(m.windows):
             q, r = divmod(w_ms - 1, s)
             more = F.pmod(F.col(SLICE_T), F.lit(s)) < F.lit(r)  # q + 1 full slices, else q
@@ -272,7 +268,7 @@ def training_set(
         spine_g = spine_in.select(ROW, t_ms, *fields, *passed).select(
             ROW, SLICE_T, key_column(first.cfg.key).alias("k"),
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
-            *[F.col(SPINE)] * carry,
+            *([F.col(SPINE)] if carry else []),
         )  # fmt: skip
         # Additive states take running totals (`offline.prefix`); as known at, or for any other
         # agg, the slice frames, t's own slice and (as known at) the late events.

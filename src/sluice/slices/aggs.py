@@ -136,6 +136,11 @@ class Agg:
         window's state is a difference of running totals (`sluice.offline.prefix`)."""
         return self.lua and all(f.merge == "sum" for f in self.folds)
 
+    @property
+    def columns(self) -> list[str]:
+        """The state's columns as folded: the count `n`, then each fold's."""
+        return [N.column, *[f.column for f in self.folds]]
+
     def unit_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
         """(column name, one event's state) for the count `n` and each fold of an `additive`
         agg: row expressions whose sums are what `fold_columns` (and `n`) fold."""
