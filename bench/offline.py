@@ -144,9 +144,10 @@ def summarize_backfill(workload: str, a: Any, size: int, parts: int,
         return {k: statistics.median(r[side]["cores"][k] for r in warm) for k in keys}
 
     def phases(side: str) -> dict[str, float]:
-        """Medians of the last stage's seconds (the fold's final merge and the write), the
-        stages before it (read, explode, the partial fold and the shuffle), and the rest of the
-        wall time (planning, the driver's own work)."""
+        """Medians of the last stage's seconds (the bare engine's final merge, or the
+        backfill's write), the stages before it (read, explode, the partial fold, the shuffle
+        and, in the backfill, the final merge and its shuffle by slice hash), and the rest of
+        the wall time (planning, the driver's own work)."""
         split = []
         for r in warm:
             st, wall = r[side]["stages"], r[side]["wall_s"]

@@ -14,7 +14,13 @@ import pytest
 import redis
 
 from sluice.pipeline import slice_writes
-from sluice.pipeline.slice_writes import Calls, build_calls, expire_at_ms, send_calls
+from sluice.pipeline.slice_writes import (
+    Calls,
+    build_calls,
+    expire_at_ms,
+    run_write_script,
+    send_calls,
+)
 from sluice.redis.keys import slice_hash_key
 from sluice.redis.scripts import READ_SLICES, script_source
 from sluice.slices.aggs import AGGS
@@ -205,3 +211,33 @@ def test_a_backfill_keeps_retention(r: redis.Redis) -> None:
     assert _backfill(r, seam, "count", rows) == [1, 0, 1, 0]
     assert set(r.hkeys(key)) == {str(NOW).encode(), b"_m", b"_b"}
     assert r.pttl(key) > 0
+
+
+@pytest.mark.parametrize("token", [3, f"b{NOW + SLICE_MS}"])
+def test_a_key_with_thousands_of_slices_in_one_call(r: redis.Redis, token: Any) -> None:
+    """A backfill hands a key's whole history to one partition (a month of 10 s slices is
+    259,200), and a replay after an outage can carry hours of one key: its slices go in runs
+    that Lua can unpack, in as many calls as Redis takes."""
+    a, n, day = AGGS["count"], 5_000, 86_400_000
+    key = slice_hash_key("long", str(token))
+    starts = NOW - SLICE_MS * np.arange(n, dtype=np.int64)
+    states = [pc.cast(pa.array(np.arange(1, n + 1)), pa.string())]
+    calls = build_calls(token, (a.state, SLICE_MS, day, a.width), pa.array([key] * n), starts,
+                        states)  # fmt: skip
+    totals, failed = send_calls(r, calls)
+    assert totals == [n, 0, 0, 0] and not failed.any()
+    script = r.register_script(script_source(READ_SLICES))
+    got = script(keys=[key], args=[a.state, NOW - day + SLICE_MS, NOW, SLICE_MS])
+    assert [int(x) for x in got] == [n, n * (n + 1) // 2]
+    assert r.hget(key, "_m") == f"{NOW}:{NOW - (n - 1) * SLICE_MS}".encode()
+
+
+def test_items_with_thousands_of_slices_through_the_list_writer(r: redis.Redis) -> None:
+    a, n, day = AGGS["sum"], 5_000, 86_400_000
+    key = slice_hash_key("long", "items")
+    body = [str(x) for s in range(n) for x in (NOW - s * SLICE_MS, s)]
+    failed: set[Any] = set()
+    item = (key, [a.state, str(SLICE_MS), str(day), str(n), str(a.width), *body], ("dep",))
+    assert run_write_script(r, 5, [item], failed) == [n, 0, 0, 0] and not failed
+    assert r.hlen(key) == n + 1
+    assert r.hget(key, str(NOW - (n - 1) * SLICE_MS)) == f"5:{n - 1}".encode()

@@ -361,7 +361,9 @@ def backfill(
     previous = spark.conf.get("spark.sql.shuffle.partitions") or str(parts)
     spark.conf.set("spark.sql.shuffle.partitions", str(parts))
     try:
-        rows = folded.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
+        # Each slice hash's cells in one partition, so that one call writes all of them.
+        by_hash = folded.repartition("g", "k")
+        rows = by_hash.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
     finally:
         if watcher is not None:  # first: the calls below raise once the JVM is gone (Ctrl-C)
             watcher.stopped.set()

@@ -2,9 +2,18 @@
 
 One call carries up to KEYS_PER_CALL slice hashes of one metric resolution (on Redis Cluster,
 of one slot): per key its expiry (`n:expiry` when it carries n > 1 slices), then the slices
-(start and the state's numbers as text). `build_calls` makes every call of a partition's
-updates with Arrow kernels: rows grouped by key, the RESP encoding of every argument done on
-whole columns, and a call's bytes cut out of those buffers; nothing runs per row in Python.
+(start and the state's numbers as text; from a backfill, start and the text as stored).
+
+A key's slices go in runs of at most SLICES_PER_RUN (the script hands a run's fields to one
+HMGET or HSET, and Lua unpacks at most about 8,000 values), a long run of one key as several
+runs in a row, and a call closes once it carries SLICES_PER_CALL slices: Redis 6.2 refuses a
+command of more than 1,048,576 arguments, and a call blocks every other client while it runs.
+A backfill hands a key's whole history to one call, and a replay after an outage can carry
+hours of one key.
+
+`build_calls` makes every call of a partition's updates with Arrow kernels: rows grouped by
+key, the RESP encoding of every argument done on whole columns, and a call's bytes cut out of
+those buffers; nothing runs per row in Python.
 The calls go out pipelined on one connection, CALLS_PER_ROUND_TRIP at a time, the next round
 sent before the replies of the last are read, and each reply must account for every slice its
 call carried (applied + duplicate + expired), or the call counts as failed and the audit sees
@@ -29,6 +38,9 @@ from sluice.redis.keys import key_slot
 from sluice.redis.scripts import WRITE_SLICES, evalsha_on, script_sha, script_source
 
 KEYS_PER_CALL = 500
+BACKFILL_TOKEN = "0"  # the token a backfill's slices are stored under (write_slices.lua)
+SLICES_PER_RUN = 1024
+SLICES_PER_CALL = 16_384
 CALLS_PER_ROUND_TRIP = 8
 
 
@@ -106,10 +118,14 @@ class Calls:
     row_call: np.ndarray
 
 
-def _key_runs(keys: pa.Array, cluster: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(order, run_start, key_call): the rows grouped by key (by slot first, on a cluster),
-    where each key's run of rows starts in that order, and the call of each key: a new call
-    every KEYS_PER_CALL keys and wherever the slot changes. Keys are grouped by their codes in a
+def _key_runs(
+    keys: pa.Array, cluster: bool, starts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, run_start, key_call): the rows grouped by key (by slot first, on a cluster; each
+    key's by `starts` when given), where each run of rows starts in that order (a key's rows,
+    cut every SLICES_PER_RUN), and
+    the call of each run: a new call every KEYS_PER_CALL runs, wherever the slot changes, and
+    once a call carries SLICES_PER_CALL slices. Keys are grouped by their codes in a
     dictionary encoding (a hash table), not sorted as strings: a call needs a key's rows
     together, not the keys in order."""
     n = len(keys)
@@ -119,21 +135,37 @@ def _key_runs(keys: pa.Array, cluster: bool) -> tuple[np.ndarray, np.ndarray, np
     if cluster:
         slots = np.array([key_slot(k) for k in coded.dictionary.to_pylist()], dtype=np.int64)
         row_slot = slots[codes]
-        order = np.lexsort((codes, row_slot))
-    else:
+        order = np.lexsort((codes, row_slot) if starts is None else (starts, codes, row_slot))
+    elif starts is None:
         order = np.argsort(codes, kind="stable")
+    else:
+        order = np.lexsort((starts, codes))
     codes_s = codes[order]
     new_key = np.ones(n, dtype=bool)
     new_key[1:] = codes_s[1:] != codes_s[:-1]
-    run_start = np.flatnonzero(new_key)
-    new_group = np.zeros(len(run_start), dtype=bool)
-    new_group[0] = True
+    run_start = split_runs(np.flatnonzero(new_key), n, SLICES_PER_RUN)
+    boundary = np.zeros(len(run_start), dtype=bool)
+    boundary[0] = True
     if row_slot is not None:
         run_slot = row_slot[order][run_start]
-        new_group[1:] = run_slot[1:] != run_slot[:-1]
-    local = np.arange(len(run_start)) - np.flatnonzero(new_group)[np.cumsum(new_group) - 1]
-    key_call = np.cumsum(new_group | (local % KEYS_PER_CALL == 0)) - 1
+        boundary[1:] = run_slot[1:] != run_slot[:-1]
+    block = run_start // SLICES_PER_CALL  # rows are contiguous: run_start counts the slices
+    boundary[1:] |= block[1:] != block[:-1]
+    local = np.arange(len(run_start)) - np.flatnonzero(boundary)[np.cumsum(boundary) - 1]
+    key_call = np.cumsum(boundary | (local % KEYS_PER_CALL == 0)) - 1
     return order, run_start, key_call
+
+
+def split_runs(run_start: np.ndarray, n: int, most: int) -> np.ndarray:
+    """The starts of runs (`run_start`, over `n` rows) with each run longer than `most` cut
+    into runs of `most` (the last one shorter)."""
+    lengths = np.diff(np.append(run_start, n))
+    pieces = np.maximum(1, -(-lengths // most))
+    if (pieces == 1).all():
+        return run_start
+    first = np.cumsum(pieces) - pieces
+    within = np.arange(int(pieces.sum())) - np.repeat(first, pieces)
+    return np.repeat(run_start, pieces) + within * most
 
 
 def build_calls(
@@ -148,14 +180,18 @@ def build_calls(
     hash `keys`, its slice `starts` (ms) and its state's numbers as text (`states`, one column
     per number). `head` is (state, slice_ms, retention_ms, width); a (key, slice) pair appears
     once (the fold's rows are unique per (group, key, slice)). `token` is a writer token, or a
-    backfill's `b<seam>` (write_slices.lua)."""
+    backfill's `b<seam>` (write_slices.lua), whose slices go as the text they are stored as,
+    each key's in ascending order."""
     state, slice_ms, retention_ms, width = head
     n = len(keys)
     if not n:
         return Calls([], [], [], np.zeros(0, dtype=np.int64))
-    order, run_start, key_call = _key_runs(keys, cluster)
+    backfill = str(token).startswith("b")
+    if backfill:
+        states = [pc.binary_join_element_wise(pa.scalar(BACKFILL_TOKEN), *states, ":")]
+    order, run_start, key_call = _key_runs(keys, cluster, starts if backfill else None)
     take = pa.array(order)
-    uniq = keys.take(take).take(pa.array(run_start))
+    run_keys = keys.take(take).take(pa.array(run_start))
     starts_s = starts[order]
     counts = np.diff(np.append(run_start, n))
     expire = expire_at_ms(np.maximum.reduceat(starts_s, run_start), slice_ms, retention_ms)
@@ -163,11 +199,11 @@ def build_calls(
     slice_args = _interleave([_text(starts_s), *[st.take(take) for st in states]])
     step = expiry_step_ms(slice_ms, retention_ms)
     head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
-    call_keys = np.append(np.flatnonzero(np.diff(key_call, prepend=-1)), len(uniq))
+    call_keys = np.append(np.flatnonzero(np.diff(key_call, prepend=-1)), len(run_keys))
     call_rows = np.append(run_start, n)[call_keys]
     calls = Calls([], [], [], np.repeat(key_call, counts)[np.argsort(order)])
-    stride = width + 1
-    enc = None if cluster else [_Encoded(uniq), _Encoded(per_key), _Encoded(slice_args)]
+    stride = len(states) + 1
+    enc = None if cluster else [_Encoded(run_keys), _Encoded(per_key), _Encoded(slice_args)]
     head_bytes = _bulk(*head_args)
     for c in range(len(call_keys) - 1):
         ka, kb = int(call_keys[c]), int(call_keys[c + 1])
@@ -176,7 +212,7 @@ def build_calls(
         if enc is None:
             args = [*head_args, *per_key.slice(ka, kb - ka).to_pylist(),
                     *slice_args.slice(stride * ra, stride * (rb - ra)).to_pylist()]  # fmt: skip
-            calls.argv.append((uniq.slice(ka, kb - ka).to_pylist(), args))
+            calls.argv.append((run_keys.slice(ka, kb - ka).to_pylist(), args))
             calls.payloads.append(None)
             continue
         nk = kb - ka
@@ -253,6 +289,22 @@ def _run_pipelined(client: Any, argv: list[tuple[list[Any], list[Any]]]) -> list
     return list(pipe.execute())
 
 
+def _stored_texts(body: list[Any], width: int) -> list[Any]:
+    """A backfill's (start, v1 .. v_width) slices as (start, text as stored), in ascending
+    order of start (write_slices.lua). Values are text, or bytes (a sketch's blob)."""
+    slices = sorted(
+        (int(body[i]), body[i + 1 : i + 1 + width]) for i in range(0, len(body), width + 1)
+    )
+    out: list[Any] = []
+    for start, values in slices:
+        if isinstance(values[0], bytes):
+            text: Any = b":".join([BACKFILL_TOKEN.encode(), *values])
+        else:
+            text = ":".join([BACKFILL_TOKEN, *map(str, values)])
+        out += [str(start), text]
+    return out
+
+
 def run_write_script(
     client: Any,
     token: int | str,
@@ -262,34 +314,45 @@ def run_write_script(
 ) -> list[int]:
     """Run write_slices.lua over (key, args, dep) items, one per slice hash: `args` is
     `state, slice_ms, retention_ms, n, width` then n times `slice_start, v1 .. v_width`. Items
-    with the same head share calls (of one slot on a cluster), KEYS_PER_CALL keys a call,
-    pipelined. A call whose reply does not account for every slice it carried puts the deps of
-    its keys in `failed`. Returns [applied, duplicate, expired, before seam]. `token` is a
-    writer token, or a backfill's `b<seam>` (write_slices.lua)."""
+    with the same head share calls (of one slot on a cluster), cut as `build_calls` cuts them
+    (SLICES_PER_RUN, KEYS_PER_CALL, SLICES_PER_CALL), pipelined. A call whose reply does not
+    account for every slice it carried puts the deps of its keys in `failed`. Returns
+    [applied, duplicate, expired, before seam]. `token` is a writer token, or a backfill's
+    `b<seam>` (write_slices.lua)."""
     client.script_load(script_source(WRITE_SLICES))
+    backfill = str(token).startswith("b")
     groups: dict[tuple[Any, ...], list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
-    for item in calls:
-        state, slice_ms, retention_ms, _, width = item[1][:5]
-        slot = key_slot(item[0]) if cluster else 0
-        groups.setdefault((state, int(slice_ms), int(retention_ms), int(width), slot), []).append(
-            item
-        )
+    for key, args, dep in calls:
+        state, slice_ms, retention_ms, _, width = args[:5]
+        slot = key_slot(key) if cluster else 0
+        runs = groups.setdefault((state, int(slice_ms), int(retention_ms), int(width), slot), [])
+        body = _stored_texts(args[5:], int(width)) if backfill else args[5:]
+        stride = (1 if backfill else int(width)) + 1
+        at = stride * SLICES_PER_RUN
+        runs += [(key, body[j : j + at], dep) for j in range(0, len(body), at)]
     argv: list[tuple[list[Any], list[Any]]] = []
     deps: list[tuple[int, list[tuple[Any, ...]]]] = []
-    for (state, slice_ms, retention_ms, width, _), items in groups.items():
+    for (state, slice_ms, retention_ms, width, _), runs in groups.items():
         step = expiry_step_ms(slice_ms, retention_ms)
-        for j in range(0, len(items), KEYS_PER_CALL):
-            chunk = items[j : j + KEYS_PER_CALL]
+        head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
+        stride = (1 if backfill else width) + 1
+        j = 0
+        while j < len(runs):
+            chunk: list[tuple[str, list[Any], tuple[Any, ...]]] = []
+            slices = 0
+            while j < len(runs) and len(chunk) < KEYS_PER_CALL and slices < SLICES_PER_CALL:
+                chunk.append(runs[j])
+                slices += len(runs[j][1]) // stride
+                j += 1
             per_key: list[Any] = []
             flat: list[Any] = []
-            for _, args, _ in chunk:
-                body = args[5:]
-                newest = max(int(s) for s in body[0 :: width + 1])
-                per_key.append(key_head(int(args[3]), expire_at_ms(newest, slice_ms, retention_ms)))
+            for _, body, _ in chunk:
+                newest = max(int(s) for s in body[0::stride])
+                expire = expire_at_ms(newest, slice_ms, retention_ms)
+                per_key.append(key_head(len(body) // stride, expire))
                 flat += body
-            head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
             argv.append(([key for key, _, _ in chunk], [*head, *per_key, *flat]))
-            deps.append((sum(int(a[3]) for _, a, _ in chunk), [d for _, _, d in chunk]))
+            deps.append((slices, [d for _, _, d in chunk]))
     totals = [0] * REPLY_COUNTS
     for res, (expected, call_deps) in zip(_run_pipelined(client, argv), deps, strict=True):
         for j in range(REPLY_COUNTS):

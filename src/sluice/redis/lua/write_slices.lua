@@ -6,14 +6,17 @@
 --             already holds this batch's update, which is then skipped: replays are idempotent.
 --             Or `b<seam>`, a backfill (sluice/offline/backfill.py): its slices, all before the
 --             seam (ms), *replace* what is stored (they hold every archived event of the slice,
---             so a re-run writes the same) under token 0, and each key's seam field `_b` rises
---             to it. The live fold's updates of a slice before a key's `_b` are skipped
---             (counted as `before_seam`): before the seam the archive is the truth.
+--             so a re-run writes the same), and each key's seam field `_b` rises to it. The live
+--             fold's updates of a slice before a key's `_b` are skipped (counted as
+--             `before_seam`): before the seam the archive is the truth.
 -- ARGV[2..6]  state, slice_ms, retention_ms, width, expiry step (ms)
 -- then per key k, one arg: the key's expiry (ms, as text) for its newest slice here (see
 --             below), prefixed by "n_k:" when the key carries n_k > 1 slices (most keys carry
 --             one, and an argument costs Redis more than the `find` that tells them apart);
--- then, per key in order, n_k times: slice_start, v1 .. v_width (numbers as exact text).
+-- then, per key in order, n_k times: slice_start, v1 .. v_width (numbers as exact text);
+--             from a backfill, slice_start, the slice's text as stored ("0:v1:...:v_width"),
+--             in ascending order of start, which go to HSET as they came (`backfill_run`).
+-- A key may come more than once in a row (a long run of one key's slices cut by the writer).
 -- A slice is stored as "token:v1:...:v_width". A slice that had no state stores the writer's
 -- text as it is; a merged one the numbers as `fmt` writes them. The states (`Agg.state` in
 -- sluice/slices/aggs.py) are the numeric ones listed in _merge.lua, and
@@ -40,14 +43,14 @@ local slice_ms = tonumber(ARGV[3])
 local retention_ms = tonumber(ARGV[4])
 local width = tonumber(ARGV[5])
 local step = tonumber(ARGV[6])
-local stride = width + 1
+local stride = seam_s and 2 or width + 1
 local call, ceil = redis.call, math.ceil
 local applied, dups, expired, before_seam = 0, 0, 0, 0
 
 -- The stored text of one slice update at ARGV[at] over `prev` (nil: none), or nil if `prev`
 -- already holds this batch's update.
 local function packed_of(at, prev)
-  if not prev or seam_s then
+  if not prev then
     if width == 1 then return token_s .. ':' .. ARGV[at + 1] end
     local packed = token_s
     for j = 1, width do packed = packed .. ':' .. ARGV[at + j] end
@@ -96,14 +99,50 @@ local function trim(key, lo, keep_from)
   return keep_from
 end
 
-local p = 7 + #KEYS
-for k = 1, #KEYS do
-  local key = KEYS[k]
-  local expire_at, n = ARGV[6 + k], 1
-  local c = find(expire_at, ':', 1, true)
-  if c then n, expire_at = tonumber(sub(expire_at, 1, c - 1)), sub(expire_at, c + 1) end
-  local base = p
-  p = base + stride * n
+-- A backfill's run of n slices of `key` from ARGV[base] (ascending, stored texts): the slices
+-- within retention replace what is stored, in one HSET with `_m` and `_b`; no slice is parsed
+-- but the run's first and last, and those below retention, which come first.
+local function backfill_run(key, base, n, expire_at)
+  local old = call('HMGET', key, '_m', '_b')
+  local hi_s = ARGV[base + 2 * (n - 1)]
+  local hi = tonumber(hi_s)
+  local m, old_hi, old_lo, old_lo_s = old[1]
+  if m then
+    local c = find(m, ':', 1, true)
+    local old_hi_s = sub(m, 1, c - 1)
+    old_lo_s = sub(m, c + 1)
+    old_hi, old_lo = tonumber(old_hi_s), tonumber(old_lo_s)
+    if old_hi >= hi then hi, hi_s = old_hi, old_hi_s end
+  end
+  local keep_from = hi - retention_ms + slice_ms
+  local first = 0  -- slices of the run below retention
+  while first < n and tonumber(ARGV[base + 2 * first]) < keep_from do first = first + 1 end
+  expired = expired + first
+  local lo_s = first < n and ARGV[base + 2 * first] or nil
+  if old_lo then
+    if old_lo < keep_from then
+      old_lo = trim(key, old_lo, keep_from)
+      old_lo_s = fmt(old_lo)
+    end
+    if not lo_s or old_lo < tonumber(lo_s) then lo_s = old_lo_s end
+  end
+  if not lo_s then return end  -- nothing within retention, and no hash
+  local b = old[2]
+  if not b or tonumber(seam_s) > tonumber(b) then b = seam_s end
+  if first < n then
+    call('HSET', key, '_b', b, '_m', hi_s .. ':' .. lo_s,
+         unpack(ARGV, base + 2 * first, base + 2 * n - 1))
+    applied = applied + n - first
+  else
+    call('HSET', key, '_b', b, '_m', hi_s .. ':' .. lo_s)
+  end
+  if hi ~= old_hi and (not old_hi or expiry_step(hi) ~= expiry_step(old_hi)) then
+    call('PEXPIREAT', key, expire_at)
+  end
+end
+
+-- The live fold's run of n slice updates of `key` from ARGV[base]: merged over what is stored.
+local function live_run(key, base, n, expire_at)
   local old, hi, hi_s, starts
   if n == 1 then
     old = call('HMGET', key, '_m', '_b', ARGV[base])
@@ -121,15 +160,12 @@ for k = 1, #KEYS do
     old = call('HMGET', key, unpack(fields))
   end
   local m = old[1]
-  -- The key's seam: slices before it are the backfill's (`seam_s` raises it).
+  -- The key's seam: slices before it are the backfill's.
   local key_seam = old[2] and tonumber(old[2])
-  local new_seam = seam_s and (not key_seam or tonumber(seam_s) > key_seam)
-  if seam_s then key_seam = nil end  -- a backfill writes only below its own seam
   if not m and n == 1 and not key_seam then
     -- A new hash with one slice: no retention to apply, and `_m` is that slice twice.
     local f = ARGV[base]
     local packed = packed_of(base, old[3])
-    if new_seam then call('HSET', key, '_b', seam_s) end
     if packed then
       call('HSET', key, f, packed, '_m', f .. ':' .. f)
       applied = applied + 1
@@ -182,11 +218,6 @@ for k = 1, #KEYS do
       lo = trim(key, lo, keep_from)
       lo_s = fmt(lo)
     end
-    if new_seam then
-      out[o + 1] = '_b'
-      out[o + 2] = seam_s
-      o = o + 2
-    end
     if hi ~= old_hi or lo ~= old_lo then
       out[o + 1] = '_m'
       out[o + 2] = hi_s .. ':' .. (lo_s or fmt(lo))
@@ -196,6 +227,21 @@ for k = 1, #KEYS do
     if hi ~= old_hi and (not old_hi or expiry_step(hi) ~= expiry_step(old_hi)) then
       call('PEXPIREAT', key, expire_at)
     end
+  end
+end
+
+local p = 7 + #KEYS
+for k = 1, #KEYS do
+  local key = KEYS[k]
+  local expire_at, n = ARGV[6 + k], 1
+  local c = find(expire_at, ':', 1, true)
+  if c then n, expire_at = tonumber(sub(expire_at, 1, c - 1)), sub(expire_at, c + 1) end
+  local base = p
+  p = base + stride * n
+  if seam_s then
+    backfill_run(key, base, n, expire_at)
+  else
+    live_run(key, base, n, expire_at)
   end
 end
 return {applied, dups, expired, before_seam}
