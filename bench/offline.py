@@ -114,11 +114,12 @@ def backfill_workload(spark: Any, ws: Workspace, workload: str, a: Any) -> dict[
             with redis.Redis.from_url(srv.url) as c:
                 stored = stored_count(c, "txn_count")
                 memory = c.info("memory")["used_memory"]
+                hashes = sum(1 for _ in c.scan_iter("sluice:s:*", count=10_000))
         finally:
             srv.stop()
         r = report.as_dict()
         fill = {"wall_s": wall, "per_s": a.events / wall, "cores": cores, "stages": stages,
-                "stored_txn_count": stored, "used_memory": memory,
+                "stored_txn_count": stored, "used_memory": memory, "hashes": hashes,
                 "slices_per_s": r["slices"] / wall,
                 **{k: r[k] for k in ("events", "slices", "expired", "after_seam", "partitions",
                                      "dead", "elapsed_s")}}  # fmt: skip
@@ -172,6 +173,7 @@ def summarize_backfill(workload: str, a: Any, size: int, parts: int,
         "bare_cores": cores("bare"), "backfill_cores": cores("backfill"),
         "bare_phases": phases("bare"), "backfill_phases": phases("backfill"),
         "used_memory": med("backfill", "used_memory"),
+        "hashes": med("backfill", "hashes"),
         "exact": all(r["backfill"]["exact"] for r in rounds),
         "cold": {"bare_per_s": rounds[0]["bare"]["per_s"],
                  "backfill_per_s": rounds[0]["backfill"]["per_s"], "ratio": rounds[0]["ratio"]},
