@@ -253,6 +253,46 @@ def profile(b: Bench, sc: Scenario) -> dict[str, Any] | None:
     return pyspy.summarize(raw, INCLUSIVE) | {"rate_per_s": runs[0].rate_per_s, "scenario": sc.name}
 
 
+def http_servers(b: Bench, config_path: Path, scs: Sequence[Scenario]) -> list[dict[str, Any]]:
+    """Each HTTP server of `--http` side by side: per round, each one started in turn on the
+    same config and data, a warm-up, one run of each scenario, stopped. Medians over rounds."""
+    a = b.args
+    main_serve, runs = b.serve, {h: {sc.name: [] for sc in scs} for h in a.http}
+    try:
+        for rnd in range(a.runs):
+            for h in a.http:
+                b.serve = ServeProcess(config_path, a.workers, b.tmp / f"serve-{h}.log", h).start()
+                try:
+                    verify_http(b)
+                    for sc in scs:
+                        run_wrk(b.job(sc, a.warmup_s))
+                        b.wait_drained()
+                        r = b.measure(b.job(sc, a.duration_s))
+                        runs[h][sc.name].append(r)
+                        log(f"http round {rnd} {h} {sc.name}: {r.rate_per_s:,.0f}/s,"
+                            f" p99 {r.pct_ms[99.0]:.1f} ms")  # fmt: skip
+                finally:
+                    b.serve.stop()
+    finally:
+        b.serve = main_serve
+    rows = []
+    for sc in scs:
+        for h in a.http:
+            got = runs[h][sc.name]
+            rate = median([r.rate_per_s for r in got]) or 0.0
+            rows.append({
+                "server": h, "scenario": sc.name, "rate": rate,
+                "rate_each": [r.rate_per_s for r in got],
+                "lookups_per_s": rate * sc.lookups_per_request,
+                "p50_ms": median([r.pct_ms[50.0] for r in got]),
+                "p99_ms": median([r.pct_ms[99.0] for r in got]),
+                "errors": sum(sum(r.errors.values()) for r in got),
+                "cpu": {k: median([r.extra["cpu"].get(k, 0.0) for r in got])
+                        for k in got[0].extra["cpu"]},
+            })  # fmt: skip
+    return rows
+
+
 def run(a: argparse.Namespace, record: Run) -> None:
     require_wrk()
     tmp = Path(tempfile.mkdtemp(prefix="sluice-query-bench-"))
@@ -280,7 +320,12 @@ def run(a: argparse.Namespace, record: Run) -> None:
         )
         b.files = {"get": sd.write_request_file(tmp / "get.txt", gets),
                    "batch": sd.write_request_file(tmp / "batch.txt", bodies)}  # fmt: skip
-        b.serve = ServeProcess(config_path, a.workers, tmp / "serve.log").start()
+        servers = http_servers(b, config_path, [
+            Scenario("GET, 1 connection", "get", 1),
+            Scenario(f"GET, {a.connections} connections", "get", a.connections),
+            Scenario(f"POST batch of {a.batch_size}, {a.connections} connections", "batch",
+                     a.connections, a.batch_size)]) if len(a.http) > 1 else []  # fmt: skip
+        b.serve = ServeProcess(config_path, a.workers, tmp / "serve.log", a.http[-1]).start()
         verify_http(b)
         log("HTTP answers match values merged from the raw hashes")
         get100 = Scenario(f"GET, {a.connections} connections", "get", a.connections)
@@ -310,7 +355,7 @@ def run(a: argparse.Namespace, record: Run) -> None:
     }  # fmt: skip
     curves = {r["name"]: r.pop("pct_ms") for r in results}
     found = {"setup": setup, "scenarios": results, "windows": windows, "in_process": inproc,
-             "profile": prof}  # fmt: skip
+             "profile": prof, "http_servers": servers, "http": a.http[-1]}  # fmt: skip
     record.write(params, found, {"latency_pct_ms": curves})
 
 
@@ -333,7 +378,12 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=11)
     add("--py-spy", default="auto", help="py-spy binary, 'auto' (venv or PATH) or 'off'")
     add("--profile-out", type=Path, help="keep py-spy's raw stacks there")
+    add("--http", default="uvicorn,granian", help="`sluice serve --http`: one server, or several"
+        " to run side by side first (the last one serves the other sections)")  # fmt: skip
     a = p.parse_args()
+    a.http = [h.strip() for h in a.http.split(",") if h.strip()]
+    if not a.http or set(a.http) - {"uvicorn", "granian"}:
+        p.error("--http takes uvicorn and/or granian")
     try:
         a.resolutions_ms = tuple(parse_duration_ms(x.strip()) for x in a.resolutions.split(","))
     except ValueError as e:

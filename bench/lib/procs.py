@@ -226,12 +226,14 @@ class SluiceProcess:
 
 
 class ServeProcess(SluiceProcess):
-    """`sluice serve -c <config> --workers N` on 127.0.0.1 and a free port."""
+    """`sluice serve -c <config> --workers N [--http S]` on 127.0.0.1 and a free port."""
 
-    def __init__(self, config_path: Path, workers: int, log_path: Path) -> None:
+    def __init__(self, config_path: Path, workers: int, log_path: Path,
+                 http: str | None = None) -> None:  # fmt: skip
         self.port = free_port()
         args = ["serve", "-c", str(config_path), "--host", "127.0.0.1", "--port", str(self.port)]
-        super().__init__([*args, "--workers", str(workers)], log_path)
+        args += ["--workers", str(workers), *(["--http", http] if http else [])]
+        super().__init__(args, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ServeProcess:

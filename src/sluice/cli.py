@@ -112,7 +112,20 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
 @click.option(
     "--workers", default=None, type=int, help="worker processes (default: server.workers)"
 )
-def serve(config_path: str, host: str | None, port: int | None, workers: int | None) -> None:
+@click.option(
+    "--http",
+    "http_server",
+    default=None,
+    type=click.Choice(["uvicorn", "granian"]),
+    help="the HTTP server (default: server.http)",
+)
+def serve(
+    config_path: str,
+    host: str | None,
+    port: int | None,
+    workers: int | None,
+    http_server: str | None,
+) -> None:
     """Serve the HTTP API and the dashboard."""
     import uvicorn
 
@@ -122,9 +135,11 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
         n_workers = workers if workers is not None else cfg.server.workers
         if n_workers < 1:
             raise click.ClickException(f"`--workers` must be at least 1, got {n_workers}")
+        host = host or cfg.server.host
+        port = port if port is not None else cfg.server.port
         bind = {
-            "host": host or cfg.server.host,
-            "port": port if port is not None else cfg.server.port,
+            "host": host,
+            "port": port,
             # uvicorn logs through our handler (key=value lines); per-request lines stay off;
             # the latency of every request is in the Prometheus histogram instead.
             "log_config": None,
@@ -132,15 +147,17 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
             "access_log": False,
         }
         url = f"http://{bind['host']}:{bind['port']}/"
-        log.info("serving", extra={"url": url, "workers": n_workers})
+        server = http_server or cfg.server.http
+        log.info("serving", extra={"url": url, "workers": n_workers, "http": server})
+        if server == "granian":
+            _serve_granian(config_path, handle.url, host, port, n_workers)
+            return
         if n_workers == 1:
             uvicorn.run(create_app(cfg, handle.client), **bind)  # type: ignore[arg-type]
             return
         # Worker processes import the app factory; they find the config and Redis by env, and
         # write their request latencies where any of them can read all of them for a scrape.
-        os.environ["SLUICE_CONFIG"] = str(Path(config_path).resolve())
-        os.environ["SLUICE_REDIS_URL"] = handle.url
-        os.environ[LOG_LEVEL_ENV] = (click.get_current_context().obj or {}).get("log_level", "info")
+        _worker_env(config_path, handle.url)
         with _multiprocess_metrics_dir():
             uvicorn.run(
                 "sluice.server.app:app_from_env",
@@ -148,6 +165,40 @@ def serve(config_path: str, host: str | None, port: int | None, workers: int | N
                 workers=n_workers,
                 **bind,  # type: ignore[arg-type]
             )
+
+
+def _worker_env(config_path: str, redis_url: str) -> None:
+    """What a worker process needs to build the app (`app_from_env`): the config, Redis and the
+    log level, by environment."""
+    os.environ["SLUICE_CONFIG"] = str(Path(config_path).resolve())
+    os.environ["SLUICE_REDIS_URL"] = redis_url
+    os.environ[LOG_LEVEL_ENV] = (click.get_current_context().obj or {}).get("log_level", "info")
+
+
+GRANIAN_KILL_AFTER_S = 2
+
+
+def _serve_granian(config_path: str, redis_url: str, host: str, port: int, workers: int) -> None:
+    """`serve` on granian: HTTP parsed and written in Rust, the same ASGI app in each worker
+    process (built by `app_from_env`), as uvicorn runs it."""
+    from granian.constants import Interfaces
+    from granian.server import Server
+
+    _worker_env(config_path, redis_url)
+    with _multiprocess_metrics_dir():
+        Server(
+            "sluice.server.app:app_from_env",
+            address=host,
+            port=port,
+            interface=Interfaces.ASGI,
+            workers=workers,
+            factory=True,
+            log_enabled=False,
+            websockets=False,
+            # A worker that gets the stop signal itself as well as from the main process (Ctrl-C
+            # reaches the whole process group) may never finish stopping: it is killed then.
+            workers_kill_timeout=GRANIAN_KILL_AFTER_S,
+        ).serve()
 
 
 @contextlib.contextmanager

@@ -265,7 +265,12 @@ def test_openapi_spec_lists_the_contract(api: TestClient) -> None:
     assert "requestBody" in spec["paths"]["/v1/query"]["post"]
 
 
-def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("http", ["uvicorn", "granian"])
+def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path, http: str) -> None:
+    """`sluice serve --workers 2` on either HTTP server: both workers answer, every scrape holds
+    both workers' latencies, and Ctrl-C (SIGINT to the whole process group) stops it quietly."""
+    import os
+    import signal
     import subprocess
     import sys
 
@@ -295,7 +300,8 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path) 
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sluice.cli", "serve", "-c", str(cfg), "--port", str(port),
-         "--workers", "2"],
+         "--workers", "2", "--http", http],
+        start_new_session=True, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 30
@@ -334,8 +340,10 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path) 
             assert time.monotonic() < deadline, "no history sample"
             time.sleep(0.2)
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "ERROR" not in err, err
 
 
 def test_queries_survive_a_script_flush(api: TestClient, r: redis.Redis) -> None:

@@ -129,6 +129,11 @@ class ServerConfig(_Model):
     port: int = Field(8000, ge=0, le=65535)
     token: str | None = None
     workers: int = Field(2, ge=1, le=64, description="`sluice serve` worker processes")
+    http: Literal["granian", "uvicorn"] = Field(
+        "granian",
+        description="`sluice serve`'s HTTP server: granian (HTTP in Rust; docs/benchmarks.md has"
+        " it against uvicorn) or uvicorn",
+    )
     log_answers: float = Field(
         0.01,
         ge=0.0,

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest, values
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -334,6 +334,11 @@ class RequestTimer:
 
     def __init__(self) -> None:
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
+        if self.multiprocess and not values.ValueClass._multiprocess:
+            # The client picks its value class when first imported. A worker forked from a
+            # process that imported it before the directory was set (granian forks its
+            # workers) holds the in-memory class: take the file-backed one, once.
+            values.ValueClass = values.get_value_class()
         # In multiprocess mode the values live in files, not in a registry.
         self.registry = None if self.multiprocess else CollectorRegistry(auto_describe=False)
         self.histogram = Histogram(
