@@ -378,7 +378,7 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=11)
     add("--py-spy", default="auto", help="py-spy binary, 'auto' (venv or PATH) or 'off'")
     add("--profile-out", type=Path, help="keep py-spy's raw stacks there")
-    add("--http", default="uvicorn,granian", help="`sluice serve --http`: one server, or several"
+    add("--http", default="granian,uvicorn", help="`sluice serve --http`: one server, or several"
         " to run side by side first (the last one serves the other sections)")  # fmt: skip
     a = p.parse_args()
     a.http = [h.strip() for h in a.http.split(",") if h.strip()]

@@ -129,10 +129,10 @@ class ServerConfig(_Model):
     port: int = Field(8000, ge=0, le=65535)
     token: str | None = None
     workers: int = Field(2, ge=1, le=64, description="`sluice serve` worker processes")
-    http: Literal["granian", "uvicorn"] = Field(
-        "granian",
-        description="`sluice serve`'s HTTP server: granian (HTTP in Rust; docs/benchmarks.md has"
-        " it against uvicorn) or uvicorn",
+    http: Literal["uvicorn", "granian"] = Field(
+        "uvicorn",
+        description="`sluice serve`'s HTTP server: uvicorn, or granian (HTTP in Rust);"
+        " docs/benchmarks.md has them side by side",
     )
     log_answers: float = Field(
         0.01,
