@@ -374,7 +374,8 @@ def parse_args() -> argparse.Namespace:
     add("--wrk-threads", type=int, default=1, help="wrk threads (CPU it takes)")
     add("--paced-load", type=float, default=0.5, help="the paced clients' offered load, as a"
         " fraction of the saturated GET rate")  # fmt: skip
-    add("--resolutions", default="1m", help="slice lengths kept per metric, finest first: 1m,1h")
+    add("--resolutions", default="1m,1h", help="slice lengths kept per metric, finest first"
+        " (1m alone: a 24 h window merges 1,441 slices)")  # fmt: skip
     add("--seed", type=int, default=11)
     add("--py-spy", default="auto", help="py-spy binary, 'auto' (venv or PATH) or 'off'")
     add("--profile-out", type=Path, help="keep py-spy's raw stacks there")
