@@ -125,24 +125,31 @@ class Bench:
         run_wrk(self.job(sc, a.warmup_s))
         self.wait_drained()
         runs = [self.measure(self.job(sc, a.duration_s)) for _ in range(a.runs)]
-        rates = [r.rate_per_s for r in runs]
-        per = sc.lookups_per_request
-
-        def med(fn: Callable[[WrkResult], float]) -> float | None:
-            return median([fn(r) for r in runs])
-
-        out = {
-            "name": sc.name, "rate": median(rates), "rate_min": min(rates), "rate_max": max(rates),
-            "lookups_per_s": (median(rates) or 0) * per, "p50_ms": med(lambda r: r.pct_ms[50.0]),
-            "p99_ms": med(lambda r: r.pct_ms[99.0]), "max_ms": max(r.max_ms for r in runs),
-            "errors": sum(sum(r.errors.values()) for r in runs),
-            "redis_us_per_lookup": med(lambda r: r.extra["redis_usec"] / max(1, r.requests * per)),
-            "drain_s": max(r.extra["drain_s"] for r in runs),
-            "cpu": {k: med(lambda r, k=k: r.extra["cpu"][k]) for k in runs[0].extra["cpu"]},
-            "pct_ms": sorted(runs, key=lambda r: r.rate_per_s)[len(runs) // 2].pct_ms,
-        }  # fmt: skip
+        out = summarize(sc, runs)
         log(f"{sc.name}: {out}")
         return out
+
+
+def summarize(sc: Scenario, runs: Sequence[WrkResult]) -> dict[str, Any]:
+    """Measured runs of `sc` (`Bench.measure`): medians, max for the worst latency, the rates
+    of each run, and the latency curve of the median run."""
+    rates = [r.rate_per_s for r in runs]
+    per = sc.lookups_per_request
+
+    def med(fn: Callable[[WrkResult], float]) -> float | None:
+        return median([fn(r) for r in runs])
+
+    return {
+        "name": sc.name, "rate": median(rates), "rate_min": min(rates), "rate_max": max(rates),
+        "rate_each": rates,
+        "lookups_per_s": (median(rates) or 0) * per, "p50_ms": med(lambda r: r.pct_ms[50.0]),
+        "p99_ms": med(lambda r: r.pct_ms[99.0]), "max_ms": max(r.max_ms for r in runs),
+        "errors": sum(sum(r.errors.values()) for r in runs),
+        "redis_us_per_lookup": med(lambda r: r.extra["redis_usec"] / max(1, r.requests * per)),
+        "drain_s": max(r.extra["drain_s"] for r in runs),
+        "cpu": {k: med(lambda r, k=k: r.extra["cpu"][k]) for k in runs[0].extra["cpu"]},
+        "pct_ms": sorted(runs, key=lambda r: r.rate_per_s)[len(runs) // 2].pct_ms,
+    }  # fmt: skip
 
 
 def verify_http(b: Bench) -> None:
@@ -278,18 +285,9 @@ def http_servers(b: Bench, config_path: Path, scs: Sequence[Scenario]) -> list[d
     rows = []
     for sc in scs:
         for h in a.http:
-            got = runs[h][sc.name]
-            rate = median([r.rate_per_s for r in got]) or 0.0
-            rows.append({
-                "server": h, "scenario": sc.name, "rate": rate,
-                "rate_each": [r.rate_per_s for r in got],
-                "lookups_per_s": rate * sc.lookups_per_request,
-                "p50_ms": median([r.pct_ms[50.0] for r in got]),
-                "p99_ms": median([r.pct_ms[99.0] for r in got]),
-                "errors": sum(sum(r.errors.values()) for r in got),
-                "cpu": {k: median([r.extra["cpu"].get(k, 0.0) for r in got])
-                        for k in got[0].extra["cpu"]},
-            })  # fmt: skip
+            row = summarize(sc, runs[h][sc.name])
+            del row["pct_ms"]
+            rows.append(row | {"server": h, "scenario": sc.name})
     return rows
 
 
