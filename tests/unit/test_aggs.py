@@ -192,3 +192,51 @@ def test_quantiles_over_many_sketches_do_not_depend_on_chance_or_order() -> None
                    .deserialize(b[2:]))  # fmt: skip
     assert len(every) == 60 * 150  # no sketch compacted: the sample is every value
     assert want["0.5"] == sorted(v for v, _ in every)[int(0.5 * len(every))]
+
+
+def test_every_additive_agg_answers_on_columns() -> None:
+    """Training sets answer running-total windows on columns (`offline.answers._prefixed`)."""
+    assert {n for n, a in AGGS.items() if a.additive} == {"count", "sum", "avg"}
+    assert all(AGGS[n].finalize_columns is not None for n, a in AGGS.items() if a.additive)
+
+
+# A merged state: any slice with data, then numbers as a running-total difference gives them
+# (a count first, then an integral or any sum; zero counts with data are a filtered metric's).
+sums = st.one_of(st.integers(-(10**15), 10**15), finite)
+merged_states = st.lists(
+    st.tuples(st.booleans(), st.integers(0, 10**12), sums), min_size=1, max_size=40
+)
+
+
+@pytest.mark.parametrize("name", ["count", "sum", "avg"])
+@pytest.mark.parametrize("integral", [False, True])
+@given(states=merged_states)
+def test_answers_on_columns_are_finalize_s(
+    name: str, integral: bool, states: list[tuple[bool, int, float]]
+) -> None:
+    """`Agg.finalize_columns` answers each state exactly as `Agg.finalize`, and as the same
+    column of the answer's type."""
+    import numpy as np
+    import pyarrow as pa
+
+    from sluice.offline.features import arrow_column
+
+    agg = AGGS[name]
+    assert agg.finalize_columns is not None
+    numbers = [[float(n)] if name == "count" else [float(x)] if name == "sum" else
+               [float(n), float(x)] for _, n, x in states]  # fmt: skip
+    if integral and name == "sum":  # a long column's sum, a long
+        numbers = [[float(int(max(-(2.0**62), min(x, 2.0**62))))] for _, _, x in states]
+    has = np.array([h for h, _, _ in states])
+    columns = [np.array(c, dtype=np.float64) for c in zip(*numbers, strict=True)]
+    values, valid = agg.finalize_columns(has, columns, integral)
+    valid = np.ones(len(states), bool) if valid is None else valid
+    got = [v.item() if ok else None for v, ok in zip(values, valid, strict=True)]
+    m = _metric(name)
+    want = [agg.finalize([1.0, *xs] if h else [0], m, integral)
+            for (h, _, _), xs in zip(states, numbers, strict=True)]  # fmt: skip
+    assert got == want
+    # As the training set's column of the answer's type (a sum with no data answers int 0).
+    kind = agg.answer_type(integral)
+    column = arrow_column(pa.array(values, mask=~valid), kind)
+    assert column.equals(arrow_column(want, kind))

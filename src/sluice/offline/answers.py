@@ -87,16 +87,22 @@ def _collected(batch: pa.RecordBatch, mi: int, agg: Agg, w: int) -> tuple[list[A
     return states, sets
 
 
-def _prefixed(batch: pa.RecordBatch, mi: int, agg: Agg, w: int) -> list[Any]:
-    """A window's state merged by running totals, per row, as `Agg.merge` gives it: [0] with no
-    data, else [1, the merged numbers] (the answer reads only whether any slice had data)."""
+def _prefixed(batch: pa.RecordBatch, mi: int, agg: Agg, w: int, ok: Any,
+              integral: bool) -> pa.Array:  # fmt: skip
+    """A window's answers from its state merged by running totals, on columns
+    (`Agg.finalize_columns`, held to `Agg.finalize`); null where the row has no key or time."""
+    assert agg.finalize_columns is not None, agg.name
     names = batch.schema.names
-    has = batch.column(names.index(part_column(mi, PART_PREFIX, "has", w))).to_pylist()
-    numbers = [
-        batch.column(names.index(part_column(mi, PART_PREFIX, f"x{j}", w))).to_pylist()
-        for j in range(agg.width)
-    ]
-    return [[1.0, *xs] if h else [0] for h, *xs in zip(has, *numbers, strict=True)]
+
+    def column(name: str, blank: Any) -> Any:
+        values = pc.fill_null(batch.column(names.index(name)), blank)
+        return values.to_numpy(zero_copy_only=False)
+
+    has = column(part_column(mi, PART_PREFIX, "has", w), False)
+    numbers = [column(part_column(mi, PART_PREFIX, f"x{j}", w), 0.0) for j in range(agg.width)]
+    values, valid = agg.finalize_columns(has, numbers, integral)
+    valid = ok if valid is None else valid & ok
+    return pa.array(values, mask=~valid)
 
 
 def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -106,17 +112,16 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
     parsed = {name: formula.parse(text) for name, text in plan.derived}
     for batch in batches:
         rows = batch.num_rows
-        values: dict[tuple[str, int], list[Any]] = {}
+        values: dict[tuple[str, int], list[Any] | pa.Array] = {}
         for mi, (mcfg, integral, windows) in enumerate(plan.metrics):
             agg = AGGS[mcfg.agg]
-            ok = batch.column(batch.schema.names.index(part_column(mi, "", "ok"))).to_pylist()
+            ok_column = batch.column(batch.schema.names.index(part_column(mi, "", "ok")))
             if mi in plan.prefix:
+                ok_mask = pc.fill_null(ok_column, False).to_numpy(zero_copy_only=False)
                 for wi, w_ms in enumerate(windows):
-                    values[(mcfg.name, w_ms)] = [
-                        agg.finalize(merged, mcfg, integral) if ok[i] else None
-                        for i, merged in enumerate(_prefixed(batch, mi, agg, wi))
-                    ]
+                    values[(mcfg.name, w_ms)] = _prefixed(batch, mi, agg, wi, ok_mask, integral)
                 continue
+            ok = ok_column.to_pylist()
             edge, edge_sets = _part(batch, mi, PART_EDGE, agg)
             for wi, w_ms in enumerate(windows):
                 if agg.collects:
@@ -138,9 +143,9 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
         cols: list[pa.Array] = [batch.column(batch.schema.names.index(ROW))]
         for column, name, w_ms in plan.features:
             if name in parsed:
-                inputs = formula.names(parsed[name])
+                inputs = {n: _listed(values[(n, w_ms)]) for n in formula.names(parsed[name])}
                 vals = [
-                    formula.evaluate(parsed[name], {n: values[(n, w_ms)][i] for n in inputs})
+                    formula.evaluate(parsed[name], {n: xs[i] for n, xs in inputs.items()})
                     for i in range(rows)
                 ]
                 cols.append(pa.array(vals, pa.float64()))
@@ -151,6 +156,10 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
             cols.append(batch.column(batch.schema.names.index(SPINE)))
             names.append(SPINE)
         yield pa.RecordBatch.from_arrays(cols, names=names)
+
+
+def _listed(values: list[Any] | pa.Array) -> list[Any]:
+    return values.to_pylist() if isinstance(values, pa.Array) else values
 
 
 def cell_states(agg: Agg, cells: list[dict[str, Any]]) -> list[bytes]:

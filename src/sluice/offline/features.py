@@ -138,8 +138,11 @@ def feature_types(cfg: Config, feats: list[Feature]) -> dict[str, str]:
 _ARROW = {"long": pa.int64(), "double": pa.float64()}
 
 
-def arrow_column(values: list[Any], spark_type: str) -> pa.Array:
-    """Answers as an Arrow column of their feature's Spark type (`feature_types`)."""
+def arrow_column(values: list[Any] | pa.Array, spark_type: str) -> pa.Array:
+    """Answers (a list, or an Arrow column of numbers) as an Arrow column of their feature's
+    Spark type (`feature_types`)."""
+    if isinstance(values, pa.Array):
+        return values.cast(_ARROW[spark_type])
     if spark_type in _ARROW:
         return pa.array(values, _ARROW[spark_type])
     return pa.array(  # map<string,double>: the quantiles

@@ -51,6 +51,8 @@ BLOB = "blob"
 HLL = "hll"
 # (merged state, metric, integral value) -> the answer; see `Agg`.
 Finalize = Callable[[Any, "MetricConfig", bool], Any]
+# (has data, the merged numbers, integral) on numpy columns -> (answers, valid or None for all)
+FinalizeColumns = Callable[[Any, Sequence[Any], bool], tuple[Any, Any]]
 MergeColumns = Callable[[Columns], list[float]]
 
 
@@ -104,6 +106,10 @@ class Agg:
     # The answer's Spark type: long, double, `number` (long for an integral value, else
     # double) or `quantiles` (double for one `q`, else a map from q to double).
     answer_kind: str = "double"
+    # `finalize` on columns, for many merged states at once (training sets): numpy arrays of
+    # whether any slice had data and of each merged number. Every `additive` agg has one;
+    # tests/unit/test_aggs.py holds it to `finalize` on every state.
+    finalize_columns: FinalizeColumns | None = None
 
     @property
     def lua(self) -> bool:
@@ -260,6 +266,27 @@ def _finalize_avg(merged: Any, m: MetricConfig, integral: bool) -> float | None:
     return vals[1] / vals[0] if vals and vals[0] else None
 
 
+def _columns_count(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
+    import numpy as np
+
+    return np.where(has, numbers[0], 0).astype(np.int64), None
+
+
+def _columns_sum(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
+    import numpy as np
+
+    values = np.where(has, numbers[0], 0.0)
+    return (values.astype(np.int64) if integral else values), None
+
+
+def _columns_avg(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
+    import numpy as np
+
+    n, total = numbers
+    valid = has & (n != 0)
+    return np.divide(total, n, out=np.zeros(len(n)), where=valid), valid
+
+
 def _sample_variance(merged: Any) -> float | None:
     """M2 / (n - 1), as Spark's `variance`; null below two values."""
     vals = _numbers(merged)
@@ -347,13 +374,15 @@ def _finalize_quantiles(merged: tuple[Any, Any] | None, m: MetricConfig, integra
 # -- the aggregations ------------------------------------------------------------------------------
 
 
-def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize) -> Agg:
+def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize,
+                columns: FinalizeColumns | None = None) -> Agg:  # fmt: skip
     """sum, min, max: one number per slice, of the value's own type; the state is named as the
     agg."""
     return Agg(
         name,
         state=name,
         finalize=finalize,
+        finalize_columns=columns,
         folds=(fold,),
         encode=_encode_value,
         merge_columns=merge,
@@ -397,6 +426,7 @@ AGGS: dict[str, Agg] = {
             "count",
             state="count",
             finalize=_finalize_count,
+            finalize_columns=_columns_count,
             encode=_encode_count,
             merge_columns=merge_add,
             value_kind="long",
@@ -404,13 +434,14 @@ AGGS: dict[str, Agg] = {
             needs_value=False,
             answer_kind="long",
         ),
-        _one_number("sum", SUM, merge_add, _finalize_sum),
+        _one_number("sum", SUM, merge_add, _finalize_sum, _columns_sum),
         _one_number("min", MIN, merge_min, _finalize_value),
         _one_number("max", MAX, merge_max, _finalize_value),
         Agg(
             "avg",
             state="avg",
             finalize=_finalize_avg,
+            finalize_columns=_columns_avg,
             folds=(SUM,),
             width=2,
             encode=_encode_avg,
