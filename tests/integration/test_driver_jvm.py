@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.pipeline.spark import DRIVER_THREAD_STACK
+from sluice.pipeline.spark import ARROW_NO_BYTE_BOUND, DRIVER_THREAD_STACK
 
 # A Python traceback that holds a Java one, as a foreachBatch call interrupted by a stop sends
 # back to Spark: a few hundred frames are tens of thousands of characters.
@@ -33,3 +33,10 @@ def test_spark_tells_a_long_interrupted_batch_error_from_a_failure(spark: Any) -
     assert len(PREFIX + trace) > 25_000
     assert _stream_execution(spark).isInterruptionException(stop, sc)
     assert not _stream_execution(spark).isInterruptionException(failure, sc)
+
+
+def test_arrow_batches_to_python_are_bounded_by_rows_only(spark: Any) -> None:
+    """With exactly this byte bound Spark does not measure a batch after every row it adds
+    (`ARROW_NO_BYTE_BOUND`); the row bound keeps batches small."""
+    assert spark.conf.get("spark.sql.execution.arrow.maxBytesPerBatch") == str(ARROW_NO_BYTE_BOUND)
+    assert int(spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")) == 10_000
