@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 # (`StreamExecution.PROXY_ERROR`); with the JVM's default 1 MB stack, a text past a few thousand
 # characters (a Java stack trace in a Python traceback, as a stop mid-batch makes) overflows it,
 # and the stream thread dies of a StackOverflowError instead of stopping or reporting the error.
-# 16 MB matches texts of about 80,000 characters; stacks are reserved, not resident, until used.
-DRIVER_THREAD_STACK = "16m"
+# A frame per character takes up to about 600 bytes while the regex still runs interpreted (a JVM
+# that has not compiled it yet, as on a busy machine), so 16 MB failed at 30,000 characters there;
+# 64 MB holds about 100,000 even then. Stacks are reserved, not resident, until used.
+DRIVER_THREAD_STACK = "64m"
 # Spark skips its per-row size check of Arrow batches when the byte bound is exactly this.
 ARROW_NO_BYTE_BOUND = 2**31 - 1
 
