@@ -30,7 +30,7 @@ keeps the precision of the window's own sum.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -83,12 +83,18 @@ def prefix_ddl(members: list[PrefixMember]) -> str:
 
 
 def prefix_part(
-    members: list[tuple[int, Any]], rows: DataFrame, spine_g: DataFrame, slice_ms: int
+    members: list[tuple[int, Any]],
+    rows: DataFrame,
+    spine_g: DataFrame,
+    slice_ms: int,
+    then: tuple[Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]], StructType]
+    | None = None,
 ) -> DataFrame:
     """Per spine row of the group, each additive member's windows merged (module docstring).
     `members` are (mi, training._Metric); `rows` the group's exploded rows (k, s, t, v{mi});
     `spine_g` the spine's (ROW, SLICE_T, k, _s, and the spine's own columns as `SPINE` when
-    they ride along). Every spine row gets a row."""
+    they ride along). Every spine row gets a row. `then`: a task body to run on those rows in
+    the same tasks (the answers), with the schema of what it yields."""
     none = F.lit(None).cast("long")
     values = [f"v{mi}" for mi, _ in members]
     passed = [SPINE] if SPINE in spine_g.columns else []
@@ -128,12 +134,13 @@ def prefix_part(
     ]
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        return prefix_batches(plan, slice_ms, batches)
+        merged = prefix_batches(plan, slice_ms, batches)
+        return then[0](merged) if then is not None else merged
 
     schema = cast(StructType, StructType.fromDDL(prefix_ddl(plan)))
     if passed:
         schema = schema.add(SPINE, spine_g.schema[SPINE].dataType)
-    return folded.mapInArrow(run, schema)
+    return folded.mapInArrow(run, then[1] if then is not None else schema)
 
 
 # -- the tasks -------------------------------------------------------------------------------

@@ -240,7 +240,6 @@ def training_set(
     schema = cfg.source.schema_
     whole: list[DataFrame] = []  # parts with a row for every spine row
     parts: list[DataFrame] = []
-    prefixed: list[set[int]] = []
     plan_metrics = []
     groups: dict[int, list[tuple[int, _Metric]]] = {}
     for mi, m in enumerate(chosen):
@@ -248,6 +247,17 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
+    # Additive states take running totals (`offline.prefix`); as known at, or for any other
+    # agg, the slice frames, t's own slice and (as known at) the late events.
+    prefixed = {mi for ms in groups.values() for mi, m in ms if m.agg.additive and not arrival}
+    plan = AnswerPlan(
+        metrics=tuple(plan_metrics),
+        features=tuple((f.column, f.name, f.window_ms) for f in feats),
+        derived=tuple((d.name, d.expr) for d in cfg.derived),
+        types=types,
+        prefix=frozenset(prefixed),
+    )
+    ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
     # One part answers every feature when one key group holds every metric and each one is
     # additive: the spine's columns then ride along with it (`SPINE`), and no join is needed.
     # Else the parts are joined by row id, which must stay the same in every branch.
@@ -270,13 +280,18 @@ def training_set(
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
             *([F.col(SPINE)] if carry else []),
         )  # fmt: skip
-        # Additive states take running totals (`offline.prefix`); as known at, or for any other
-        # agg, the slice frames, t's own slice and (as known at) the late events.
-        additive = [(mi, m) for mi, m in members if m.agg.additive and not arrival]
-        framed = [(mi, m) for mi, m in members if not (m.agg.additive and not arrival)]
+        additive = [(mi, m) for mi, m in members if mi in prefixed]
+        framed = [(mi, m) for mi, m in members if mi not in prefixed]
         if additive:
-            prefixed.append({mi for mi, _ in additive})
-            whole.append(prefix_part(additive, _group_rows(exploded, additive, False), spine_g, s))
+            answering = None
+            if carry:  # its tasks answer the rows too: no second pass to Python and back
+                out = cast(StructType, StructType.fromDDL(ddl))
+                answering = (
+                    partial(answer_batches, plan),
+                    out.add(SPINE, spine_g.schema[SPINE].dataType),
+                )
+            rows_g = _group_rows(exploded, additive, False)
+            whole.append(prefix_part(additive, rows_g, spine_g, s, answering))
         if not framed:
             continue
         rows = _group_rows(exploded, framed, arrival is not None)
@@ -290,26 +305,17 @@ def training_set(
         parts.append(_edge(framed, rows, spine_g, arrival is not None))
         if arrival:
             parts.append(_late(framed, rows, spine_g))
+    if carry:  # answered already (`answering`)
+        # Computed once: the sort's sampling job would otherwise run the whole job twice.
+        return (
+            whole[0]
+            .localCheckpoint(eager=False)
+            .orderBy(ROW)
+            .select(f"{SPINE}.*", *[F.col(f"`{f.column}`") for f in feats])
+        )  # the spine's order
     # A part in `whole` has a row for every spine row: the first one is the base to join onto.
     joined = whole[0] if whole else spine_in.select(ROW)
     for part in [*whole[1:], *parts]:
         joined = joined.join(part, ROW, "left")
-    plan = AnswerPlan(
-        metrics=tuple(plan_metrics),
-        features=tuple((f.column, f.name, f.window_ms) for f in feats),
-        derived=tuple((d.name, d.expr) for d in cfg.derived),
-        types=types,
-        prefix=frozenset().union(*prefixed),
-    )
-    ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
-    if carry:
-        out = cast(StructType, StructType.fromDDL(ddl)).add(SPINE, joined.schema[SPINE].dataType)
-        answers = joined.mapInArrow(partial(answer_batches, plan), out)
-        # Computed once: the sort's sampling job would otherwise run the whole job twice.
-        return (
-            answers.localCheckpoint(eager=False)
-            .orderBy(ROW)
-            .select(f"{SPINE}.*", *[F.col(f"`{f.column}`") for f in feats])
-        )  # the spine's order
     answers = joined.mapInArrow(partial(answer_batches, plan), ddl)
     return spine_in.join(answers, ROW, "left").orderBy(ROW).drop(ROW)  # the spine's order
