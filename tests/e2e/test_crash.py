@@ -1,5 +1,5 @@
-"""Crash test: `sluice run` is killed with SIGKILL three times under steady load (at least once in
-the middle of a batch) and restarted each time. At the end every count and sum equals the
+"""Crash test: `sluice run` is killed with SIGKILL twice under steady load (at least once in the
+middle of a batch) and restarted each time. At the end every count and sum equals the
 reference computed from what the producer had acknowledged, and every batch passed its audit."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 SLUICE = [sys.executable, "-m", "sluice.cli"]
-KILLS = 3  # each a cold restart (~25 s here); every one lands mid-batch or close to it
+KILLS = 2  # each a cold restart (~25-40 s here); every one lands mid-batch or close to it. The
+# second kill lands on a process that had itself recovered from a kill.
 
 
 class SteadyProducer(threading.Thread):
@@ -188,6 +189,7 @@ def crash_run(
                 p.kill()
         for log in logs:
             log.close()
+    print(f"kills that landed mid-batch: {mid_batch} of {KILLS}")
     assert mid_batch >= 1, "no kill landed in the middle of a batch"
     assert_exact(r, producer)
 

@@ -3,7 +3,7 @@
 - The oracle: 300k seeded events (Zipf keys, late arrivals, malformed records) produced to a
   topic with the Producer SDK, every aggregation checked against DuckDB; once drained, the
   consumer group's committed offsets are the partitions' end offsets and the lag is 0.
-- `sluice run` killed with SIGKILL three times under load: nothing lost, nothing counted twice,
+- `sluice run` killed with SIGKILL twice under load: nothing lost, nothing counted twice,
   every batch audited.
 - A stage that reads the topic and writes a Redis stream that metrics fold.
 """
