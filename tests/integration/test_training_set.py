@@ -23,6 +23,7 @@ from sluice.offline.training import training_set
 from sluice.query.engine import QueryEngine
 from sluice.slices.hll import estimate
 from sluice.slices.window import slice_start
+from sluice.units import parse_duration_ms
 from tests.conftest import make_config
 from tests.e2e.test_oracle import REFERENCE_SQL, check_quantiles, make_events
 
@@ -138,6 +139,32 @@ def test_values_match_the_reference_for_every_aggregation(
         map(tuple, spine[cols].values.tolist())
     )  # every spine row once, passed through
     check_rows(cfg, events, out, FEATURES)
+
+
+def test_the_archive_is_read_only_for_times_a_row_can_count(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """A spine of the last 10 minutes reads the events from its earliest row's widest window's
+    covered start to its latest row (the plan's filter says so), and answers exactly."""
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    spine = spine_rows(events, now_ms, n=200)
+    spine = spine[spine["t"] >= now_ms - 10 * 60_000].reset_index(drop=True)
+    features = {"txn_count": ["1m", "17m"], "amount_sum": ["90s"], "card_min": ["45s"]}
+    out = training_set(
+        spark, cfg, spark.createDataFrame(spine), features, ts="t",
+        keys={"card": "card_id"}, events=spark.read.parquet(str(path)),
+    )  # fmt: skip
+    lo, hi = int(spine["t"].min()), int(spine["t"].max())
+    start = min(
+        slice_start(lo - parse_duration_ms(w) + 1, cfg.metric(m).slice_lengths()[0])
+        for m, ws in features.items()
+        for w in ws
+    )
+    assert int(events["ts"].min()) < start  # the archive reaches further back
+    plan = out._jdf.queryExecution().optimizedPlan().toString()
+    assert f">= {start})" in plan and f"< {hi + 1})" in plan, plan
+    check_rows(cfg, events, out.toPandas(), features)
 
 
 def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(

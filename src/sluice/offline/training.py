@@ -65,6 +65,7 @@ from sluice.offline.store import store_values
 from sluice.pipeline.plan import MetricSpec, explode_updates, key_column
 from sluice.query.engine import integral_value
 from sluice.slices.aggs import AGGS, Agg
+from sluice.slices.window import slice_start
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,19 @@ def _late(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFram
     return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
+def _events_needed(spine: DataFrame, ts: str, metrics: Sequence[_Metric]) -> TimeBounds:
+    """The event times a feature of any spine row can count: from the earliest row's widest
+    window's covered start (per metric, at its slice) to the latest row's time. Events outside
+    are never read past the scan (a spine of last week on an archive of a year shuffles a
+    week). No bound for a spine with no time at all: every feature of it is null."""
+    t = to_ms(F.col(f"`{ts}`"), spine.schema[ts].dataType)
+    lo, hi = spine.select(F.min(t), F.max(t)).first() or (None, None)
+    if lo is None or hi is None:
+        return TimeBounds()
+    start = min(slice_start(lo - w + 1, m.slice_ms) for m in metrics for w in m.windows)
+    return TimeBounds(int(start), int(hi) + 1)
+
+
 # -- the job ---------------------------------------------------------------------------------
 
 
@@ -216,9 +230,10 @@ def training_set(
     spine's time column (epoch ms, a timestamp, or ISO 8601 text). `arrival` names the
     archive's arrival-time column: an event then counts only once it had arrived by t.
 
-    Lazy, like any DataFrame: nothing runs until it is written or collected. Where the
-    features need parts joined by row id, the spine is checkpointed locally first (each row's
-    id must stay the same in every branch). Raises
+    Lazy, like any DataFrame, but for one small job over the spine's time column: the archive is
+    read only for the event times a row can count (`_events_needed`). Where the features need
+    parts joined by row id, the spine is checkpointed locally first (each row's id must stay
+    the same in every branch). Raises
     UnknownMetric, BadQuery or ConfigError for features, columns or metrics it cannot answer.
     """
     keys = dict(keys or {})
@@ -234,9 +249,6 @@ def training_set(
         return store_values(spark, cfg, spine_in, t_ms, keys, feats, types, url or cfg.redis)
     cfg_off = offline_config(cfg, chosen, finest_only=True)
     specs = plan_specs(spark, cfg_off)
-    exploded = explode_updates(
-        archive_events(events, cfg_off, TimeBounds(), arrival), cfg_off, specs
-    )
     schema = cfg.source.schema_
     whole: list[DataFrame] = []  # parts with a row for every spine row
     parts: list[DataFrame] = []
@@ -247,6 +259,8 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
+    needed = _events_needed(spine, ts, [m for ms in groups.values() for _, m in ms])
+    exploded = explode_updates(archive_events(events, cfg_off, needed, arrival), cfg_off, specs)
     # Additive states take running totals (`offline.prefix`); as known at, or for any other
     # agg, the slice frames, t's own slice and (as known at) the late events.
     prefixed = {mi for ms in groups.values() for mi, m in ms if m.agg.additive and not arrival}
