@@ -128,11 +128,23 @@ def _drain(ps: Processes, producer: SteadyProducer) -> None:
 
 
 def _stop(ps: Processes) -> None:
+    """SIGTERM to each running process: each exits 0 and leaves nothing of its group behind
+    (its JVM, its Python workers, an armed query's planner)."""
     running = [p for p in ps.procs if p.poll() is None]
     for proc in running:
         proc.send_signal(signal.SIGTERM)
     for proc in running:
         assert proc.wait(60) == 0, ps.log_of(proc)
+    for proc in running:
+        wait_until(lambda p=proc: not _group_alive(p.pid), 30, f"group {proc.pid} to end")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_a_standby_takes_over_from_a_killed_leader_each_time(
@@ -160,6 +172,9 @@ def test_a_standby_takes_over_from_a_killed_leader_each_time(
             ps.wait_leader(standby, TAKEOVER_S)
             wait_until(lambda n=at_kill: ps.events_in() > n, TAKEOVER_S, "the new leader's batch")
             takeovers.append(time.monotonic() - killed_at)
+            # It had started its query ahead (armed) and only let it go (docs/spark.md).
+            firsts = [ln for ln in ps.log_of(standby).splitlines() if 'msg="first batch"' in ln]
+            assert firsts and "armed=True" in firsts[-1], firsts
             leader.wait(30)
             with contextlib.suppress(ProcessLookupError):  # whatever of its group is left
                 os.killpg(leader.pid, signal.SIGKILL)

@@ -23,6 +23,7 @@ a batch cut short re-run on the next start.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -38,12 +39,14 @@ from pyspark.sql.streaming import StreamingQuery
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
+from sluice.errors import PipelineError
 from sluice.graph import SPARK, FlowStage, Graph, graph_topology, reader_name
 from sluice.pipeline import timing
 from sluice.pipeline.lease import Claim, Lease, checkpoint_id
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import FOLDING_KEY, StatsKeys, lease_key, stats_keys
+from sluice.redis.keys import FOLDING_KEY, StatsKeys, arm_key, lease_key, stats_keys
 from sluice.redis.scripts import RECORD_BATCH, script_source
+from sluice.source.arm import GO, STOP, signal
 from sluice.source.options import FlowOptions, SourceOptions
 from sluice.source.reader import FORMAT
 from sluice.status import freshness
@@ -165,6 +168,10 @@ class StreamQuery(ABC):
         self._frame: DataFrame | None = None
         self._record: Any = None
         self._stop = threading.Event()
+        self._armed: tuple[str, StreamingQuery] | None = None  # (its key, the query), see `arm`
+        self._arming: str | None = None  # the key while `arm` builds the frame
+        self._arms = 0
+        self._let_go = False  # the running query was armed, then let go
 
     @property
     def claim(self) -> Claim:
@@ -204,6 +211,8 @@ class StreamQuery(ABC):
         opts = self.source_options()
         if self.lease_owner is not None:
             opts = dataclasses.replace(opts, lease=(lease_key(self.name), self.lease_owner))
+        if self._arming is not None:
+            opts = dataclasses.replace(opts, armed=self._arming)
         spark_opts = opts.to_spark()
         return (session or self.spark).readStream.format(FORMAT).options(**spark_opts).load()
 
@@ -225,7 +234,8 @@ class StreamQuery(ABC):
         if self._started_s is not None:  # how long a (re)start or takeover took to a batch
             since_ms = round((time.monotonic() - self._started_s) * 1000)
             log.info("first batch", extra={"stage": self.name, "batch": batch_id,
-                                           "since_start_ms": since_ms})  # fmt: skip
+                                           "since_start_ms": since_ms,
+                                           "armed": self._let_go})  # fmt: skip
             self._started_s = None
         lease = self.lease
         if lease is not None:
@@ -239,7 +249,7 @@ class StreamQuery(ABC):
             self.timings.add(batch_id, lease=(time.perf_counter() - t0) * 1000)
 
     def start(self) -> StreamingQuery:
-        """Start the streaming query (non-blocking)."""
+        """Start the streaming query (non-blocking); an armed one (`arm`) is let go instead."""
         self._started_s = time.monotonic()
         self.prepare()
         if self.lease is None:
@@ -247,22 +257,73 @@ class StreamQuery(ABC):
         else:
             self.lease.begin(self.claim)
         self._stop.clear()
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            key, query = armed
+            if query.isActive:
+                signal(self.redis.client, key, GO)  # Spark reads the checkpoint from here on
+                self.query, self._let_go = query, True
+                return query
+            log.warning("the armed query had ended; starting it now", extra={"stage": self.name})
         frame = self._frame if self._frame is not None else self.frame()
-        self.query = (
+        self.query, self._let_go = self._launch(frame), False
+        return self.query
+
+    def arm(self) -> bool:
+        """Start the query ahead of a takeover (a standby's, `source.arm`): Spark starts the
+        source's planner and waits, before it reads the checkpoint, until `start` lets it go.
+        Again after an armed query ended (PipelineError if it failed: the caller waits before
+        it tries again); idempotent otherwise (returns whether it started one). Needs
+        `lease_owner`."""
+        if self._armed is not None:
+            key, query = self._armed
+            if query.isActive:
+                return False
+            self._armed = None
+            with contextlib.suppress(Exception):  # its planner may still wait: let it go away
+                signal(self.redis.client, key, STOP)
+            err = query.exception()
+            if err is not None:
+                raise PipelineError(f"the armed query failed: {str(err).splitlines()[0]}")
+        assert self.lease_owner is not None, "only a process under a lease arms its queries"
+        self._arms += 1
+        key = arm_key(self.lease_owner, self.name, self._arms)
+        self.prepare()
+        self._arming = key
+        try:
+            frame = self.frame()
+        finally:
+            self._arming = None
+        self._armed = (key, self._launch(frame))
+        return True
+
+    def disarm(self) -> None:
+        """Drop an armed query: Spark ends it, then its planner is told to exit."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return
+        key, query = armed
+        with contextlib.suppress(Exception):  # ending anyway; the planner exits with its JVM
+            query.stop()
+        with contextlib.suppress(Exception):
+            signal(self.redis.client, key, STOP)
+
+    def _launch(self, frame: DataFrame) -> StreamingQuery:
+        return (
             frame.writeStream.queryName(query_name(self.name))
             .foreachBatch(self._on_batch)
             .option("checkpointLocation", str(self.ckpt))
             .trigger(processingTime=f"{self.cfg.spark.trigger} milliseconds")
             .start()
         )
-        return self.query
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """Stop after the batch in flight, waiting at most `grace_s`."""
+        """Stop after the batch in flight, waiting at most `grace_s`; drop an armed query."""
         self._stop.set()
+        self.disarm()
         stop_query(self.query, grace_s)
         self.query = None
 

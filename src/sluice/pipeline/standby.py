@@ -4,12 +4,14 @@ A process first tries to take the leases; while another process holds them it is
 keeps its Spark session warm: the JVM, the streaming frames, the batch plan run as a streaming
 query over made-up events (`StreamQuery.warm_up`, `source.warm`). The first warm-up runs
 before it looks at the lease again; it is repeated every WARM_EVERY_S, in a thread beside the
-polls, so its Python workers stay alive. It polls the leases of its queries (`pipeline.lease`)
-every `poll_s`, and takes them as soon as they lapse: it then leads, and
-starts the queries from the shared checkpoint. A leader renews its lease from a thread
-(`lease.Keeper`); if it loses it (another process took it over while this one was paused or cut
-off), it stops its queries at once and stands by again. A clean stop releases the lease, so a
-standby takes over without waiting for it to lapse.
+polls, so its Python workers stay alive. Once warm, it starts its queries *armed*
+(`StreamQuery.arm`, `source.arm`): Spark starts each one's source planner, a Python process,
+and waits before reading the checkpoint, so a takeover skips those seconds. It polls the leases
+of its queries (`pipeline.lease`) every `poll_s`, and takes them as soon as they lapse: it then
+leads, and lets its armed queries go (or starts them) from the shared checkpoint. A leader
+renews its lease from a thread (`lease.Keeper`); if it loses it (another process took it over
+while this one was paused or cut off), it stops its queries at once and stands by again. A clean
+stop releases the lease, so a standby takes over without waiting for it to lapse.
 
 Each change of role is logged (`msg="pipeline role"`), and the process keeps its entry in the
 process registry for the status views (`announce`).
@@ -62,6 +64,7 @@ class Roles:
         self.role = "starting"
         self.supervisor: Supervisor | None = None
         self._warm_at = 0.0
+        self._arm_at = 0.0
         self.warm = False  # the warm-up batch ran at least once
         self._warm_thread: threading.Thread | None = None
         self._announced_at = 0.0
@@ -84,6 +87,8 @@ class Roles:
                 else:
                     self._standby(holder)
         finally:
+            for q in self.queries:
+                q.disarm()
             if self.role == "leader":
                 self.lease.release()
             withdraw(self.client, self.lease)
@@ -106,7 +111,21 @@ class Roles:
                 self._warm_thread.start()
             else:
                 self._warm()
+        if self.warm and time.monotonic() >= self._arm_at and not self.stop.is_set():
+            self._arm()
         self.stop.wait(self.poll_s)
+
+    def _arm(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            armed = [q.arm() for q in self.queries]
+            if any(armed):
+                took = round((time.perf_counter() - t0) * 1000)
+                log.info("standby armed", extra={"queries": len(self.queries), "arm_ms": took})
+        except Exception as e:  # noqa: BLE001 - a takeover then starts its queries cold
+            log.warning("could not start the queries ahead of a takeover",
+                        extra={"error": str(e)})  # fmt: skip
+            self._arm_at = time.monotonic() + WARM_EVERY_S
 
     def _warming(self) -> bool:
         return self._warm_thread is not None and self._warm_thread.is_alive()

@@ -34,6 +34,8 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
                                    epoch, expiry, the holder's host, pid and checkpoint)
     sluice:{lease}:terms:<query>   hash: which epoch each batch of its checkpoint writes with
     sluice:{lease}:processes       hash: process id -> its role and heartbeat (JSON)
+    sluice:{lease}:arm:<owner>:<query>:<n>  list: `go` or `stop`, for a standby's query started
+                                   ahead of a takeover (see source.arm); short-lived
     sluice:{flow}:state            hash: task id -> published stage state (seed /taskstate)
     sluice:{flow}:signals          stream: overload/underload signals to tasks (seed /taskmessage)
     sluice:{flow}:timeline         list: the newest stage-state changes (JSON)
@@ -111,6 +113,12 @@ def lease_key(query: str) -> str:
     """The leadership lease of one streaming query (`pipeline.lease`). Every lease key shares
     the tag `{lease}`, so one script can take the leases of all of a process's queries."""
     return f"{LEASE_PREFIX}:q:{query}"
+
+
+def arm_key(owner: str, query: str, n: int) -> str:
+    """Where a standby's query started ahead of a takeover waits for its word (`source.arm`):
+    one key per process (`owner`), query and arming."""
+    return f"{LEASE_PREFIX}:arm:{owner}:{query}:{n}"
 
 
 def terms_key(query: str) -> str:

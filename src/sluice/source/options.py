@@ -67,6 +67,9 @@ class SourceOptions:
     # Whether the source releases a batch's input once Spark commits it. A fold that writes
     # behind (`pipeline.behind`) releases it itself, after the write.
     release: bool = True
+    # A standby's query started ahead of a takeover (`source.arm`): the list its planner waits
+    # on for `go` before Spark reads the checkpoint.
+    armed: str | None = None
 
     def __post_init__(self) -> None:
         for shard, names in self.readers.items():

@@ -21,6 +21,7 @@ partition, kept per batch for its time breakdown (`pipeline.timing`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from sluice.files import read_text, replace_text
 from sluice.redis.connection import client_for
 from sluice.redis.keys import decode_times_key
 from sluice.source.admission import Admission
+from sluice.source.arm import wait_for_go
 from sluice.source.decode import spark_schema_ddl
 from sluice.source.log import LogUnavailable, Span
 from sluice.source.logs import open_log
@@ -122,6 +124,11 @@ class LogStreamReader(DataSourceStreamReader):
         return positions
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        # Spark asks once, while it builds the query's plan and before it reads the checkpoint:
+        # where an armed query waits for its takeover (`source.arm`).
+        if self.opts.armed is not None:
+            wait_for_go(self.opts.url, self.opts.armed)
+            self.opts = dataclasses.replace(self.opts, armed=None)
         n = self.opts.max_events_per_batch
         return ReadAllAvailable() if n is None else ReadMaxRows(n)
 
