@@ -332,8 +332,9 @@ def backfill(
     bounds = TimeBounds(read_from, max(seams.values()))
     raw = read_archive(spark, input_path, fmt, cfg.source.schema_)
     events = archive_events(raw, cfg_off, bounds, ref_ms=now_ms)
-    _, folded = fold(events, cfg_off, specs)
     parts = max(cfg.spark.shuffle_partitions, 2 * spark.sparkContext.defaultParallelism)
+    # Each slice hash's cells in one partition, so that one call writes all of them.
+    _, by_hash = fold(events, cfg_off, specs, by_hash=parts)
     run = run_fingerprint(raw.inputFiles(), {
         "metrics": [m.model_dump(mode="json") for m in chosen], "seams": seams,
         "firsts": firsts, "fmt": fmt, "partitions": parts, "schema": cfg.source.schema_,
@@ -361,8 +362,6 @@ def backfill(
     previous = spark.conf.get("spark.sql.shuffle.partitions") or str(parts)
     spark.conf.set("spark.sql.shuffle.partitions", str(parts))
     try:
-        # Each slice hash's cells in one partition, so that one call writes all of them.
-        by_hash = folded.repartition("g", "k")
         rows = by_hash.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
     finally:
         if watcher is not None:  # first: the calls below raise once the JVM is gone (Ctrl-C)

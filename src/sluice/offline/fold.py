@@ -65,8 +65,12 @@ def plan_specs(spark: SparkSession, cfg_off: Config) -> list[MetricSpec]:
 
 
 def fold(
-    events: DataFrame, cfg_off: Config, specs: list[MetricSpec]
+    events: DataFrame, cfg_off: Config, specs: list[MetricSpec], by_hash: int | None = None
 ) -> tuple[DataFrame, DataFrame]:
-    """(exploded rows, folded cells) of `events` (`offline.events.archive_events`)."""
+    """(exploded rows, folded cells) of `events` (`offline.events.archive_events`). With
+    `by_hash`, the exploded rows are shuffled by slice hash (g, k) into that many partitions
+    before they are folded: the fold needs no shuffle of its own, so the cells come out with
+    each hash's in one partition after a single shuffle (a backfill's write wants them so)."""
     exploded = explode_updates(events, cfg_off, specs)
-    return exploded, fold_updates(exploded, fold_columns(specs, audit=False))
+    rows = exploded if by_hash is None else exploded.repartition(by_hash, "g", "k")
+    return exploded, fold_updates(rows, fold_columns(specs, audit=False))
