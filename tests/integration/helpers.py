@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import pyarrow as pa
 import redis
 
@@ -78,3 +80,11 @@ def same_plan(log: RedisStreamsLog, start: dict[str, str], budget: int) -> Any:
         fresh.end, fresh.entries, fresh.events, fresh.more, fresh.admitted,
     )  # fmt: skip
     return got
+
+
+def produce_now(r: redis.Redis, n: int) -> None:
+    """`n` events of the test config, stamped now, over its two shards (`events:0`, `:1`)."""
+    now = time.time_ns() // 1_000_000
+    for i in range(n):
+        ev = {"ts": now, "card": f"c{i % 7}", "merchant": "m", "amount": 1.0, "qty": 1}
+        r.xadd(f"events:{i % 2}", {"d": orjson.dumps(ev)})

@@ -8,22 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import redis
 
 from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from tests.conftest import make_config, wait_until
+from tests.integration.helpers import produce_now
 
 OWNER = "test-host:1:armed"
-
-
-def _produce(r: redis.Redis, n: int) -> None:
-    now = time.time_ns() // 1_000_000
-    for i in range(n):
-        ev = {"ts": now, "card": f"c{i % 7}", "merchant": "m", "amount": 1.0, "qty": 1}
-        r.xadd(f"events:{i % 2}", {"d": orjson.dumps(ev)})
 
 
 def _events_in(r: redis.Redis) -> int:
@@ -45,7 +38,7 @@ def test_an_armed_query_reads_nothing_until_let_go_then_resumes_exactly(
     """The old leader's checkpoint moving on while a standby is armed is shown with real
     processes (tests/e2e/test_standby.py): one JVM runs one run of a query at a time."""
     cfg = make_config(redis_url, tmp_path / "state")
-    _produce(r, 40)
+    produce_now(r, 40)
     first = FoldQuery(cfg, RedisHandle(redis_url), spark)
     first.start()
     try:
@@ -62,7 +55,7 @@ def test_an_armed_query_reads_nothing_until_let_go_then_resumes_exactly(
     standby.arm()  # idempotent while the armed query runs
     try:
         wait_until(lambda: _waiting_planners(r) == 1, 120, "the armed query's planner to wait")
-        _produce(r, 30)
+        produce_now(r, 30)
         time.sleep(1.0)  # a trigger or two: an armed query plans and reads nothing
         assert standby.query is None and _events_in(r) == 40
         assert sum(r.xlen(k) for k in ("events:0", "events:1")) == kept + 30
@@ -82,7 +75,7 @@ def test_a_dropped_armed_query_ends_without_error_and_its_planner_exits(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     cfg = make_config(redis_url, tmp_path / "state")
-    _produce(r, 10)
+    produce_now(r, 10)
     standby = FoldQuery(cfg, RedisHandle(redis_url), spark)
     standby.lease_owner = OWNER
     standby.arm()

@@ -5,31 +5,23 @@ query that starts after it counts the log exactly."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import redis
 
 from sluice.pipeline.fold import FoldQuery
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from tests.conftest import make_config
-
-
-def _produce(r: redis.Redis, n: int) -> None:
-    now = time.time_ns() // 1_000_000
-    for i in range(n):
-        ev = {"ts": now, "card": f"c{i % 7}", "merchant": "m", "amount": 1.0, "qty": 1}
-        r.xadd(f"events:{i % 2}", {"d": orjson.dumps(ev)})
+from tests.integration.helpers import produce_now
 
 
 def test_warm_up_touches_nothing_and_the_query_after_it_is_exact(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     cfg = make_config(redis_url, tmp_path / "state")
-    _produce(r, 40)
+    produce_now(r, 40)
     keys = sorted(r.keys("*"))
     fold = FoldQuery(cfg, RedisHandle(redis_url), spark)
     fold.warm_up()

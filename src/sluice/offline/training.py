@@ -195,12 +195,12 @@ def _late(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFram
     return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
-def _events_needed(spine: DataFrame, ts: str, metrics: Sequence[_Metric]) -> TimeBounds:
-    """The event times a feature of any spine row can count: from the earliest row's widest
-    window's covered start (per metric, at its slice) to the latest row's time. Events outside
-    are never read past the scan (a spine of last week on an archive of a year shuffles a
-    week). No bound for a spine with no time at all: every feature of it is null."""
-    t = to_ms(F.col(f"`{ts}`"), spine.schema[ts].dataType)
+def _events_needed(spine: DataFrame, t: Column, metrics: Sequence[_Metric]) -> TimeBounds:
+    """The event times a feature of any spine row can count (`t`: a row's time in ms): from
+    the earliest row's widest window's covered start (per metric, at its slice) to the latest
+    row's time. Events outside are never read past the scan (a spine of last week on an archive
+    of a year shuffles a week). No bound for a spine with no time at all: every feature of it
+    is null."""
     lo, hi = spine.select(F.min(t), F.max(t)).first() or (None, None)
     if lo is None or hi is None:
         return TimeBounds()
@@ -242,7 +242,8 @@ def training_set(
     check_spine(cfg, spine, ts, keys, list(windows), feats)
     chosen = select_metrics(cfg, list(windows))
     spine_in = spine.withColumn(ROW, F.monotonically_increasing_id())
-    t_ms = to_ms(F.col(f"`{ts}`"), spine.schema[ts].dataType).alias(SLICE_T)
+    t = to_ms(F.col(f"`{ts}`"), spine.schema[ts].dataType)
+    t_ms = t.alias(SLICE_T)
     types = feature_types(cfg, feats)
     if events is None:
         spine_in = spine_in.localCheckpoint()
@@ -259,7 +260,7 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
-    needed = _events_needed(spine, ts, [m for ms in groups.values() for _, m in ms])
+    needed = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms])
     exploded = explode_updates(archive_events(events, cfg_off, needed, arrival), cfg_off, specs)
     # Additive states take running totals (`offline.prefix`); as known at, or for any other
     # agg, the slice frames, t's own slice and (as known at) the late events.
