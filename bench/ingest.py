@@ -62,6 +62,7 @@ from lib.procs import (
     children,
     command_usec,
     count_metric_total,
+    descendants,
     pipeline_run,
     stat_counter,
     wait_idle,  # fmt: skip
@@ -90,14 +91,6 @@ SPARK_COMMIT = ("walCommit", "commitOffsets")
 
 
 # -- the worker: one revision, one Spark session ---------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], children(pid)
-    while todo:
-        out.append(p := todo.pop())
-        todo += children(p)
-    return out
 
 
 def command_of(pid: int) -> str:

@@ -347,3 +347,12 @@ def children(pid: int) -> list[int]:
         except OSError:
             continue
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`: its children, theirs, and so on."""
+    out, todo = [], children(pid)
+    while todo:
+        out.append(p := todo.pop())
+        todo += children(p)
+    return out
