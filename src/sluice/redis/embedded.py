@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from sluice.errors import RedisUnavailable
 
@@ -165,7 +167,9 @@ class EmbeddedRedis:
         if self.proc.poll() is None:
             with (
                 contextlib.suppress(redis.RedisError, OSError),
-                redis.Redis.from_url(self.url, socket_timeout=5) as c,
+                # No retries: SHUTDOWN closes the connection by design, and redis-py would
+                # send it again, backing off, for seconds (Redis 7 closes it without a reply).
+                redis.Redis.from_url(self.url, socket_timeout=5, retry=Retry(NoBackoff(), 0)) as c,
             ):
                 c.shutdown(nosave=False)
             try:
