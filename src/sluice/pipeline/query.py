@@ -276,13 +276,11 @@ class StreamQuery(ABC):
         it tries again); idempotent otherwise (returns whether it started one). Needs
         `lease_owner`."""
         if self._armed is not None:
-            key, query = self._armed
+            query = self._armed[1]
             if query.isActive:
                 return False
-            self._armed = None
-            with contextlib.suppress(Exception):  # its planner may still wait: let it go away
-                signal(self.redis.client, key, STOP)
             err = query.exception()
+            self.disarm()  # its planner may still wait: let it go away
             if err is not None:
                 raise PipelineError(f"the armed query failed: {str(err).splitlines()[0]}")
         assert self.lease_owner is not None, "only a process under a lease arms its queries"
