@@ -21,8 +21,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
 
+# Two lanes (tests/conftest.py): the end-to-end tests in order on one worker, the rest on the other.
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --durations=25
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

@@ -24,6 +24,20 @@ from sluice.testing.ports import free_port
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Two lanes under `pytest -n 2` (the test command): the end-to-end tests run in order on
+    one worker, while the other runs the unit and integration tests. An end-to-end test mostly
+    waits on the processes it starts, so the two lanes share the two cores well, and never do
+    two end-to-end tests (each starting JVMs of its own) run at once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e" if nodeid.startswith("tests/e2e/") else nodeid
+
+    return Lanes(config, log)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
     """A real redis-server (the embedded binary) on a loopback port, for the whole run."""

@@ -213,7 +213,7 @@ def test_a_backfill_keeps_retention(r: redis.Redis) -> None:
     assert r.pttl(key) > 0
 
 
-@pytest.mark.parametrize("token", [3, f"b{NOW + SLICE_MS}"])
+@pytest.mark.parametrize("token", [3, f"b{NOW + SLICE_MS}"], ids=["live", "backfill"])
 def test_a_key_with_thousands_of_slices_in_one_call(r: redis.Redis, token: Any) -> None:
     """A backfill hands a key's whole history to one partition (a month of 10 s slices is
     259,200), and a replay after an outage can carry hours of one key: its slices go in runs
