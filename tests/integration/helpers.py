@@ -82,9 +82,10 @@ def same_plan(log: RedisStreamsLog, start: dict[str, str], budget: int) -> Any:
     return got
 
 
-def produce_now(r: redis.Redis, n: int) -> None:
-    """`n` events of the test config, stamped now, over its two shards (`events:0`, `:1`)."""
+def produce_now(r: Any, n: int, shards: Sequence[str] = ("events:0", "events:1")) -> None:
+    """`n` events of the test config, stamped now, over its shards (`cfg.source.shard_keys()`:
+    on one Redis `events:0` and `:1`)."""
     now = time.time_ns() // 1_000_000
     for i in range(n):
         ev = {"ts": now, "card": f"c{i % 7}", "merchant": "m", "amount": 1.0, "qty": 1}
-        r.xadd(f"events:{i % 2}", {"d": orjson.dumps(ev)})
+        r.xadd(shards[i % len(shards)], {"d": orjson.dumps(ev)})
