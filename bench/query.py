@@ -4,7 +4,9 @@
     .venv/bin/python bench/query.py --quick    # smoke run, about 2-3 minutes
 
 Dense slices loaded straight into Redis (`lib.slice_data`); wrk (`lib.wrk`) against
-`sluice serve`; the in-process cost of a lookup; window length; a py-spy profile. Needs wrk
+`sluice serve`; the in-process cost of a lookup; window length; a py-spy profile. Side by side
+first, in alternating order per round: the HTTP servers of `--http`, or with `--before REV` that
+commit's src/ (exported with `git archive`) against the working tree's. Needs wrk
 (apt-get install wrk). bench/templates/query.md says what each number means. Writes
 bench/results/query[.quick].json.
 """
@@ -30,6 +32,7 @@ from lib import pyspy
 from lib import slice_data as sd
 from lib.procs import CpuSnapshot, ServeProcess, http_json, proc_cpu_s
 from lib.results import Run, log, parser
+from lib.revisions import export
 from lib.slice_format import SLICE_MS, check_writer_format
 from lib.stats import median, percentile, time_calls_us
 from lib.wrk import WrkJob, WrkResult, require_wrk, run_wrk
@@ -51,6 +54,14 @@ INCLUSIVE = (  # (id, stack marker, negate): shares of the server's samples; lab
     ("fast", "(sluice/query/fast.py", False), ("engine", "(sluice/query/engine.py", False),
     ("mux", "(sluice/redis/mux.py", False), ("redis_py", "(redis/", False),
 )  # fmt: skip
+
+
+class Variant(NamedTuple):
+    """One server compared side by side: a label, its `--http` server, its PYTHONPATH."""
+
+    label: str
+    http: str
+    src: Path | None = None  # another revision's src/; None: the working tree's
 
 
 class Scenario(NamedTuple):
@@ -260,23 +271,28 @@ def profile(b: Bench, sc: Scenario) -> dict[str, Any] | None:
     return pyspy.summarize(raw, INCLUSIVE) | {"rate_per_s": runs[0].rate_per_s, "scenario": sc.name}
 
 
-def http_servers(b: Bench, config_path: Path, scs: Sequence[Scenario]) -> list[dict[str, Any]]:
-    """Each HTTP server of `--http` side by side: per round, each one started in turn on the
-    same config and data, a warm-up, one run of each scenario, stopped. Medians over rounds."""
+def side_by_side(
+    b: Bench, config_path: Path, scs: Sequence[Scenario], variants: Sequence[Variant]
+) -> list[dict[str, Any]]:
+    """Each variant side by side: per round, each one started in turn (alternating the order
+    from round to round) on the same config and data, its answers checked, a warm-up, one run
+    of each scenario, stopped. Medians over rounds."""
     a = b.args
-    main_serve, runs = b.serve, {h: {sc.name: [] for sc in scs} for h in a.http}
+    main_serve, runs = b.serve, {v.label: {sc.name: [] for sc in scs} for v in variants}
     try:
         for rnd in range(a.runs):
-            for h in a.http:
-                b.serve = ServeProcess(config_path, a.workers, b.tmp / f"serve-{h}.log", h).start()
+            for v in variants if rnd % 2 == 0 else variants[::-1]:
+                env = {"PYTHONPATH": str(v.src)} if v.src is not None else None
+                log_path = b.tmp / f"serve-{v.label}.log"
+                b.serve = ServeProcess(config_path, a.workers, log_path, v.http, env).start()
                 try:
                     verify_http(b)
                     for sc in scs:
                         run_wrk(b.job(sc, a.warmup_s))
                         b.wait_drained()
                         r = b.measure(b.job(sc, a.duration_s))
-                        runs[h][sc.name].append(r)
-                        log(f"http round {rnd} {h} {sc.name}: {r.rate_per_s:,.0f}/s,"
+                        runs[v.label][sc.name].append(r)
+                        log(f"round {rnd} {v.label} {sc.name}: {r.rate_per_s:,.0f}/s,"
                             f" p99 {r.pct_ms[99.0]:.1f} ms")  # fmt: skip
                 finally:
                     b.serve.stop()
@@ -284,16 +300,17 @@ def http_servers(b: Bench, config_path: Path, scs: Sequence[Scenario]) -> list[d
         b.serve = main_serve
     rows = []
     for sc in scs:
-        for h in a.http:
-            row = summarize(sc, runs[h][sc.name])
+        for v in variants:
+            row = summarize(sc, runs[v.label][sc.name])
             del row["pct_ms"]
-            rows.append(row | {"server": h, "scenario": sc.name})
+            rows.append(row | {"server": v.label, "scenario": sc.name})
     return rows
 
 
 def run(a: argparse.Namespace, record: Run) -> None:
     require_wrk()
     tmp = Path(tempfile.mkdtemp(prefix="sluice-query-bench-"))
+    before = export(a.before, tmp / "before") if a.before else None  # a bad commit fails here
     server = EmbeddedRedis(tmp / "redis").start()
     b: Bench | None = None
     try:
@@ -318,11 +335,15 @@ def run(a: argparse.Namespace, record: Run) -> None:
         )
         b.files = {"get": sd.write_request_file(tmp / "get.txt", gets),
                    "batch": sd.write_request_file(tmp / "batch.txt", bodies)}  # fmt: skip
-        servers = http_servers(b, config_path, [
+        if before is not None:
+            variants = [Variant("before", a.http[-1], before), Variant("after", a.http[-1])]
+        else:
+            variants = [Variant(h, h) for h in a.http] if len(a.http) > 1 else []
+        servers = side_by_side(b, config_path, [
             Scenario("GET, 1 connection", "get", 1),
             Scenario(f"GET, {a.connections} connections", "get", a.connections),
             Scenario(f"POST batch of {a.batch_size}, {a.connections} connections", "batch",
-                     a.connections, a.batch_size)]) if len(a.http) > 1 else []  # fmt: skip
+                     a.connections, a.batch_size)], variants) if variants else []  # fmt: skip
         b.serve = ServeProcess(config_path, a.workers, tmp / "serve.log", a.http[-1]).start()
         verify_http(b)
         log("HTTP answers match values merged from the raw hashes")
@@ -353,7 +374,8 @@ def run(a: argparse.Namespace, record: Run) -> None:
     }  # fmt: skip
     curves = {r["name"]: r.pop("pct_ms") for r in results}
     found = {"setup": setup, "scenarios": results, "windows": windows, "in_process": inproc,
-             "profile": prof, "http_servers": servers, "http": a.http[-1]}  # fmt: skip
+             "profile": prof, "http_servers": servers, "http": a.http[-1],
+             "before": a.before}  # fmt: skip
     record.write(params, found, {"latency_pct_ms": curves})
 
 
@@ -377,6 +399,8 @@ def parse_args() -> argparse.Namespace:
     add("--seed", type=int, default=11)
     add("--py-spy", default="auto", help="py-spy binary, 'auto' (venv or PATH) or 'off'")
     add("--profile-out", type=Path, help="keep py-spy's raw stacks there")
+    add("--before", help="a commit: its src/ against the working tree's, side by side under the"
+        " last --http server (instead of the HTTP servers side by side)")  # fmt: skip
     add("--http", default="granian,uvicorn", help="`sluice serve --http`: one server, or several"
         " to run side by side first (the last one serves the other sections)")  # fmt: skip
     a = p.parse_args()

@@ -229,11 +229,11 @@ class ServeProcess(SluiceProcess):
     """`sluice serve -c <config> --workers N [--http S]` on 127.0.0.1 and a free port."""
 
     def __init__(self, config_path: Path, workers: int, log_path: Path,
-                 http: str | None = None) -> None:  # fmt: skip
+                 http: str | None = None, env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.port = free_port()
         args = ["serve", "-c", str(config_path), "--host", "127.0.0.1", "--port", str(self.port)]
         args += ["--workers", str(workers), *(["--http", http] if http else [])]
-        super().__init__(args, log_path)
+        super().__init__(args, log_path, env)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> ServeProcess:

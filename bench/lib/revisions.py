@@ -13,6 +13,7 @@ REVISIONS = ("before", "after")
 
 def export(revision: str, into: Path) -> Path:
     """`revision`'s src/ under `into` (git archive); returns that src directory."""
+    into.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", "archive", revision, "src"], cwd=ROOT, check=True,
                              capture_output=True).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)

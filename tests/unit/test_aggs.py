@@ -91,6 +91,26 @@ def _stored(pairs: list[tuple[int, float]]) -> list[bytes | None]:
     return [encode_state(9, p).encode() for p in pairs] + [None]
 
 
+_numbers = st.one_of(
+    st.integers(0, 2**53 + 10),
+    st.integers(-(2**60), 2**60),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+
+
+@given(st.lists(_numbers, min_size=1, max_size=60))
+def test_a_sum_is_the_script_s_doubles_added_in_slice_order(values: list[float]) -> None:
+    """count and sum states merge to what read_slices.lua gives: the doubles added one by one
+    in slice order, whether the stored numbers are integers (added as ints where that is exact)
+    or doubles, however large, negative or mixed."""
+    stored = [encode_state(9, [v]).encode() for v in values] + [None]
+    want = 0.0
+    for v in values:
+        want += float(v)
+    for name in ("count", "sum"):
+        assert AGGS[name].merge(stored) == [len(values), want], name
+
+
 @given(timed)
 def test_first_is_the_least_time_then_the_least_value(pairs: list[tuple[int, float]]) -> None:
     merged = AGGS["first"].merge(_stored(pairs))

@@ -10,8 +10,10 @@ A batch of lookups is one pipelined round trip.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import redis
@@ -45,6 +47,12 @@ class Lookup:
 
 
 def parse_window(value: Any, param: str = "window") -> int:
+    if isinstance(value, str) and len(value) <= 32:
+        return _parse_window_text(value, param)  # requests repeat a few windows: made once
+    return _parse_window(value, param)
+
+
+def _parse_window(value: Any, param: str) -> int:
     if value is None or value == "":
         raise BadQuery(f"`{param}` is required, e.g. {param}=15m", param)
     try:
@@ -56,6 +64,9 @@ def parse_window(value: Any, param: str = "window") -> int:
     if ms > 10 * 365 * 86_400_000:
         raise BadQuery(f"`{param}` {value!r} is longer than ten years", param, 422)
     return ms
+
+
+_parse_window_text = functools.lru_cache(maxsize=1024)(_parse_window)
 
 
 def parse_end(value: Any, now_ms: int) -> int:
@@ -83,6 +94,19 @@ def integral_value(cfg: Config, m: MetricConfig) -> bool:
     return spec is not None and FieldType.parse(spec).type in ("long", "int")
 
 
+def _answer(lk: Lookup, value: Any, covered_start: int, covered_end: int) -> dict[str, Any]:
+    """The response for one lookup (a derived metric's also gets its `inputs`)."""
+    return {
+        "metric": lk.metric,
+        "key": list(lk.key),
+        "value": value,
+        "start": lk.end_ms - lk.window_ms,
+        "end": lk.end_ms,
+        "covered_start": covered_start,
+        "covered_end": covered_end,
+    }
+
+
 class QueryEngine:
     """Stateless apart from the Redis client; safe to share across request handlers.
 
@@ -102,7 +126,12 @@ class QueryEngine:
         self.clock = clock
         self.answer_log = answer_log
         self._integral = {m.name: integral_value(cfg, m) for m in cfg.metrics}
+        self._lengths = {m.name: tuple(m.slice_lengths()) for m in cfg.metrics}
         self._derived = {d.name: formula.parse(d.expr) for d in cfg.derived}
+        # The base metrics each name reads: itself, or a derived metric's inputs.
+        self._bases: dict[str, list[MetricConfig]] = {m.name: [m] for m in cfg.metrics}
+        for name, expr in self._derived.items():
+            self._bases[name] = [m for n in formula.names(expr) if (m := cfg.metric(n))]
 
     # -- validation -------------------------------------------------------------------------
 
@@ -138,11 +167,9 @@ class QueryEngine:
         return Lookup(metric, tuple(keys), window_ms, parse_end(end, self.clock.now_ms()))
 
     def _base_metrics(self, name: str) -> list[MetricConfig]:
-        m = self.cfg.metric(name)
-        if m is not None:
-            return [m]
-        if name in self._derived:
-            return [self.cfg.metric(n) for n in formula.names(self._derived[name])]  # type: ignore[misc]
+        base = self._bases.get(name)
+        if base is not None:
+            return base
         known = ", ".join([m.name for m in self.cfg.metrics] + [d.name for d in self.cfg.derived])
         raise UnknownMetric(f"unknown metric {name!r}; known metrics: {known}", "metric")
 
@@ -204,7 +231,7 @@ class QueryEngine:
         plan: Plan = []
         for n, lk in enumerate(lookups):
             for m in self._base_metrics(lk.metric):
-                cov = cover(lk.end_ms, lk.window_ms, m.slice_lengths())
+                cov = cover(lk.end_ms, lk.window_ms, self._lengths[m.name])
                 stored = AGGS[m.agg].state
                 # Blobs are merged here only, HyperLogLogs in Redis only (PFCOUNT).
                 raw = stored == BLOB or (stored != HLL and cov.n_slices <= RAW_MAX_SLICES)
@@ -214,16 +241,29 @@ class QueryEngine:
     def _answers(
         self, lookups: Sequence[Lookup], plan: Plan, replies: list[Any]
     ) -> list[dict[str, Any]]:
-        parts: list[dict[str, tuple[Any, Cover]]] = [{} for _ in lookups]
+        answers: list[dict[str, Any]] = [{} for _ in lookups]
+        parts: dict[int, dict[str, tuple[Any, Cover]]] = {}  # derived lookups' inputs
         at = 0
         for n, m, cov, count, raw in plan:
             reply = replies[at] if count == 1 and not raw else replies[at : at + count]
             agg = AGGS[m.agg]
             if raw:
-                reply = agg.merge(blob for piece in reply for blob in piece)
-            parts[n][m.name] = (agg.finalize(reply, m, self._integral[m.name]), cov)
+                reply = agg.merge(chain.from_iterable(reply))
+            value = agg.finalize(reply, m, self._integral[m.name])
             at += count
-        return [self._answer(lk, part) for lk, part in zip(lookups, parts, strict=True)]
+            lk = lookups[n]
+            if lk.metric == m.name:  # a base metric's lookup: one read, its answer at once
+                answers[n] = _answer(lk, value, cov.covered_start, cov.covered_end)
+            else:
+                parts.setdefault(n, {})[m.name] = (value, cov)
+        for n, part in parts.items():
+            lk = lookups[n]
+            values = {name: v for name, (v, _) in part.items()}
+            covers = [c for _, c in part.values()]
+            value = formula.evaluate(self._derived[lk.metric], values)
+            start, end = min(c.covered_start for c in covers), max(c.covered_end for c in covers)
+            answers[n] = _answer(lk, value, start, end) | {"inputs": values}
+        return answers
 
     def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover, raw: bool) -> int:
         """Queue the reads of one (metric, key) over `cov`, raw slice states (one HMGET per
@@ -256,25 +296,6 @@ class QueryEngine:
         keys = [slice_hash_key(m.name, encoded, res(p)) for p in cov.pieces]
         evalsha_on(pipe, READ_SLICES, keys, args)
         return 1
-
-    def _answer(self, lk: Lookup, parts: dict[str, tuple[Any, Cover]]) -> dict[str, Any]:
-        """The response for one lookup, from the values (and covers) of the metrics it read."""
-        values = {name: v for name, (v, _) in parts.items()}
-        covers = [c for _, c in parts.values()]
-        out: dict[str, Any] = {
-            "metric": lk.metric,
-            "key": list(lk.key),
-            "value": values[lk.metric]
-            if lk.metric not in self._derived
-            else formula.evaluate(self._derived[lk.metric], values),
-            "start": lk.end_ms - lk.window_ms,
-            "end": lk.end_ms,
-            "covered_start": min(c.covered_start for c in covers),
-            "covered_end": max(c.covered_end for c in covers),
-        }
-        if lk.metric in self._derived:
-            out["inputs"] = values
-        return out
 
     def series(
         self, metric: str, key: Sequence[Any] | Any, window: Any, end: Any = None, step: Any = None

@@ -27,8 +27,12 @@ from functools import reduce
 from operator import add
 from typing import Any
 
-# Columns of a state's numbers, the writer tokens left out: cols[j] holds v_(j+1) of every slice.
-Columns = list[list[bytes]]
+# Columns of a state's numbers, the writer tokens left out: cols[j] holds v_(j+1) of every slice,
+# as text (`float` reads a str about twice as fast as the same bytes).
+Columns = list[list[str]]
+
+
+EXACT_INT = 2**53  # every integer up to this one is a double
 
 
 def format_number(x: float) -> str:
@@ -67,19 +71,30 @@ def state_columns(states: Sequence[bytes], width: int) -> Columns:
     """The numbers of the packed `states` as `width` columns. Raises ValueError on a state that
     is not a token and `width` numbers."""
     stride = width + 1
-    parts = b":".join(states).split(b":")
+    parts = b":".join(states).decode("latin-1").split(":")
     if len(parts) != stride * len(states):
         raise ValueError(f"a slice state is not `token` and {width} numbers")
     return [parts[j::stride] for j in range(1, stride)]
 
 
-def _floats(col: list[bytes]) -> map[float]:
+def _floats(col: list[str]) -> map[float]:
     return map(float, col)
 
 
 def merge_add(cols: Columns) -> list[float]:
-    """count, sum: the total, added in slice order as the script adds it."""
-    return [reduce(add, _floats(cols[0]))]
+    """count, sum: the total, added in slice order as the script adds it. Integers (every
+    count, the sums of an integer field) are added as ints, about twice as fast: when none is
+    negative and the total is at most 2**53, every partial sum is exact as a double too, so the
+    total is the script's."""
+    col = cols[0]
+    try:
+        ints = list(map(int, col))
+    except ValueError:  # a double's text ("2.5", "1e+15"): added as doubles
+        return [reduce(add, _floats(col))]
+    total = sum(ints)
+    if total <= EXACT_INT and min(ints) >= 0:
+        return [float(total)]
+    return [reduce(add, _floats(col))]
 
 
 def merge_min(cols: Columns) -> list[float]:

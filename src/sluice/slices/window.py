@@ -8,6 +8,8 @@ slice that interval touches whole; the union of those slices is [covered_start, 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -72,7 +74,7 @@ class Cover:
         return sum(p.n_slices for p in self.pieces)
 
 
-def cover(end_ms: int, window_ms: int, slice_lengths: list[int]) -> Cover:
+def cover(end_ms: int, window_ms: int, slice_lengths: Sequence[int]) -> Cover:
     """Cover the window (end_ms - window_ms, end_ms] with slices of several resolutions.
 
     `slice_lengths` is finest first, each a multiple of the one before. The window is first
@@ -83,9 +85,15 @@ def cover(end_ms: int, window_ms: int, slice_lengths: list[int]) -> Cover:
     Slices read, at most: ceil(window / r_n) + 2 + 2 * sum(r_(i+1) / r_i - 1) over consecutive
     resolutions. For [1s, 1m, 1h] that is window/1h + 238, whatever the window's length.
     """
+    edges = coverage(end_ms, window_ms, slice_lengths[0])
+    return _tiled(edges.covered_start, edges.covered_end, tuple(slice_lengths))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tiled(lo: int, hi: int, slice_lengths: tuple[int, ...]) -> Cover:
+    """The cover of [lo, hi) (see `cover`). Lookups in the same finest slice with the same
+    window share it, so it is made once (a Cover is immutable)."""
     finest = slice_lengths[0]
-    edges = coverage(end_ms, window_ms, finest)
-    lo, hi = edges.covered_start, edges.covered_end
     pieces: list[Piece] = []
 
     def tile(a: int, b: int, level: int) -> None:
