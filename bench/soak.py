@@ -27,7 +27,7 @@ and Redis's used_memory. At the end: events_in = events acknowledged (good + bad
 card summed over the slices = the good events acknowledged per card, dead letters = bad lines
 sent, every batch audited, error lines in the logs outside the fault windows, and each
 long-lived process's growth from the first quarter of its life to the last. Writes
-bench/results/soak[.quick].json.
+bench/results/soak[.quick].json; the state dir and logs are kept when a check fails.
 """
 
 from __future__ import annotations
@@ -575,15 +575,18 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=30.0, help="length of the load")
     p.add_argument("--rate", type=float, default=1_500.0, help="steady producer events/s")
     p.add_argument("--kill-every", type=float, default=5.0, help="minutes between leader kills")
-    p.add_argument("--keep", action="store_true", help="keep the state dir and logs")
+    p.add_argument("--keep", action="store_true", help="keep the state dir and logs (kept"
+                   " anyway when a check fails)")  # fmt: skip
     a = p.parse_args()
     if a.kill_every * 60 < 60 or a.minutes < 2:
         p.error("`--kill-every` must be at least 1 minute and `--minutes` at least 2")
     run = Run("soak", a)
     ws = Workspace(keep=a.keep)
+    r: dict[str, Any] = {}
     try:
         r = soak(ws, a.minutes, a.kill_every, a.rate)
     finally:
+        ws.keep = ws.keep or not r.get("all_ok", False)  # a failed check's logs are evidence
         ws.cleanup()
     series = r.pop("series")
     log(f"soak: checks {r['checks']}")
