@@ -90,9 +90,8 @@ def merge_add(cols: Columns) -> list[float]:
     try:
         ints = list(map(int, col))
     except ValueError:  # a double's text ("2.5", "1e+15"): added as doubles
-        return [reduce(add, _floats(col))]
-    total = sum(ints)
-    if total <= EXACT_INT and min(ints) >= 0:
+        ints = []
+    if ints and min(ints) >= 0 and (total := sum(ints)) <= EXACT_INT:
         return [float(total)]
     return [reduce(add, _floats(col))]
 
