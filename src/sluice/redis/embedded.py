@@ -61,6 +61,25 @@ def _ping(url: str) -> bool:
         return False
 
 
+def shutdown(proc: subprocess.Popen[bytes], port: int | None, nosave: bool) -> None:
+    """SHUTDOWN the redis-server `proc` on 127.0.0.1:`port` (its AOF flushed first unless
+    `nosave`); killed if it has not exited 10 s later. Sent without redis-py's retries:
+    SHUTDOWN closes the connection by design, and redis-py would send it again, backing off,
+    for seconds (Redis 7 closes it without a reply)."""
+    if proc.poll() is not None:
+        return
+    with (
+        contextlib.suppress(redis.RedisError, OSError),
+        redis.Redis("127.0.0.1", port or 0, socket_timeout=10, retry=Retry(NoBackoff(), 0)) as c,
+    ):
+        c.shutdown(nosave=nosave)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
 class EmbeddedRedis:
     """A redis-server child process. Use as a context manager, or call start() / stop().
 
@@ -164,19 +183,7 @@ class EmbeddedRedis:
         """Stop the server if this object started it (SHUTDOWN, so the AOF is flushed)."""
         if self.proc is None or not self.owned:
             return
-        if self.proc.poll() is None:
-            with (
-                contextlib.suppress(redis.RedisError, OSError),
-                # No retries: SHUTDOWN closes the connection by design, and redis-py would
-                # send it again, backing off, for seconds (Redis 7 closes it without a reply).
-                redis.Redis.from_url(self.url, socket_timeout=5, retry=Retry(NoBackoff(), 0)) as c,
-            ):
-                c.shutdown(nosave=False)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        shutdown(self.proc, self.port, nosave=False)
         with contextlib.suppress(FileNotFoundError):
             if self._port_file().read_text().strip() == str(self.port):
                 self._port_file().unlink()

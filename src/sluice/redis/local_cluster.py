@@ -22,11 +22,9 @@ import time
 from pathlib import Path
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from sluice.errors import RedisUnavailable
-from sluice.redis.embedded import find_server_binary
+from sluice.redis.embedded import find_server_binary, shutdown
 
 SLOTS = 16384
 
@@ -151,12 +149,8 @@ class LocalCluster:
         proc.kill()
         raise RedisUnavailable(f"cluster node on port {port} did not answer within {timeout_s}s")
 
-    def _client(self, i: int, retries: bool = True) -> redis.Redis:
-        if retries:
-            return redis.Redis(port=self.ports[i], socket_timeout=10)
-        # SHUTDOWN closes the connection by design; redis-py would take that for a failure and
-        # send it again, backing off, for about 4 s per node.
-        return redis.Redis(port=self.ports[i], socket_timeout=10, retry=Retry(NoBackoff(), 0))
+    def _client(self, i: int) -> redis.Redis:
+        return redis.Redis(port=self.ports[i], socket_timeout=10)
 
     def start(self, timeout_s: float = 30.0) -> LocalCluster:
         """Start the masters, give each its slots, join them; blocks until `cluster_state:ok`
@@ -206,14 +200,7 @@ class LocalCluster:
         proc = self.procs[i]
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(redis.RedisError, OSError), self._client(i, False) as c:
-                c.shutdown(nosave=not self.appendonly)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        shutdown(proc, self.ports[i], nosave=not self.appendonly)
         self.procs[i] = None
 
     def start_node(self, i: int, timeout_s: float = 30.0) -> None:
