@@ -1,19 +1,26 @@
 """A fold's warm-up (what a standby runs before it may lead): the batch plan as a streaming query
 over made-up events, in the real Spark session. It reads nothing from the log, writes nothing to
 Redis or to the query's checkpoint, leaves no checkpoint of its own, can run again, and the
-query that starts after it counts the log exactly."""
+query that starts after it counts the log exactly. A standby told to stop while it repeats its
+warm-up returns only after the warm-up ended."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
+from sluice.pipeline import standby
 from sluice.pipeline.fold import FoldQuery
+from sluice.pipeline.lease import Keeper, Lease
+from sluice.pipeline.run import Pipeline
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
-from tests.conftest import make_config
+from tests.conftest import make_config, wait_until
 from tests.integration.helpers import produce_now
 
 
@@ -38,3 +45,44 @@ def test_warm_up_touches_nothing_and_the_query_after_it_is_exact(
         fold.stop()
     assert int(r.hget(STATS_KEY, "events_in") or 0) == 40
     assert int(r.hget(STATS_KEY, "events_aggregated") or 0) == 40
+
+
+def test_a_standby_stopped_during_its_re_warm_up_returns_after_it(
+    spark: Any,
+    r: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`sluice run` stops the Spark session once the roles return: a re-warm-up still running
+    then would die under it (Spark logs a crashed Python worker, the warm-up logs a failure).
+    So the roles wait for it, whenever the stop comes."""
+    monkeypatch.setattr(standby, "WARM_EVERY_S", 0.0)  # re-warm as soon as one ends
+    cfg = make_config(redis_url, tmp_path / "state")
+    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline.prepare()
+    assert pipeline.lease is not None
+    leader = Lease(r, pipeline.lease.claims, cfg.lease.ttl)  # another process leads
+    assert leader.try_acquire() is None
+    keeper = Keeper(leader, lambda reason: None)
+    keeper.start()
+    runner = threading.Thread(target=pipeline.run_forever, daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: pipeline.roles is not None and pipeline.roles._warming(), 180,
+                   "a re-warm-up to run")  # fmt: skip
+        warming = pipeline.roles._warm_thread  # type: ignore[union-attr]
+        assert warming is not None
+        with caplog.at_level(logging.DEBUG, logger="sluice"):
+            pipeline.request_stop()
+            runner.join(180)
+        assert not runner.is_alive()
+        assert not warming.is_alive()  # the session may stop now
+        assert "waiting for the standby's warm-up to end" in caplog.messages
+        assert "standby warm-up failed" not in caplog.messages
+        assert not spark.streams.active  # the armed query is dropped as well
+    finally:
+        pipeline.request_stop()
+        keeper.stop()
+        leader.release()

@@ -4,14 +4,16 @@ A process first tries to take the leases; while another process holds them it is
 keeps its Spark session warm: the JVM, the streaming frames, the batch plan run as a streaming
 query over made-up events (`StreamQuery.warm_up`, `source.warm`). The first warm-up runs
 before it looks at the lease again; it is repeated every WARM_EVERY_S, in a thread beside the
-polls, so its Python workers stay alive. Once warm, it starts its queries *armed*
-(`StreamQuery.arm`, `source.arm`): Spark starts each one's source planner, a Python process,
-and waits before reading the checkpoint, so a takeover skips those seconds. It polls the leases
-of its queries (`pipeline.lease`) every `poll_s`, and takes them as soon as they lapse: it then
-leads, and lets its armed queries go (or starts them) from the shared checkpoint. A leader
-renews its lease from a thread (`lease.Keeper`); if it loses it (another process took it over
-while this one was paused or cut off), it stops its queries at once and stands by again. A clean
-stop releases the lease, so a standby takes over without waiting for it to lapse.
+polls, so its Python workers stay alive; a stop waits for one in flight before the session stops
+(Spark logs a crashed Python worker when its session stops under a batch). Once warm, it starts
+its queries *armed* (`StreamQuery.arm`, `source.arm`): Spark starts each one's source planner, a
+Python process, and waits before reading the checkpoint, so a takeover skips those seconds. It
+polls the leases of its queries (`pipeline.lease`) every `poll_s`, and takes them as soon as
+they lapse: it then leads, and lets its armed queries go (or starts them) from the shared
+checkpoint. A leader renews its lease from a thread (`lease.Keeper`); if it loses it (another
+process took it over while this one was paused or cut off), it stops its queries at once and
+stands by again. A clean stop releases the lease, so a standby takes over without waiting for it
+to lapse.
 
 Each change of role is logged (`msg="pipeline role"`), and the process keeps its entry in the
 process registry for the status views (`announce`).
@@ -30,6 +32,7 @@ import orjson
 
 from sluice.clock import Clock
 from sluice.errors import LeaderConflict
+from sluice.pipeline.fold import WARM_UP_TIMEOUT_S
 from sluice.pipeline.lease import Holder, Keeper, Lease
 from sluice.pipeline.query import StreamQuery
 from sluice.pipeline.supervisor import Supervisor
@@ -87,6 +90,7 @@ class Roles:
                 else:
                     self._standby(holder)
         finally:
+            self._end_warm_up()
             for q in self.queries:
                 q.disarm()
             if self.role == "leader":
@@ -130,10 +134,20 @@ class Roles:
     def _warming(self) -> bool:
         return self._warm_thread is not None and self._warm_thread.is_alive()
 
+    def _end_warm_up(self) -> None:
+        """Wait for a re-warm-up in flight: the caller stops the Spark session next, and a
+        session stopped under a running batch makes Spark log its Python worker's crash."""
+        t = self._warm_thread
+        if t is not None and t.is_alive():
+            log.debug("waiting for the standby's warm-up to end")
+            t.join(WARM_UP_TIMEOUT_S)
+
     def _warm(self) -> None:
         t0 = time.perf_counter()
         try:
             for q in self.queries:
+                if self.stop.is_set():  # stopping: `_end_warm_up` waits for one query at most
+                    return
                 q.warm_up()
         except Exception as e:  # noqa: BLE001 - a cold takeover is slower, not wrong
             log.warning("standby warm-up failed", extra={"error": str(e)})
