@@ -313,8 +313,9 @@ def growth(rows: list[list[Any]], col: int, lo_ms: int = 0) -> dict[str, Any] | 
 
 def leaks(rows: list[list[Any]], since: dict[str, int]) -> list[dict[str, Any]]:
     """Per process, RSS, fds and threads from the first quarter of its samples to the last
-    (a run process that led: from `since[name]`, when it became the leader, plus a minute).
-    Flat: RSS within 5% (or 20 MB) and no more fds or threads at the end than at the start."""
+    (a run process that led: from `since[name]`, when it last became the leader, plus a
+    minute). Flat: RSS within 5% (or 20 MB) and no more fds or threads at the end than at the
+    start."""
     out = []
     for name in dict.fromkeys(r[1] for r in rows):
         if name.startswith("run-") and name not in since:  # never led: a start, then a kill
@@ -499,6 +500,11 @@ def soak(ws: Workspace, minutes: float, kill_every: float, rate: float) -> dict[
                 up = now_ms()
                 load.start()
                 wait(lambda u=up: last_done() > u, "a batch after the Redis restart")
+                # The outage cost the leader its lease: whoever leads now began a new term
+                # (queries stopped, armed again and let go), so its figures start here.
+                for p in runs:
+                    if leads(p):
+                        since[name(p)] = now_ms()
                 faults.append({"kind": "Redis restart", "at_ms": at, "at_s": (at - start_ms) / 1000,
                                "down_s": (up - at) / 1000,
                                "recovered_s": (now_ms() - at) / 1000})  # fmt: skip
