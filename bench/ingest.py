@@ -7,6 +7,8 @@
     .venv/bin/python bench/ingest.py --bare-slots --cells fields:highcard,jsonl:highcard --rounds 6
                                                         # ... columns shared between groups or not
     .venv/bin/python bench/ingest.py --audit-pairs 8    # the audit's cost: 8 on/off drain pairs
+    .venv/bin/python bench/ingest.py --cap-pairs 3 --cells fields:zipf,jsonl:zipf
+                                                        # ... twice the batch cap, with ladders
     .venv/bin/python bench/ingest.py --partial-sweep    # partial aggregation or not, by cells/row
     .venv/bin/python bench/ingest.py --cells fields:zipf --rounds 1   # some cells only
 
@@ -164,13 +166,16 @@ def breakdown(records: list[dict[str, Any]], durations: list[dict[str, Any]],
 
 def drain_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
                audit: bool = True, sustained: bool = False,
-               partial: str = "auto") -> dict[str, Any]:  # fmt: skip
+               partial: str = "auto", cap_scale: float = 1.0) -> dict[str, Any]:  # fmt: skip
     """Pre-fill, start the fold, wait until idle: the drain's numbers (and the ladder's).
     `partial`: `spark.partial_aggregation` (left out of the config when `auto`, the default,
-    so that a revision without the setting runs too)."""
+    so that a revision without the setting runs too); `cap_scale` multiplies the cell's batch
+    cap (`source.max_events_per_batch`)."""
     cap, n_events = SIZES[(a.quick, fmt, workload)]
+    cap = round(cap * cap_scale)
     label = f"{fmt}-{workload}{'' if audit else '-noaudit'}"
     label += "" if partial == "auto" else f"-partial-{partial}"
+    label += "" if cap_scale == 1.0 else f"-cap-{cap}"
     extra: dict[str, Any] = {"metrics": HIGHCARD_METRICS} if workload == "highcard" else {}
     if not audit:
         extra["audit"] = {"enabled": False}
@@ -239,7 +244,7 @@ def ladder(pipeline: Any, handle: Any, cfg: Any, a: Any, workload: str,
     is a thread of this process: `driver`), Redis's own time per command (`redis_usec`), and
     its batches' sizes."""
     steps: list[dict[str, Any]] = []
-    factor, cap = 0.9, SIZES[(a.quick, cfg.source.format, workload)][0]
+    factor, cap = 0.9, cfg.source.max_events_per_batch
     lo: float | None = None  # the highest bounded factor so far
     hi: float | None = None  # the lowest unbounded one
     for i in range(MAX_STEPS):
@@ -308,6 +313,7 @@ def bare_cell(spark: Any, ws: Workspace, fmt: str, workload: str, a: Any,
 # What `--bare-<toggle>` and `--<toggle>-pairs` compare: (the value measured as "on", as "off").
 TOGGLES: dict[str, tuple[Any, Any]] = {
     "audit": (True, False), "slots": (True, False), "partial": ("on", "off"),
+    "cap_scale": (2.0, 1.0),  # `--cap-pairs`: twice the batch cap, against the cell's own
 }  # fmt: skip
 
 
@@ -405,7 +411,14 @@ def partial_sweep(a: Any) -> None:
               {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
-PAIR_KEYS = ("format", "workload", "audit", "per_s", "exact", "audit_ok", "cells_per_row")
+PAIR_KEYS = ("format", "workload", "audit", "per_s", "exact", "audit_ok", "cells_per_row",
+             "sustained_per_s", "batch_events")  # fmt: skip
+
+
+def best_step(cell: dict[str, Any]) -> dict[str, Any] | None:
+    """The ladder's best bounded step of a drain that ran one."""
+    bounded = [s for s in cell.get("steps") or [] if s["bounded"]]
+    return max(bounded, key=lambda s: s["achieved_per_s"]) if bounded else None
 
 
 def cells_per_row(records: list[dict[str, Any]]) -> list[float]:
@@ -414,27 +427,34 @@ def cells_per_row(records: list[dict[str, Any]]) -> list[float]:
 
 
 def drain_pairs(a: Any, toggle: str, n_pairs: int) -> None:
-    """`--audit-pairs N` and `--partial-pairs N`: per cell of `--cells`, after a warm-up
-    drain, N pairs of drains with the audit (or Spark's partial aggregation) on and off, in
-    alternating order, in one Spark session (the working tree's src/). A pair's ratio (on /
-    off) is taken in one stretch of the machine's load, so its median is steadier than a ratio
-    of medians. `highcard` events fall over `--space`. Writes
-    bench/results/ingest-<toggle>[.quick|.cells].json."""
+    """`--audit-pairs N`, `--partial-pairs N` and `--cap-pairs N`: per cell of `--cells`, after
+    a warm-up drain, N pairs of drains with the audit (Spark's partial aggregation, twice the
+    batch cap) on and off, in alternating order, in one Spark session (the working tree's
+    src/); the cap's drains also run the rate ladder (sustained). A pair's ratio (on / off) is
+    taken in one stretch of the machine's load, so its median is steadier than a ratio of
+    medians. `highcard` events fall over `--space`. Writes
+    bench/results/ingest-<toggle>[.quick|.cells].json (`cap_scale`: ingest-cap)."""
     from sluice.pipeline.spark import build_spark
 
-    run, ws, cells, spark = Run(f"ingest-{toggle}", a), Workspace(), [], None
-    a = argparse.Namespace(**{**vars(a), "worker": f"{toggle} pairs"})
+    name = "cap" if toggle == "cap_scale" else toggle
+    run, ws, cells, spark = Run(f"ingest-{name}", a), Workspace(), [], None
+    a = argparse.Namespace(**{**vars(a), "worker": f"{name} pairs"})
     warm = argparse.Namespace(**{**vars(a), "quick": True, "worker": "warm-up"})
     try:
         spark = build_spark(bench_config("jsonl", ws.state_dir("spark"), 1), "sluice-bench")
         for fmt, wl in a.cells:
             drain_cell(spark, ws, fmt, "zipf", warm)
             for pair in range(n_pairs):
-                log(f"{toggle} pairs: {fmt} {wl}, pair {pair + 1} of {n_pairs}")
+                log(f"{name} pairs: {fmt} {wl}, pair {pair + 1} of {n_pairs}")
                 for on in (True, False) if pair % 2 == 0 else (False, True):
                     value = TOGGLES[toggle][0 if on else 1]
-                    c = drain_cell(spark, ws, fmt, wl, a, **{toggle: value})
+                    c = drain_cell(spark, ws, fmt, wl, a, sustained=toggle == "cap_scale",
+                                   **{toggle: value})  # fmt: skip
                     kept = {k: c.get(k) for k in PAIR_KEYS}
+                    step = best_step(c)
+                    if step is not None:  # where the cores went at the sustained rate
+                        kept["sustained_idle"] = step["cores"].get("idle")
+                        kept["sustained_batch"] = median(step["batch_events"])
                     cells.append(kept | {"pair": pair + 1, "on": on})
     finally:
         if spark is not None:
@@ -451,7 +471,15 @@ def drain_pairs(a: Any, toggle: str, n_pairs: int) -> None:
                 pairs.append({"pair": pair, "on": on[0], "off": off[0], "ratio": on[0] / off[0]})
         ratio = median([x["ratio"] for x in pairs])
         cells_per_row = [x for c in ran for x in (c.get("cells_per_row") or [])]
-        rows.append({"format": fmt, "workload": wl, "pairs": pairs, "ratio": ratio,
+        side = {on: [c for c in ran if c["on"] == on] for on in (True, False)}
+        sustained = {
+            f"{k}_{'on' if on else 'off'}": median([c[k] for c in cs if c.get(k) is not None])
+            for on, cs in side.items()
+            for k in ("sustained_per_s", "sustained_idle", "sustained_batch")
+        }
+        rows.append({"format": fmt, "workload": wl, "pairs": pairs, "ratio": ratio, **sustained,
+                     "sustained_each": [(c["pair"], c["on"], c.get("sustained_per_s"))
+                                        for c in ran],
                      "cost": None if ratio is None else 1 - ratio,
                      "on_per_s": median([x["on"] for x in pairs]),
                      "off_per_s": median([x["off"] for x in pairs]),
@@ -460,7 +488,8 @@ def drain_pairs(a: Any, toggle: str, n_pairs: int) -> None:
                      "audit_ok": all(c["audit_ok"] for c in ran if c["audit"]) if ran
                      else None})  # fmt: skip
     run.write({"pairs": n_pairs, "sizes": {f"{f} {w}": SIZES[(a.quick, f, w)]
-               for f, w in a.cells}, "space": a.space._asdict()},
+               for f, w in a.cells}, "space": a.space._asdict(),
+               "cap_scale": TOGGLES["cap_scale"][0]},
               {"rows": rows, "load_1m": os.getloadavg()[0]})  # fmt: skip
 
 
@@ -665,17 +694,23 @@ def main() -> None:
                    " in ms (default %(default)s)")  # fmt: skip
     p.add_argument("--audit-pairs", type=int, metavar="N",
                    help="only the audit's cost: N pairs of drains with it on and off")  # fmt: skip
+    p.add_argument("--cap-pairs", type=int, metavar="N",
+                   help="only N pairs of drains, each with its ladder, at twice the batch cap"
+                   " and at the cell's own")  # fmt: skip
     a = p.parse_args()
     a.cells_arg, a.cells = a.cells, cells_of(p, a.cells)
     try:
         a.space = KeySpace(*(int(x) for x in a.space.split(",")))
     except (TypeError, ValueError):
         p.error(f"--space: want cards,merchants,spread_ms (three whole numbers), got {a.space!r}")
-    if a.space != HIGHCARD and not (a.audit_pairs or a.partial_pairs):
-        p.error("--space applies to drain pairs only (--audit-pairs or --partial-pairs)")
+    if a.space != HIGHCARD and not (a.audit_pairs or a.partial_pairs or a.cap_pairs):
+        p.error(
+            "--space applies to drain pairs only (--audit-pairs, --partial-pairs or --cap-pairs)"
+        )
     if len(a.cells) < len(FORMATS) * len(WORKLOADS) and a.out is None and not a.worker:
         name = (
             "ingest-audit" if a.audit_pairs
+            else "ingest-cap" if a.cap_pairs
             else "ingest-partial" if a.partial_pairs
             else "ingest-bare-audit" if a.bare_audit
             else "ingest-bare-slots" if a.bare_slots
@@ -694,9 +729,11 @@ def main() -> None:
     if a.bare_audit or a.bare_slots or a.bare_partial:
         bare_ab(a, "audit" if a.bare_audit else "slots" if a.bare_slots else "partial")
         return
-    if a.audit_pairs or a.partial_pairs:
-        drain_pairs(a, "audit" if a.audit_pairs else "partial", a.audit_pairs or a.partial_pairs)
-        return
+    pairs = {"audit": a.audit_pairs, "partial": a.partial_pairs, "cap_scale": a.cap_pairs}
+    for toggle, n_pairs in pairs.items():
+        if n_pairs:
+            drain_pairs(a, toggle, n_pairs)
+            return
     rounds = a.rounds or (1 if a.quick else 3)
     a.worker_timeout_s = 900 if a.quick else 1200
     run = Run("ingest", a)
