@@ -24,16 +24,26 @@ from sluice.testing.ports import free_port
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
+# End-to-end modules that time nothing (batch commands run to their end): they may run beside
+# another end-to-end test, so they leave the lane and go to whichever worker is free.
+UNTIMED_E2E = ("test_backfill_cli.py", "test_backfill_seam.py", "test_training_cli.py")
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Two lanes under `pytest -n 2` (the test command): the end-to-end tests run in order on
     one worker, while the other runs the unit and integration tests. An end-to-end test mostly
     waits on the processes it starts, so the two lanes share the two cores well, and never do
-    two end-to-end tests (each starting JVMs of its own) run at once."""
+    two end-to-end tests that time a takeover or a stop (each starting JVMs of its own) run at
+    once. The untimed ones (UNTIMED_E2E) go, a module at a time, to whichever worker is free,
+    so that the lanes end together."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "e2e" if nodeid.startswith("tests/e2e/") else nodeid
+            if not nodeid.startswith("tests/e2e/"):
+                return nodeid
+            module = nodeid.split("::", 1)[0]
+            return module if module.endswith(UNTIMED_E2E) else "e2e"
 
     return Lanes(config, log)
 
