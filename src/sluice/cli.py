@@ -63,6 +63,7 @@ def main(
     """Sluice: real-time per-entity metrics over any window."""
     level = "debug" if verbose else (log_level or os.environ.get(LOG_LEVEL_ENV) or "info")
     setup_logging(level)
+    os.environ[LOG_LEVEL_ENV] = level.lower()  # the processes Spark starts log at it too
     ctx.obj = {"log_level": level.lower()}
     if spark_log_level:
         os.environ[SPARK_LOG_LEVEL_ENV] = spark_log_level.upper()
@@ -168,11 +169,10 @@ def serve(
 
 
 def _worker_env(config_path: str, redis_url: str) -> None:
-    """What a worker process needs to build the app (`app_from_env`): the config, Redis and the
-    log level, by environment."""
+    """What a worker process needs to build the app (`app_from_env`): the config and Redis, by
+    environment (the log level is there already: `main` exported it)."""
     os.environ["SLUICE_CONFIG"] = str(Path(config_path).resolve())
     os.environ["SLUICE_REDIS_URL"] = redis_url
-    os.environ[LOG_LEVEL_ENV] = (click.get_current_context().obj or {}).get("log_level", "info")
 
 
 GRANIAN_KILL_AFTER_S = 2

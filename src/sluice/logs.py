@@ -16,11 +16,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import sys
 from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error")
-LOG_LEVEL_ENV = "SLUICE_LOG_LEVEL"  # read by `sluice serve`'s worker processes
+LOG_LEVEL_ENV = "SLUICE_LOG_LEVEL"  # set by the CLI; read by the processes it starts
 SPARK_LOG_LEVEL_ENV = "SLUICE_SPARK_LOG_LEVEL"  # read by `pipeline.spark.build_spark`
 # Libraries whose INFO lines are per request or per connection: quiet unless asked for.
 NOISY = ("py4j", "uvicorn.access", "httpx", "httpcore", "selenium", "urllib3")
@@ -87,3 +88,15 @@ def setup_logging(level: str = "info") -> None:
     root.setLevel(level.upper())
     for noisy in NOISY:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def setup_worker_logging() -> None:
+    """In a process that Spark started under the CLI (a source's planner, a Python worker: the
+    CLI exports its level in LOG_LEVEL_ENV before Spark starts), route the logs as the CLI's
+    own process does, at that level. Without it Python prints a warning as a bare message,
+    and its traceback, with no time and no level. Does nothing in a process that set up its
+    logging already, or that no CLI started (a test's, a library user's: theirs to set up)."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level is None or any(getattr(h, "_sluice", False) for h in logging.getLogger().handlers):
+        return
+    setup_logging(level if level.lower() in LEVELS else "info")

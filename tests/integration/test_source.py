@@ -4,6 +4,7 @@ partition splitting and dead-lettering. Real Redis; the streaming tests run a re
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 from sluice.pipeline.fold import FoldQuery
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
+from sluice.redis.embedded import EmbeddedRedis
 from sluice.source.options import SourceOptions
 from sluice.source.producer import Producer
 from sluice.source.reader import FORMAT, START_FILE, LogStreamReader
@@ -260,6 +262,29 @@ def test_flow_control_falls_back_to_the_static_limit_while_redis_refuses_writes_
         "flow control failed; admitting with the static limit until it recovers",
         "flow control recovered",
     ]
+    failed = next(x for x in caplog.records if x.getMessage().startswith("flow control failed"))
+    assert failed.exc_info is not None  # not an outage: the traceback says where it failed
+
+
+def test_flow_control_says_in_one_line_that_redis_is_down(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every part of the pipeline reports a Redis outage; the admission valve's first failure
+    in it is one warning with the error, not a traceback (which a process Spark started would
+    print bare, with no time to place it by)."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        reader = _reader(make_config(server.url, tmp_path / "state"), server.url)
+        assert reader.admission is not None
+        reader.admission.budget()  # the valve is built, on a live Redis
+    finally:
+        server.stop()
+    with caplog.at_level(logging.DEBUG, logger="sluice"):
+        assert reader.admission.budget() is None  # the static limit applies meanwhile
+    [rec] = [x for x in caplog.records if x.getMessage().startswith("flow control")]
+    assert rec.levelname == "WARNING" and rec.exc_info is None
+    assert "connect" in rec.__dict__["error"].lower(), rec.__dict__["error"]
+    assert reader.admission._errors == 1
 
 
 def test_start_positions_are_kept_beside_the_checkpoint(redis_url: str, tmp_path: Path) -> None:

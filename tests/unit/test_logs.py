@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from sluice.logs import KeyValueFormatter, setup_logging
+from sluice.logs import LOG_LEVEL_ENV, KeyValueFormatter, setup_logging
 
 LINE = re.compile(
     r'^ts=\S+Z level=[A-Z]+ logger=\S+ msg=("(?:[^"\\]|\\.)*"|\S+)( \w+=("(?:[^"\\]|\\.)*"|\S+))*$'
@@ -55,3 +58,35 @@ def test_setup_logging_sets_the_level_and_rejects_an_unknown_one() -> None:
     finally:
         root.handlers[:] = before[1]
         root.setLevel(before[0])
+
+
+def _worker(env: dict[str, str]) -> str:
+    """stderr of a fresh process that sets up a worker's logging, then logs a warning, an info
+    line and a debug line."""
+    code = (
+        "import logging\n"
+        "from sluice.logs import setup_worker_logging\n"
+        "setup_worker_logging()\n"
+        "log = logging.getLogger('sluice.source.admission')\n"
+        "log.warning('flow control failed', extra={'error': 'Connection refused'})\n"
+        "log.info('flow control recovered')\n"
+        "log.debug('detail')\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != LOG_LEVEL_ENV}
+    done = subprocess.run([sys.executable, "-c", code], env=base | env, capture_output=True,
+                          text=True, timeout=60, check=True)  # fmt: skip
+    return done.stderr
+
+
+def test_a_process_started_under_the_cli_logs_as_the_cli_does() -> None:
+    lines = _worker({LOG_LEVEL_ENV: "info"}).splitlines()
+    assert len(lines) == 2
+    assert all(line.startswith("ts=") for line in lines)
+    assert ' level=WARNING logger=sluice.source.admission msg="flow control failed"' in lines[0]
+    assert lines[0].endswith(' error="Connection refused"')
+    assert " level=INFO " in lines[1]
+    assert _worker({LOG_LEVEL_ENV: "warning"}).count("\n") == 1  # the CLI's level holds
+
+
+def test_a_process_no_cli_started_keeps_its_own_logging() -> None:
+    assert _worker({}) == "flow control failed\n"  # Python's default: the user's to set up

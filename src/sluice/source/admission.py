@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import BackpressureConfig, Config
 from sluice.flow.levels import QueueLevel
@@ -92,8 +94,8 @@ class Admission:
             if self._valve is None:
                 self._valve = self._make_valve()
             limit = self._valve.limit()
-        except Exception:  # noqa: BLE001 - logged in _failed; never stops the input
-            self._failed()
+        except Exception as e:  # noqa: BLE001 - logged in _failed; never stops the input
+            self._failed(e)
             return None
         if self._errors:
             log.warning("flow control recovered", extra={"failures": self._errors})
@@ -106,11 +108,17 @@ class Admission:
             return
         try:
             self._valve.admitted(events, held_back)
-        except Exception:  # noqa: BLE001 - logged in _failed; never stops the input
-            self._failed()
+        except Exception as e:  # noqa: BLE001 - logged in _failed; never stops the input
+            self._failed(e)
 
-    def _failed(self) -> None:
+    def _failed(self, e: Exception) -> None:
+        """Log the first failure of a run of them: one line when Redis is out of reach (an
+        outage the rest of the pipeline reports too), with the traceback otherwise."""
         if self._errors == 0:
-            log.exception("flow control failed; admitting with the static limit until it recovers")
+            what = "flow control failed; admitting with the static limit until it recovers"
+            if isinstance(e, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+                log.warning(what, extra={"error": str(e) or type(e).__name__})
+            else:
+                log.exception(what)
         self._errors += 1
         self._retry_at = time.monotonic() + FLOW_RETRY_S

@@ -37,6 +37,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from sluice import collector
 from sluice.clock import SYSTEM_CLOCK
 from sluice.files import read_text, replace_text
+from sluice.logs import setup_worker_logging
 from sluice.redis.connection import client_for
 from sluice.redis.keys import decode_times_key
 from sluice.source.admission import Admission
@@ -87,6 +88,7 @@ class ShardRange(InputPartition):
 
 class LogStreamReader(DataSourceStreamReader):
     def __init__(self, opts: SourceOptions) -> None:
+        setup_worker_logging()  # built in the query's planner, a process Spark starts
         self.opts = opts
         self.log = open_log(opts)
         self.field = self.log.OFFSETS_FIELD
