@@ -111,6 +111,15 @@ def test_a_sum_is_the_script_s_doubles_added_in_slice_order(values: list[float])
         assert AGGS[name].merge(stored) == [len(values), want], name
 
 
+@pytest.mark.parametrize("stored", [b"9:1:2", b"9", b"9:1:", b"9:x"])
+@pytest.mark.parametrize("name", ["count", "sum"])
+def test_a_malformed_one_number_state_is_refused_by_name(name: str, stored: bytes) -> None:
+    """A state that is not a token and one number fails the merge with the agg's name, whether
+    it has too many numbers, none, or text that is no number."""
+    with pytest.raises(ValueError, match=f"for '{name}'"):
+        AGGS[name].merge([b"9:5", stored])
+
+
 @given(timed)
 def test_first_is_the_least_time_then_the_least_value(pairs: list[tuple[int, float]]) -> None:
     merged = AGGS["first"].merge(_stored(pairs))

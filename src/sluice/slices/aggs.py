@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from sluice.slices.state import (
     Columns,
     merge_add,
+    merge_add_states,
     merge_avg,
     merge_first,
     merge_last,
@@ -54,6 +55,7 @@ Finalize = Callable[[Any, "MetricConfig", bool], Any]
 # (has data, the merged numbers, integral) on numpy columns -> (answers, valid or None for all)
 FinalizeColumns = Callable[[Any, Sequence[Any], bool], tuple[Any, Any]]
 MergeColumns = Callable[[Columns], list[float]]
+MergeStates = Callable[[Sequence[bytes]], list[float]]
 
 
 class Fold(NamedTuple):
@@ -94,6 +96,8 @@ class Agg:
     # `width` string columns, each number as exact text (see `slices.state.number_text`).
     encode: Callable[..., list[Any]] | None = None
     merge_columns: MergeColumns | None = None  # Lua-merged states
+    # `merge_columns` on the stored texts themselves, where that is quicker (count, sum).
+    merge_states: MergeStates | None = None
     union: Callable[[Sequence[bytes]], bytes | None] | None = None  # BLOB: serialized union
     # BLOB, at query time: what `merge` gives `finalize` instead of the union (a sketch whose
     # merge takes random choices would answer the same window differently from call to call).
@@ -179,6 +183,8 @@ class Agg:
         if not states:
             return [0]
         try:
+            if self.merge_states is not None:
+                return [float(len(states)), *self.merge_states(states)]
             cols = state_columns(states, self.width)
         except ValueError as e:
             raise ValueError(f"{e} for {self.name!r}") from None
@@ -375,7 +381,8 @@ def _finalize_quantiles(merged: tuple[Any, Any] | None, m: MetricConfig, integra
 
 
 def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize,
-                columns: FinalizeColumns | None = None) -> Agg:  # fmt: skip
+                columns: FinalizeColumns | None = None,
+                merge_states: MergeStates | None = None) -> Agg:  # fmt: skip
     """sum, min, max: one number per slice, of the value's own type; the state is named as the
     agg."""
     return Agg(
@@ -386,6 +393,7 @@ def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize,
         folds=(fold,),
         encode=_encode_value,
         merge_columns=merge,
+        merge_states=merge_states,
         value_kind="number",
         answer_kind="number",
     )
@@ -429,12 +437,13 @@ AGGS: dict[str, Agg] = {
             finalize_columns=_columns_count,
             encode=_encode_count,
             merge_columns=merge_add,
+            merge_states=merge_add_states,
             value_kind="long",
             any_type=True,
             needs_value=False,
             answer_kind="long",
         ),
-        _one_number("sum", SUM, merge_add, _finalize_sum, _columns_sum),
+        _one_number("sum", SUM, merge_add, _finalize_sum, _columns_sum, merge_add_states),
         _one_number("min", MIN, merge_min, _finalize_value),
         _one_number("max", MAX, merge_max, _finalize_value),
         Agg(
