@@ -86,7 +86,9 @@ class Bench:
     files: dict[str, Path] = field(default_factory=dict)
 
     def write_config(self, resolutions_ms: Sequence[int]) -> tuple[Config, Path]:
-        data = sd.served_config(self.redis.url, self.tmp / "state", resolutions_ms)
+        # The embedded default (no `redis:`): serve joins the server under tmp/redis, as a
+        # second Sluice process on the same state_dir does.
+        data = sd.served_config(None, self.tmp, resolutions_ms)
         path = self.tmp / f"sluice-{len(resolutions_ms)}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return config_from_dict(data), path
@@ -178,6 +180,12 @@ def verify_http(b: Bench) -> None:
     status, body = http_json(b.serve.base_url + "/v1/query", body_)
     if status != 200 or len(body.get("results", [])) != b.args.batch_size:
         raise RuntimeError(f"POST /v1/query -> {status} {str(body)[:300]}")
+
+
+def serve_transport(b: Bench) -> str:
+    """How the server's workers reach Redis: over its Unix socket (CLIENT LIST flag U) or TCP."""
+    unix = [c for c in b.client.client_list() if "U" in c.get("flags", "")]
+    return "Unix socket" if unix else "TCP"
 
 
 def slices_read(a: argparse.Namespace, spec: sd.DataSpec, window: str) -> int | None:
@@ -279,6 +287,7 @@ def side_by_side(
     of each scenario, stopped. Medians over rounds."""
     a = b.args
     main_serve, runs = b.serve, {v.label: {sc.name: [] for sc in scs} for v in variants}
+    transports: dict[str, str] = {}
     try:
         for rnd in range(a.runs):
             for v in variants if rnd % 2 == 0 else variants[::-1]:
@@ -287,6 +296,7 @@ def side_by_side(
                 b.serve = ServeProcess(config_path, a.workers, log_path, v.http, env).start()
                 try:
                     verify_http(b)
+                    transports[v.label] = serve_transport(b)
                     for sc in scs:
                         run_wrk(b.job(sc, a.warmup_s))
                         b.wait_drained()
@@ -303,7 +313,8 @@ def side_by_side(
         for v in variants:
             row = summarize(sc, runs[v.label][sc.name])
             del row["pct_ms"]
-            rows.append(row | {"server": v.label, "scenario": sc.name})
+            rows.append(row | {"server": v.label, "scenario": sc.name,
+                               "transport": transports.get(v.label, "?")})  # fmt: skip
     return rows
 
 
@@ -346,7 +357,9 @@ def run(a: argparse.Namespace, record: Run) -> None:
                      a.connections, a.batch_size)], variants) if variants else []  # fmt: skip
         b.serve = ServeProcess(config_path, a.workers, tmp / "serve.log", a.http[-1]).start()
         verify_http(b)
-        log("HTTP answers match values merged from the raw hashes")
+        setup["serve_transport"] = serve_transport(b)
+        log("HTTP answers match values merged from the raw hashes; the server reaches Redis"
+            f" over {setup['serve_transport']}")  # fmt: skip
         get100 = Scenario(f"GET, {a.connections} connections", "get", a.connections)
         batch = f"POST batch of {a.batch_size}, {a.connections} connections"
         scs = [Scenario("GET, 1 connection", "get", 1), get100,

@@ -167,16 +167,20 @@ def write_request_file(path: Path, lines: Iterable[str | bytes]) -> Path:
     return path
 
 
-def served_config(url: str, state_dir: Path, resolutions_ms: Sequence[int]) -> dict[str, Any]:
+def served_config(
+    url: str | None, state_dir: Path, resolutions_ms: Sequence[int]
+) -> dict[str, Any]:
     """The config `sluice serve` gets for this data: the two metrics, 1 m slices (plus coarser
-    `resolutions_ms`, if more than one), 7 d retention, loopback only."""
+    `resolutions_ms`, if more than one), 7 d retention, loopback only. Without `url`, the
+    embedded default: the server under `state_dir/redis`."""
     metrics = METRICS
     if len(resolutions_ms) > 1:
         metrics = [{**{k: v for k, v in m.items() if k != "slice"},
                     "resolutions": list(resolutions_ms)} for m in METRICS]  # fmt: skip
     schema = {"ts": "long", "card": "string", "merchant": "string", "amount": "double"}
     return {
-        "redis": url, "state_dir": str(state_dir), "metrics": metrics,
+        **({} if url is None else {"redis": url}), "state_dir": str(state_dir),
+        "metrics": metrics,
         "source": {"stream": "events", "shards": 1, "format": "jsonl", "schema": schema},
         "server": {"host": "127.0.0.1"},
     }  # fmt: skip

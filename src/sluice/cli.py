@@ -32,7 +32,7 @@ from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.errors import SluiceError
 from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
 from sluice.offline_cli import COMMANDS as OFFLINE_COMMANDS
-from sluice.redis.connection import redact
+from sluice.redis.connection import client_for, redact
 from sluice.status.dead_letters import REASON_RE, read_dead_letters
 from sluice.status.snapshot import read_status
 from sluice.status.views import format_dead_letters, format_dead_summary, format_status
@@ -151,14 +151,16 @@ def serve(
         server = http_server or cfg.server.http
         log.info("serving", extra={"url": url, "workers": n_workers, "http": server})
         if server == "granian":
-            _serve_granian(config_path, handle.url, host, port, n_workers)
+            _serve_granian(config_path, handle.local_url, host, port, n_workers)
             return
         if n_workers == 1:
-            uvicorn.run(create_app(cfg, handle.client), **bind)  # type: ignore[arg-type]
+            local = handle.client if handle.local_url == handle.url else None
+            app = create_app(cfg, local or client_for(handle.local_url))
+            uvicorn.run(app, **bind)  # type: ignore[arg-type]
             return
         # Worker processes import the app factory; they find the config and Redis by env, and
         # write their request latencies where any of them can read all of them for a scrape.
-        _worker_env(config_path, handle.url)
+        _worker_env(config_path, handle.local_url)
         with _multiprocess_metrics_dir():
             uvicorn.run(
                 "sluice.server.app:app_from_env",

@@ -4,6 +4,12 @@ Most tests use Starlette's in-process transport; one runs the real server over a
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -11,13 +17,15 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import yaml
 from fastapi.testclient import TestClient
 
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.client import Client
+from sluice.redis.connection import open_redis
 from sluice.redis.keys import encode_key, slice_hash_key
 from sluice.server.app import create_app
-from tests.conftest import ServerThread, make_config
+from tests.conftest import ServerThread, free_port, make_config
 
 
 def _now_ms() -> int:
@@ -265,56 +273,55 @@ def test_openapi_spec_lists_the_contract(api: TestClient) -> None:
     assert "requestBody" in spec["paths"]["/v1/query"]["post"]
 
 
+_SERVED = {
+    "source": {"schema": {"ts": "long", "card": "string"}},
+    "metrics": [
+        {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1d"}
+    ],
+}
+
+
+def _start_serve(cfg: Path, *args: str) -> tuple[subprocess.Popen[str], httpx.Response]:
+    """`sluice serve -c cfg` in a process group of its own, and its first lookup's response
+    (txn_count of c1 over 1m)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "serve", "-c", str(cfg), "--port", str(port), *args],
+        start_new_session=True, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            resp = httpx.get(
+                f"http://127.0.0.1:{port}/v1/metrics/txn_count",
+                params={"key": "c1", "window": "1m"},
+            )
+            return proc, resp
+        except httpx.TransportError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise AssertionError(f"serve did not start: {proc.communicate()[1]}") from None
+            time.sleep(0.2)
+
+
+def _stop_serve(proc: subprocess.Popen[str]) -> None:
+    """Ctrl-C to the whole process group: serve stops quietly (exit 0, no traceback, no
+    error)."""
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "ERROR" not in err, err
+
+
 @pytest.mark.parametrize("http", ["uvicorn", "granian"])
 def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path, http: str) -> None:
     """`sluice serve --workers 2` on either HTTP server: both workers answer, every scrape holds
     both workers' latencies, and Ctrl-C (SIGINT to the whole process group) stops it quietly."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    import yaml
-
-    from tests.conftest import free_port
-
     _seed(r)
     cfg = tmp_path / "sluice.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "redis": redis_url,
-                "source": {"schema": {"ts": "long", "card": "string"}},
-                "metrics": [
-                    {
-                        "name": "txn_count",
-                        "key": ["card"],
-                        "agg": "count",
-                        "slice": "10s",
-                        "retention": "1d",
-                    }
-                ],
-            }
-        )
-    )
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "serve", "-c", str(cfg), "--port", str(port),
-         "--workers", "2", "--http", http],
-        start_new_session=True, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    cfg.write_text(yaml.safe_dump({"redis": redis_url, **_SERVED}))
+    proc, resp = _start_serve(cfg, "--workers", "2", "--http", http)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                resp = httpx.get(
-                    f"http://127.0.0.1:{port}/v1/metrics/txn_count",
-                    params={"key": "c1", "window": "1m"},
-                )
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "serve did not start"
-                time.sleep(0.2)
         assert resp.json()["value"] == 5
         for _ in range(19):  # a new connection each: both workers answer some
             assert httpx.get(resp.url).status_code == 200
@@ -322,7 +329,7 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path, 
         from prometheus_client.parser import text_string_to_metric_families
 
         for _ in range(4):
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            text = httpx.get(resp.url.copy_with(path="/metrics", query=None)).text
             hist = next(
                 f
                 for f in text_string_to_metric_families(text)
@@ -335,15 +342,34 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path, 
             )
             assert count == 20
         # The workers' samplers keep one shared history.
+        status = resp.url.copy_with(path="/v1/status", query=b"history=5")
         deadline = time.monotonic() + 10
-        while not httpx.get(f"http://127.0.0.1:{port}/v1/status?history=5").json()["history"]:
+        while not httpx.get(status).json()["history"]:
             assert time.monotonic() < deadline, "no history sample"
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err and "ERROR" not in err, err
+        _stop_serve(proc)
+
+
+@pytest.mark.parametrize(("http", "workers"), [("uvicorn", "1"), ("granian", "2")])
+def test_serve_on_the_embedded_redis_reads_it_over_its_unix_socket(http: str, workers: str) -> None:
+    """With no `redis:` (the embedded default), `serve` joins the server under state_dir and
+    its lookups go over the server's Unix socket, in one process or in workers."""
+    short = Path(tempfile.mkdtemp(prefix="sluice-"))  # pytest's own paths may be too deep
+    try:
+        with open_redis(None, short / "state") as handle:
+            _seed(handle.client)
+            cfg = short / "sluice.yaml"
+            cfg.write_text(yaml.safe_dump({"state_dir": str(short / "state"), **_SERVED}))
+            proc, resp = _start_serve(cfg, "--workers", workers, "--http", http)
+            try:
+                assert resp.json()["value"] == 5
+                over_socket = [c for c in handle.client.client_list() if "U" in c["flags"]]
+                assert over_socket, handle.client.client_list()
+            finally:
+                _stop_serve(proc)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_queries_survive_a_script_flush(api: TestClient, r: redis.Redis) -> None:

