@@ -8,7 +8,7 @@ Dense slices loaded straight into Redis (`lib.slice_data`); wrk (`lib.wrk`) agai
 first, in alternating order per round: the HTTP servers of `--http`, or with `--before REV` that
 commit's src/ (exported with `git archive`) against the working tree's. Needs wrk
 (apt-get install wrk). bench/templates/query.md says what each number means. Writes
-bench/results/query[.quick].json.
+bench/results/query[.quick].json (with `--transports`, query-transports[.quick].json).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Variant(NamedTuple):
     label: str
     http: str
     src: Path | None = None  # another revision's src/; None: the working tree's
+    config: Path | None = None  # a config of its own; None: the run's (the embedded default)
 
 
 class Scenario(NamedTuple):
@@ -293,7 +294,8 @@ def side_by_side(
             for v in variants if rnd % 2 == 0 else variants[::-1]:
                 env = {"PYTHONPATH": str(v.src)} if v.src is not None else None
                 log_path = b.tmp / f"serve-{v.label}.log"
-                b.serve = ServeProcess(config_path, a.workers, log_path, v.http, env).start()
+                conf = v.config or config_path
+                b.serve = ServeProcess(conf, a.workers, log_path, v.http, env).start()
                 try:
                     verify_http(b)
                     transports[v.label] = serve_transport(b)
@@ -348,6 +350,14 @@ def run(a: argparse.Namespace, record: Run) -> None:
                    "batch": sd.write_request_file(tmp / "batch.txt", bodies)}  # fmt: skip
         if before is not None:
             variants = [Variant("before", a.http[-1], before), Variant("after", a.http[-1])]
+        elif a.transports:
+            # The same code and config, but for `redis:` naming the server's TCP port: loopback
+            # TCP against the embedded default's Unix socket.
+            tcp = b.tmp / "sluice-tcp.yaml"
+            tcp.write_text(yaml.safe_dump({**yaml.safe_load(config_path.read_text()),
+                                           "redis": server.url}, sort_keys=False))  # fmt: skip
+            variants = [Variant("TCP", a.http[-1], config=tcp),
+                        Variant("Unix socket", a.http[-1])]  # fmt: skip
         else:
             variants = [Variant(h, h) for h in a.http] if len(a.http) > 1 else []
         servers = side_by_side(b, config_path, [
@@ -388,7 +398,7 @@ def run(a: argparse.Namespace, record: Run) -> None:
     curves = {r["name"]: r.pop("pct_ms") for r in results}
     found = {"setup": setup, "scenarios": results, "windows": windows, "in_process": inproc,
              "profile": prof, "http_servers": servers, "http": a.http[-1],
-             "before": a.before}  # fmt: skip
+             "before": a.before, "transports": a.transports}  # fmt: skip
     record.write(params, found, {"latency_pct_ms": curves})
 
 
@@ -414,6 +424,12 @@ def parse_args() -> argparse.Namespace:
     add("--profile-out", type=Path, help="keep py-spy's raw stacks there")
     add("--before", help="a commit: its src/ against the working tree's, side by side under the"
         " last --http server (instead of the HTTP servers side by side)")  # fmt: skip
+    add(
+        "--transports",
+        action="store_true",
+        help="loopback TCP against the Unix socket side by"
+        " side, the same code under the last --http server (instead of the HTTP servers)",
+    )
     add("--http", default="granian,uvicorn", help="`sluice serve --http`: one server, or several"
         " to run side by side first (the last one serves the other sections)")  # fmt: skip
     a = p.parse_args()
@@ -446,4 +462,4 @@ def _on_sigterm(signum: int, _: Any) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _on_sigterm)
     args = parse_args()
-    run(args, Run("query", args))
+    run(args, Run("query-transports" if args.transports else "query", args))
