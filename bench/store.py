@@ -296,6 +296,14 @@ def main() -> None:
         help="instead of a revision: the working tree's writer against this redis-server"
         " binary (before) and against the default one (after)",
     )
+    p.add_argument(
+        "--conf-after",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="instead of a revision: the working tree's writer and the default server, without"
+        " (before) and with (after) these redis.conf lines, e.g. 'lua-replicate-commands no'",
+    )
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument(
         "--redis-conf",
@@ -320,6 +328,9 @@ def main() -> None:
         p.error("--events, --batches and --rounds must be at least 1")
     if a.server_before and a.before:
         p.error("--server-before compares two servers with one writer: leave out --before")
+    if a.conf_after and (a.before or a.server_before):
+        p.error("--conf-after compares two configs with one writer and server: leave out"
+                " --before and --server-before")  # fmt: skip
     if a.server_before and not os.access(a.server_before, os.X_OK):
         p.error(f"--server-before: {a.server_before} is not an executable file")
     run = Run("store", a)
@@ -328,8 +339,9 @@ def main() -> None:
         folded = fold_batches(ws, a)
         params = {"events": a.events, "batches": a.batches, "rounds": a.rounds,
                   "redis_conf": a.redis_conf, "before": a.before, "callgrind": a.callgrind,
-                  "server_before": a.server_before, "metrics": HIGHCARD_METRICS}  # fmt: skip
-        if not a.before and not a.server_before:
+                  "server_before": a.server_before, "conf_after": a.conf_after,
+                  "metrics": HIGHCARD_METRICS}  # fmt: skip
+        if not a.before and not a.server_before and not a.conf_after:
             results = []
             for workload in a.workloads:
                 rounds = [round_of(ws, workload, folded[workload], r, a.redis_conf, a.callgrind)
@@ -338,9 +350,11 @@ def main() -> None:
             run.write(params, {"workloads": results})
             return
         (ws.root / "before").mkdir()
-        before = ROOT / "src" if a.server_before else export(a.before, ws.root / "before")
+        same = a.server_before or a.conf_after  # one writer: the working tree's
+        before = ROOT / "src" if same else export(a.before, ws.root / "before")
         srcs = {"before": before, "after": ROOT / "src"}
         servers = {"before": a.server_before, "after": None}
+        confs = {"before": a.redis_conf, "after": [*a.redis_conf, *a.conf_after]}
         dirs = save_folded(ws, folded)
         by_rev: dict[str, list[Any]] = {rev: [] for rev in REVISIONS}
         for workload in a.workloads:
@@ -348,7 +362,7 @@ def main() -> None:
             for r in range(a.rounds):
                 for rev in order(r):
                     rounds[rev].append(revision_round(ws, srcs[rev], dirs[workload], workload, r,
-                                                      rev, a.redis_conf, a.callgrind,
+                                                      rev, confs[rev], a.callgrind,
                                                       servers[rev]))  # fmt: skip
             for rev in REVISIONS:
                 by_rev[rev].append(summarize(workload, folded[workload][2], a.events,
