@@ -99,9 +99,9 @@ def merge_add(cols: Columns) -> list[float]:
 def merge_add_states(states: Sequence[bytes]) -> list[float]:
     """`merge_add` of one-number states (count, sum) straight from their stored texts, as
     `state_columns` then `merge_add` give it, with one split for both of its paths: a text
-    with no sign in it (no negative number, no double's exponent) is added as ints if every
-    number is one and the total is exact as a double; anything else as doubles in slice order.
-    The query server's most common merge."""
+    with no minus sign in it (no negative number, no negative exponent) is added as ints if
+    every number is one and the total is exact as a double; anything else as doubles in slice
+    order. The query server's most common merge."""
     text = b":".join(states).decode("latin-1")
     parts = text.split(":")
     if len(parts) != 2 * len(states):
