@@ -82,32 +82,29 @@ def _floats(col: list[str]) -> map[float]:
 
 
 def merge_add(cols: Columns) -> list[float]:
-    """count, sum: the total, added in slice order as the script adds it. Integers (every
-    count, the sums of an integer field) are added as ints, about twice as fast: when none is
-    negative and the total is at most 2**53, every partial sum is exact as a double too, so the
-    total is the script's."""
+    """count, sum: the total, added in slice order as the script adds it (`_added`)."""
     col = cols[0]
-    try:
-        ints = list(map(int, col))
-    except ValueError:  # a double's text ("2.5", "1e+15"): added as doubles
-        ints = []
-    if ints and min(ints) >= 0 and (total := sum(ints)) <= EXACT_INT:
-        return [float(total)]
-    return [reduce(add, _floats(col))]
+    return _added(col, any("-" in x for x in col))
 
 
 def merge_add_states(states: Sequence[bytes]) -> list[float]:
     """`merge_add` of one-number states (count, sum) straight from their stored texts, as
-    `state_columns` then `merge_add` give it, with one split for both of its paths: a text
-    with no minus sign in it (no negative number, no negative exponent) is added as ints if
-    every number is one and the total is exact as a double; anything else as doubles in slice
-    order. The query server's most common merge."""
+    `state_columns` then `merge_add` give it, with one split and one look for a minus sign over
+    the whole text. The query server's most common merge."""
     text = b":".join(states).decode("latin-1")
     parts = text.split(":")
     if len(parts) != 2 * len(states):
         raise ValueError("a slice state is not `token` and 1 numbers")
-    col = parts[1::2]
-    if "-" not in text:
+    return _added(parts[1::2], "-" in text)
+
+
+def _added(col: list[str], minus: bool) -> list[float]:
+    """The numbers of `col` added in order. With no minus sign among them (`minus`: no negative
+    number, no negative exponent) and every one an integer (every count, the sums of an integer
+    field), they are added as ints, about twice as fast: when none is negative and the total is
+    at most 2**53, every partial sum is exact as a double too, so the total is the script's.
+    Anything else is added as doubles, as the script adds them."""
+    if not minus:
         try:
             total = sum(map(int, col))
         except ValueError:  # a double's text ("2.5", "1e+15"): added as doubles
