@@ -154,9 +154,9 @@ def serve(
             _serve_granian(config_path, handle.local_url, host, port, n_workers)
             return
         if n_workers == 1:
-            local = handle.client if handle.local_url == handle.url else None
-            app = create_app(cfg, local or client_for(handle.local_url))
-            uvicorn.run(app, **bind)  # type: ignore[arg-type]
+            same = handle.local_url == handle.url
+            client = handle.client if same else client_for(handle.local_url)
+            uvicorn.run(create_app(cfg, client), **bind)  # type: ignore[arg-type]
             return
         # Worker processes import the app factory; they find the config and Redis by env, and
         # write their request latencies where any of them can read all of them for a scrape.
