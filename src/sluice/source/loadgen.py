@@ -129,14 +129,15 @@ def run_load(
     source was asked to hold, like a real client that slows down). Events already made are never
     dropped: they stay buffered until admitted.
 
-    Returns {"events", "offered", "held_back", "seconds", "rate"}; `progress` is called about
-    once a second.
+    Returns {"events", "offered", "held_back", "seconds", "rate", "largest_frame"} (the most
+    events one frame carried: a frame after a stalled tick makes up for it); `progress` is
+    called about once a second.
     """
     gen = EventGenerator(cfg, seed=seed)
     producer = Producer.from_config(cfg, client, block_timeout_s=TICK_S)
     shard_by = producer.shard_by
     t0 = time.monotonic()
-    sent = 0
+    sent = largest = 0
     owed = offered = 0.0
     last_report = last_tick = t0
     while not stop():
@@ -158,6 +159,7 @@ def run_load(
                 n = math.floor(owed)
                 if n > 0:
                     owed -= n
+                    largest = max(largest, n)
                     sent += produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
         except BackpressureError:
             pass  # still buffered; retried next tick
@@ -178,4 +180,5 @@ def run_load(
         "held_back": max(0, round(offered) - sent),
         "seconds": seconds,
         "rate": sent / seconds if seconds else 0.0,
+        "largest_frame": largest,
     }
