@@ -104,3 +104,38 @@ def test_a_batch_committed_but_not_written_runs_again_on_the_next_start(
     assert logged_batches(second.ckpt, "commits") == [0] and read_mark(second.ckpt) == 0
     assert r.xlen("events:0") + r.xlen("events:1") <= 2
     assert second.behind is not None and second.behind.idle
+
+
+def test_a_batch_written_whose_commit_was_lost_is_skipped_when_spark_runs_it_again(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """The writer thread can finish a batch (written, audited, recorded, its input released)
+    before Spark writes the batch's commit. If the query ends in between, Spark runs the batch
+    again from its offset log; its input is gone, so it must be skipped, not audited again
+    (which would fail against the released input and count a failed attempt)."""
+    cfg = _cfg(redis_url, tmp_path, spark=BEHIND, source={"max_events_per_batch": 200})
+    sent = _produce(r, 12, 40)
+    first = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    first.start()
+    try:
+        assert first.wait_idle(120)
+    finally:
+        first.stop()
+    before = _stats(r)
+    newest = logged_batches(first.ckpt, "commits")[-1]
+    assert newest >= 1 and read_mark(first.ckpt) == newest
+    for name in (str(newest), f".{newest}.crc"):  # the commit Spark did not get to write
+        (first.ckpt / "commits" / name).unlink(missing_ok=True)
+
+    second = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    second.start()
+    try:
+        wait_until(lambda: logged_batches(second.ckpt, "commits")[-1] == newest, 120,
+                   "the batch's commit")  # fmt: skip
+    finally:
+        second.stop()
+    st = _stats(r)
+    assert "audit_failed" not in st
+    assert st == before  # nothing recorded twice
+    assert int(st["events_in"]) == sent == _stored_count(r)
+    assert read_mark(second.ckpt) == newest

@@ -3,6 +3,7 @@ un-commit of the one committed batch whose write did not finish."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,24 @@ def test_a_failed_write_is_raised_by_the_next_wait() -> None:
     assert wb.idle and wb.failed() is None
     wb.submit(lambda: None)
     assert wb.settle() is None
+
+
+def test_a_write_waited_for_by_an_abandoned_batch_is_still_settled_by_the_next_start() -> None:
+    """A batch blocked in `wait` whose query is stopped keeps waiting in its own thread; the
+    restart's `settle` must still wait for the write before the unwritten batch is replayed."""
+    wb = WriteBehind("t")
+    release = threading.Event()
+    wb.submit(lambda: release.wait(10))
+    waiter = threading.Thread(target=wb.wait)
+    waiter.start()
+    waiter.join(0.1)  # blocked on the write
+    assert waiter.is_alive() and not wb.idle
+    settled: list[BaseException | None] = []
+    settler = threading.Thread(target=lambda: settled.append(wb.settle()))
+    settler.start()
+    settler.join(0.2)
+    assert settler.is_alive(), "settle returned while the write was still in flight"
+    release.set()
+    settler.join(5)
+    waiter.join(5)
+    assert settled == [None] and wb.idle

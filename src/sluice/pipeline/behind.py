@@ -19,6 +19,10 @@ What keeps this exactly-once:
   newer than the mark is un-committed (`replay_unwritten`): its commit-log entry and the next
   batch's offset-log entry go, so Spark runs it again from its logged offsets, with the same
   writer token (idempotent: what the lost attempt wrote is skipped).
+- **A written batch is not run twice.** The writer thread may finish a batch (mark, release)
+  before Spark writes its commit; a query that ends in between leaves it uncommitted, and Spark
+  runs it again from its offset log. Its input is gone, so the fold skips a batch at or below
+  the mark it read at start (`FoldQuery.process_batch`): its write, audit and record are done.
 - **A failed write fails the next batch.** A write or audit that fails in the thread is raised
   by the next batch (which then commits nothing) or, when no batch comes, stops the query from
   the fold's monitor thread; either way the restart replays the unwritten batch.
@@ -118,10 +122,17 @@ class WriteBehind:
         self._pending = self._pool.submit(write)
 
     def wait(self) -> None:
-        """Wait for the write in flight, if any; raise what it raised."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
+        """Wait for the write in flight, if any; raise what it raised. The write stays in flight
+        for `settle` and `idle` until it is done: a batch waiting here may be abandoned (its
+        query stopped), and the next start must still wait for the write."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
             pending.result()
+        finally:
+            if self._pending is pending:
+                self._pending = None
 
     def settle(self) -> BaseException | None:
         """Wait for the write in flight and return its failure instead of raising it (the

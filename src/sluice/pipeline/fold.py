@@ -132,6 +132,7 @@ class FoldQuery(StreamQuery):
         # Write-behind (`pipeline.behind`): the fold, not the source, then releases the input.
         self.behind = WriteBehind(self.name) if write_behind(cfg, spark) else None
         self._releaser: Log | None = None
+        self._written: int | None = None  # write-behind: the newest batch written at start
 
     def base_options(self) -> SourceOptions:
         return SourceOptions.from_config(self.cfg, self.redis.url)
@@ -203,6 +204,9 @@ class FoldQuery(StreamQuery):
         started = self.clock.now_ms()
         token = self.token(batch_id)
         offsets = self._offsets(batch_id)
+        if offsets is not None and self._written is not None and batch_id <= self._written:
+            log.info("batch written, its commit lost: skipped", extra={"batch": batch_id})
+            return {"batch": batch_id, "token": token, "written": True}
         audit_source = self._auditor.submit(self._audit_source, batch_id, offsets)
         ctx = WriterContext(
             url=self.redis.url,
@@ -271,10 +275,11 @@ class FoldQuery(StreamQuery):
             self.timings.add(batch_id, audit=(time.perf_counter() - t1) * 1000)
             if audit is None or audit.ok:
                 break
+            read = sum(r["events"] for r in rows if r["kind"] == "stats")  # a short read?
             log.warning(
                 "audit did not balance; writing the batch again",
-                extra={"batch": batch_id, "residual": f"{audit.residual:#018x}",
-                       "attempt": attempt, "attempts": attempts},
+                extra={"batch": batch_id, "attempt": attempt, "attempts": attempts,
+                       "events_read": read, **audit.sides()},
             )  # fmt: skip
             if attempt < attempts:  # and the source side read from the log again
                 audit_source = self._auditor.submit(self._audit_source, batch_id, offsets, True)
@@ -313,14 +318,10 @@ class FoldQuery(StreamQuery):
                     self.lease.check(self.name)
                 self._release(offsets[1])
         if rec["events"]:
-            log.debug(
-                "batch written",
-                extra={
-                    "batch": batch_id, "events": rec["events"], "dead": rec["dead"],
-                    "updates": rec["updates_applied"], "duration_ms": rec["done_ms"] - started,
-                    "attempts": attempt,
-                },
-            )  # fmt: skip
+            log.debug("batch written", extra={
+                "batch": batch_id, "events": rec["events"], "dead": rec["dead"],
+                "updates": rec["updates_applied"], "duration_ms": rec["done_ms"] - started,
+                "attempts": attempt})  # fmt: skip
         self._observe_store(rec["write_ms"], rec["write_updates"])
         in_job = wait_ms is None
         self._time_batch(batch_id, offsets, rec, (time.perf_counter() - t_done) * 1000, in_job)
@@ -448,6 +449,8 @@ class FoldQuery(StreamQuery):
         self._settle()
         replay_unwritten(self.ckpt)  # before the lease's `begin` reads the offset log
         mark = read_mark(self.ckpt)
+        # Written and released (write-behind): skipped if Spark lost its commit and reruns it.
+        self._written = mark if self.behind is not None else None
         if self.behind is not None and mark is not None and mark >= 0:
             with contextlib.suppress(FileNotFoundError):  # a crash between mark and release
                 self._release(batch_offsets(self.ckpt, mark)[1])

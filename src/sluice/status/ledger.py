@@ -41,6 +41,12 @@ class AuditResult:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "residual": self.residual, "ok": self.ok}
 
+    def sides(self) -> dict[str, Any]:
+        """The three XORs in hex and the events admitted, for a log record of an imbalance."""
+        return {"residual": f"{self.residual:#018x}", "source_x": f"{self.source_x:#018x}",
+                "fan_x": f"{self.fan_x:#018x}", "applied_x": f"{self.applied_x:#018x}",
+                "events_admitted": self.events}  # fmt: skip
+
 
 class Ledger:
     def __init__(self, client: Any, stream: str, shards: int) -> None:
