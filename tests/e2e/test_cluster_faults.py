@@ -109,9 +109,11 @@ def _check_final_state(cfg: Any, client: Any, producer: ClusterProducer) -> dict
     got = engine.run([Lookup("qty_sum", (m,), 3_600_000, end) for m in merchants])
     assert {m: a["value"] for m, a in zip(merchants, got, strict=True)} == dict(producer.qty)
     batches = int(stats["batches"])
-    assert int(stats["audit_ok"]) == batches and "audit_failed" not in stats
+    ledger = Ledger(client, "events", cfg.audit.ledger_shards)
+    assert int(stats["audit_ok"]) == batches
+    assert "audit_failed" not in stats, [(f, ledger.get(f["batch"])) for f in ledger.failures()]
     last = int(orjson.loads(stats["last_batch"])["batch"])
-    records = Ledger(client, "events", cfg.audit.ledger_shards).recent(last, last + 1)
+    records = ledger.recent(last, last + 1)
     assert records and all(rec["ok"] for rec in records)
     return stats
 

@@ -106,6 +106,49 @@ def test_a_batch_committed_but_not_written_runs_again_on_the_next_start(
     assert second.behind is not None and second.behind.idle
 
 
+def test_a_batch_whose_release_failed_after_its_write_is_skipped_when_spark_runs_it_again(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A batch written in its own task (a small one) is marked written, then its input is
+    released; a release that fails (a master down) fails the batch after its write, so Spark
+    commits nothing and runs it again. The shards released before the failure are trimmed: the
+    batch is skipped, not read short and audited against its logged source side (which failed
+    an attempt before)."""
+    small = {"single_task_events": 1_000_000, "write_behind": "on"}
+    cfg = _cfg(redis_url, tmp_path, spark=small, source={"max_events_per_batch": 200})
+    sent = _produce(r, 12, 40)
+    first = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    release = first._release
+    calls: list[int] = []
+
+    def fails_once(end: dict[str, Any]) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # batch 1's: after its write and its mark
+            release({**end, "ids": {s: p for s, p in end["ids"].items() if s == "events:0"}})
+            raise redis.ConnectionError("the master of events:1 is down")
+        release(end)
+
+    first._release = fails_once  # type: ignore[method-assign]
+    first.start()
+    try:
+        wait_until(lambda: first.query is not None and not first.query.isActive, 120,
+                   "the batch that failed its release")  # fmt: skip
+    finally:
+        first.stop()
+    assert read_mark(first.ckpt) == 1 and logged_batches(first.ckpt, "commits") == [0]
+
+    second = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    second.start()
+    try:
+        assert second.wait_idle(120)
+    finally:
+        second.stop()
+    st = _stats(r)
+    assert "audit_failed" not in st
+    assert int(st["audit_ok"]) == int(st["batches"]) >= 3
+    assert int(st["events_in"]) == int(st["events_admitted"]) == sent == _stored_count(r)
+
+
 def test_a_batch_written_whose_commit_was_lost_is_skipped_when_spark_runs_it_again(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
