@@ -3,6 +3,8 @@
     .venv/bin/python bench/offline.py                      # both parts, about 50 minutes on 2 cores
     .venv/bin/python bench/offline.py --quick              # small sizes, 1 round, about 6 minutes
     .venv/bin/python bench/offline.py --part backfill      # one part (-> offline-backfill.json)
+    .venv/bin/python bench/offline.py --part backfill --conf-after 'auto-aof-rewrite-percentage 0'
+                                      # each backfill again with that line (-> ...-conf.json)
     .venv/bin/python bench/offline.py --part training
     .venv/bin/python bench/offline.py --part training --keys zipf --cells headline \
         --range-timeout-s 600                 # hot cards (-> offline-training-zipf.json)
@@ -19,7 +21,9 @@ partitions: `lib.offline.bare_fold`) and `sluice.offline.backfill` into a fresh 
 session's first reads of that archive) and is reported apart, not in the medians. Per run: events
 / wall time, Spark's stages' times, the cores each process used (Redis, the JVM, its Python
 workers, the driver) and, for a backfill, the slices written and the store's `txn_count` summed
-against the events.
+against the events. With `--conf-after LINE`, every round runs the backfill a second time, right
+after the first, into a Redis whose config has LINE added, and reports the two side by side
+(offline-backfill-conf.json): what a server setting (say, fewer AOF rewrites) buys the write.
 
 Training sets (`--part training`). An archive of `--train-events` card transactions (cards
 uniform over `--cards`, or with `--keys zipf` drawn as the load generator draws keys, Zipf
@@ -107,30 +111,49 @@ def backfill_workload(spark: Any, ws: Workspace, workload: str, a: Any) -> dict[
         _, wall, cores, stages = timed(spark, fold_job)
         bare = {"wall_s": wall, "per_s": a.events / wall, "cores": cores, "stages": stages}
         log(f"{workload} round {rnd}: bare {bare['per_s']:,.0f} events/s")
-        srv = EmbeddedRedis(ws.state_dir(f"redis-{workload}-{rnd}")).start()
-        try:
-            job = partial(backfill, spark, cfg, str(where), until_ms=until, url=srv.url)
-            report, wall, cores, stages = timed(spark, job, srv.pid)
-            with redis.Redis.from_url(srv.url) as c:
-                stored = stored_count(c, "txn_count")
-                memory = c.info("memory")["used_memory"]
-                hashes = sum(1 for _ in c.scan_iter("sluice:s:*", count=10_000))
-        finally:
-            srv.stop()
-        r = report.as_dict()
-        fill = {"wall_s": wall, "per_s": a.events / wall, "cores": cores, "stages": stages,
-                "stored_txn_count": stored, "used_memory": memory, "hashes": hashes,
-                "slices_per_s": r["slices"] / wall,
-                **{k: r[k] for k in ("events", "slices", "expired", "after_seam", "partitions",
-                                     "dead", "elapsed_s")}}  # fmt: skip
-        fill["exact"] = (stored == a.events == r["events"] and not r["dead"] and not r["expired"]
-                         and not r["after_seam"])  # fmt: skip
+        run_fill = partial(backfill_run, spark, ws, cfg, str(where), until, a, f"{workload}-{rnd}")
+        fill = run_fill(())
         log(f"{workload} round {rnd}: backfill {fill['per_s']:,.0f} events/s,"
-            f" {r['slices']:,} slices, Redis {cores['redis']:.2f} cores,"
+            f" {fill['slices']:,} slices, Redis {fill['cores']['redis']:.2f} cores,"
             f" exact {fill['exact']}")  # fmt: skip
-        rounds.append({"round": rnd, "bare": bare, "backfill": fill,
-                       "ratio": fill["per_s"] / bare["per_s"]})  # fmt: skip
+        rnd_out = {"round": rnd, "bare": bare, "backfill": fill,
+                   "ratio": fill["per_s"] / bare["per_s"]}  # fmt: skip
+        if a.conf_after:  # the same backfill into a Redis with the lines added, right after
+            conf = run_fill(tuple(a.conf_after))
+            log(
+                f"{workload} round {rnd}: backfill with {a.conf_after}: {conf['per_s']:,.0f}"
+                f" events/s, Redis {conf['cores']['redis']:.2f} cores, exact {conf['exact']}"
+            )
+            rnd_out |= {"conf": conf, "conf_ratio": conf["per_s"] / fill["per_s"]}
+        rounds.append(rnd_out)
     return summarize_backfill(workload, a, size, parts, rounds)
+
+
+def backfill_run(spark: Any, ws: Workspace, cfg: Any, where: str, until: int, a: Any,
+                 name: str, extra_config: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
+    """One backfill of the archive at `where` into a fresh embedded Redis (its config with
+    `extra_config` added): its rate, cores, stages and what the store holds after it."""
+    tag = "-conf" if extra_config else ""
+    srv = EmbeddedRedis(ws.state_dir(f"redis-{name}{tag}"), extra_config=extra_config).start()
+    try:
+        job = partial(backfill, spark, cfg, where, until_ms=until, url=srv.url)
+        report, wall, cores, stages = timed(spark, job, srv.pid)
+        with redis.Redis.from_url(srv.url) as c:
+            stored = stored_count(c, "txn_count")
+            memory = c.info("memory")["used_memory"]
+            rewrites = c.info("stats").get("total_forks", 0)  # AOF rewrites: no RDB saves
+            hashes = sum(1 for _ in c.scan_iter("sluice:s:*", count=10_000))
+    finally:
+        srv.stop()
+    r = report.as_dict()
+    fill = {"wall_s": wall, "per_s": a.events / wall, "cores": cores, "stages": stages,
+            "stored_txn_count": stored, "used_memory": memory, "hashes": hashes,
+            "aof_rewrites": rewrites, "slices_per_s": r["slices"] / wall,
+            **{k: r[k] for k in ("events", "slices", "expired", "after_seam", "partitions",
+                                 "dead", "elapsed_s")}}  # fmt: skip
+    fill["exact"] = (stored == a.events == r["events"] and not r["dead"] and not r["expired"]
+                     and not r["after_seam"])  # fmt: skip
+    return fill
 
 
 def summarize_backfill(workload: str, a: Any, size: int, parts: int,
@@ -175,9 +198,35 @@ def summarize_backfill(workload: str, a: Any, size: int, parts: int,
         "used_memory": med("backfill", "used_memory"),
         "hashes": med("backfill", "hashes"),
         "exact": all(r["backfill"]["exact"] for r in rounds),
+        **({"conf": summarize_conf(warm)} if "conf" in warm[0] else {}),
         "cold": {"bare_per_s": rounds[0]["bare"]["per_s"],
                  "backfill_per_s": rounds[0]["backfill"]["per_s"], "ratio": rounds[0]["ratio"]},
         "rounds": rounds,
+    }  # fmt: skip
+
+
+def summarize_conf(warm: list[dict[str, Any]]) -> dict[str, Any]:
+    """The backfill into a Redis with `--conf-after`'s lines against the default one, per
+    round side by side (medians)."""
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in warm)
+
+    def redis_us(side: str) -> float:
+        return statistics.median(r[side]["cores"]["redis"] * r[side]["wall_s"] * 1e6
+                                 / r[side]["slices"] for r in warm)  # fmt: skip
+
+    return {
+        "default_per_s": med("backfill", "per_s"), "conf_per_s": med("conf", "per_s"),
+        "ratio": statistics.median(r["conf_ratio"] for r in warm),
+        "ratio_each": [r["conf_ratio"] for r in warm],
+        "default_redis_us_per_slice": redis_us("backfill"),
+        "conf_redis_us_per_slice": redis_us("conf"),
+        "default_rewrites": med("backfill", "aof_rewrites"),
+        "conf_rewrites": med("conf", "aof_rewrites"),
+        "default_redis_cores": statistics.median(r["backfill"]["cores"]["redis"] for r in warm),
+        "conf_redis_cores": statistics.median(r["conf"]["cores"]["redis"] for r in warm),
+        "exact": all(r["conf"]["exact"] for r in warm),
     }  # fmt: skip
 
 
@@ -187,7 +236,7 @@ def backfill_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
     return {"workloads": out, "load_start": load0, "load_end": load1(),
             "params": {"events": a.events, "rounds": a.rounds, "span_h": a.span_h,
                        "retention": RETENTION, "files": ARCHIVE_FILES,
-                       "driver_memory": a.driver_memory}}  # fmt: skip
+                       "driver_memory": a.driver_memory, "conf_after": a.conf_after}}  # fmt: skip
 
 
 # -- training sets ---------------------------------------------------------------------------
@@ -359,7 +408,13 @@ def main() -> None:
     p.add_argument("--driver-memory", default="8g", help="the Spark driver's heap")
     p.add_argument("--range-timeout-s", type=float, default=3600.0,
                    help="training: cancel a range join after this long")  # fmt: skip
+    p.add_argument("--conf-after", action="append", metavar="LINE",
+                   help="backfill: per round, the backfill again into a Redis with this"
+                        " redis.conf line added (repeatable; -> offline-backfill-conf.json)",
+                   )  # fmt: skip
     a = p.parse_args()
+    if a.conf_after and a.part != "backfill":
+        p.error("--conf-after needs --part backfill")
     events, train_events, spines, cards = SIZES[a.quick]
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.events, a.train_events = a.events or events, a.train_events or train_events
@@ -368,6 +423,7 @@ def main() -> None:
     if a.part != "all" and a.out is None:
         suffix = ".quick.json" if a.quick else ".json"
         keys = "-zipf" if a.part == "training" and a.keys == "zipf" else ""
+        keys += "-conf" if a.conf_after else ""
         a.out = Path(__file__).parent / "results" / f"offline-{a.part}{keys}{suffix}"
     run = Run("offline", a)
     from sluice.pipeline.spark import build_spark
@@ -378,7 +434,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for part in PARTS if a.part == "all" else (a.part,):
-            results[part] = (backfill_part if part == "backfill" else training_part)(spark, ws, a)
+            key = "backfill_conf" if a.conf_after else part  # not the backfill section's run
+            results[key] = (backfill_part if part == "backfill" else training_part)(spark, ws, a)
             run.write({"part": a.part, "seed": a.seed}, results)  # so far
     finally:
         spark.stop()

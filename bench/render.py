@@ -38,7 +38,8 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover", "failover-six", "failover-highcard"],
             ["freshness", "freshness-highcard"],
-            ["offline", "offline-backfill", "offline-training", "offline-training-zipf"],
+            ["offline", "offline-backfill", "offline-backfill-conf", "offline-training",
+             "offline-training-zipf"],
             ["soak"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
