@@ -24,6 +24,16 @@ from tests.integration.test_audit import _cfg, _produce, _stats, _stored_count
 BEHIND = {"single_task_events": 0, "write_behind": "on"}  # every batch is written behind
 
 
+def _run_until_idle(fold: FoldQuery) -> FoldQuery:
+    """Start `fold`, wait until its input is drained and no batch runs, and stop it."""
+    fold.start()
+    try:
+        assert fold.wait_idle(120)
+    finally:
+        fold.stop()
+    return fold
+
+
 def test_every_batch_written_behind_balances_and_counts_exactly(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
@@ -92,12 +102,7 @@ def test_a_batch_committed_but_not_written_runs_again_on_the_next_start(
         first.stop()
     assert logged_batches(first.ckpt, "commits") == [0] and read_mark(first.ckpt) == -1
 
-    second = FoldQuery(cfg, RedisHandle(redis_url), spark)
-    second.start()
-    try:
-        assert second.wait_idle(120)
-    finally:
-        second.stop()
+    second = _run_until_idle(FoldQuery(cfg, RedisHandle(redis_url), spark))
     st = _stats(r)
     assert int(st["events_in"]) == sent == _stored_count(r)
     assert int(st["audit_ok"]) == int(st["batches"]) == 1  # batch 0, once, by the second run
@@ -137,16 +142,12 @@ def test_a_batch_whose_release_failed_after_its_write_is_skipped_when_spark_runs
         first.stop()
     assert read_mark(first.ckpt) == 1 and logged_batches(first.ckpt, "commits") == [0]
 
-    second = FoldQuery(cfg, RedisHandle(redis_url), spark)
-    second.start()
-    try:
-        assert second.wait_idle(120)
-    finally:
-        second.stop()
+    second = _run_until_idle(FoldQuery(cfg, RedisHandle(redis_url), spark))
     st = _stats(r)
     assert "audit_failed" not in st
     assert int(st["audit_ok"]) == int(st["batches"]) >= 3
     assert int(st["events_in"]) == int(st["events_admitted"]) == sent == _stored_count(r)
+    assert read_mark(second.ckpt) == logged_batches(second.ckpt, "commits")[-1]
 
 
 def test_a_batch_written_whose_commit_was_lost_is_skipped_when_spark_runs_it_again(
@@ -158,12 +159,7 @@ def test_a_batch_written_whose_commit_was_lost_is_skipped_when_spark_runs_it_aga
     (which would fail against the released input and count a failed attempt)."""
     cfg = _cfg(redis_url, tmp_path, spark=BEHIND, source={"max_events_per_batch": 200})
     sent = _produce(r, 12, 40)
-    first = FoldQuery(cfg, RedisHandle(redis_url), spark)
-    first.start()
-    try:
-        assert first.wait_idle(120)
-    finally:
-        first.stop()
+    first = _run_until_idle(FoldQuery(cfg, RedisHandle(redis_url), spark))
     before = _stats(r)
     newest = logged_batches(first.ckpt, "commits")[-1]
     assert newest >= 1 and read_mark(first.ckpt) == newest
