@@ -34,6 +34,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
                              "store"],
             ["store", "ingest", "store-instructions", "store-servers", "store-replication",
              "store-layout"],
+            ["state_fold"],
             ["collector"],
             ["query", "query-transports"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],

@@ -21,6 +21,10 @@ from sluice.source.options import SourceOptions
 from sluice.testing.arrow_source import ARROW_FORMAT
 
 BARE_PARTITIONS, BARE_CHUNKS_PER_PARTITION = 4, 4
+STATE_PROVIDERS = {
+    "hdfs": "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
+    "rocksdb": "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+}
 
 
 def bare_run(
@@ -35,6 +39,7 @@ def bare_run(
     share_columns: bool = True,
     partial: str = "auto",
     space: KeySpace = HIGHCARD,
+    state: str | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """explode_updates + fold_updates + a no-op write over `batches` micro-batches of
     `n_events` events of `workload`, from the Arrow source, back to back (trigger 0, so the
@@ -44,7 +49,10 @@ def bare_run(
     `spark.partial_aggregation` sets it (`auto` from the warm-up batch's rows and cells, as
     the fold from its last batch's), where the revision has that setting. `space`: where
     `highcard` events fall. The rate carries the warm-up batch's exploded rows and the cells
-    they folded into (`fold_rows`, `fold_cells`)."""
+    they folded into (`fold_rows`, `fold_cells`). `state` (a key of STATE_PROVIDERS): the fold
+    as a streaming aggregation instead, its cells kept across batches in that state store,
+    each batch emitting the cells it changed, whole (output mode `update`); `fold_rows` and
+    `fold_cells` are then the warm-up batch's cells."""
     n_rows = write_arrow_batch(cfg, n_events, seed, state_dir / "batch.arrow", workload, space)
     types = spark_plan.check_expressions(spark, cfg)
     specs = spark_plan.metric_specs(cfg, types, share_columns)
@@ -56,9 +64,10 @@ def bare_run(
 
     def on_batch(exploded: DataFrame, batch_id: int) -> None:
         started = now_ms()
-        if partial_agg is not None:
+        if partial_agg is not None and state is None:
             partial_agg.apply(exploded.sparkSession)
-        updates = spark_plan.fold_updates(exploded, folds)
+        # With `state`, the batch holds the cells the stateful fold changed, already folded.
+        updates = exploded if state is not None else spark_plan.fold_updates(exploded, folds)
         if not records and not checked:  # warm-up batch: check every row arrived (untimed)
             good = F.sum(F.when(F.col("g") == 0, F.col("cnt")))
             row = updates.agg(good, F.sum("cnt"), F.count(F.lit(1))).collect()[0]
@@ -74,8 +83,12 @@ def bare_run(
                "ddl": spark_schema_ddl(SourceOptions.from_config(cfg, "x")),
                "batches": str(batches)}  # fmt: skip
     events = spark.readStream.format(ARROW_FORMAT).options(**options).load()
+    stream = spark_plan.explode_updates(events, cfg, specs)
+    if state is not None:  # the provider is fixed when the query's checkpoint is made
+        spark.conf.set("spark.sql.streaming.stateStore.providerClass", STATE_PROVIDERS[state])
+        stream = spark_plan.fold_updates(stream, folds)
     query = (
-        spark_plan.explode_updates(events, cfg, specs).writeStream.foreachBatch(on_batch)
+        stream.writeStream.foreachBatch(on_batch).outputMode("update" if state else "append")
         .option("checkpointLocation", str(state_dir / "checkpoint"))
         .trigger(processingTime="0 seconds").start()  # back to back: the ceiling
     )  # fmt: skip
