@@ -3,6 +3,7 @@ the same rows: every window, keys cut across batches and chunks, nulls, both sea
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,9 @@ MEMBERS = [
 
 
 def partition(seed: int, keys: int = 30, events: int = 3_000, spine: int = 400) -> pa.Table:
-    """Rows as the Spark side hands them over: sorted by (k, t, spine rows after events), each
-    event's state (`_p{mi}_{column}`), spine rows with null states and their ROW."""
+    """Rows as the Spark side hands them over: grouped by a hash of the key (`_h`), in no order
+    within a hash, each event's state (`_p{mi}_{column}`), spine rows with null states and their
+    ROW. The hash here has 7 values, so that keys collide and share runs."""
     rng = np.random.default_rng(seed)
     ek = rng.integers(0, keys, events)
     et = rng.integers(0, 2 * 3_600_000, events) // 1000 * 1000  # ties at one time
@@ -39,11 +41,12 @@ def partition(seed: int, keys: int = 30, events: int = 3_000, spine: int = 400) 
         (f"k{k:03d}", int(t), i, 0, 0, None) for i, (k, t) in enumerate(zip(sk, st, strict=True))
     ]
     rows += [(None, 5, len(sk), 0, 0, None), ("k001", None, len(sk) + 1, 0, 0, None)]
-    rows.sort(key=lambda r: (r[0] is not None, r[0] or "", r[1] is not None, r[1] or 0,
-                             r[2] is not None, r[2] or 0))  # fmt: skip
-    k, t, row, n0, n1, s1 = zip(*rows, strict=True)
+    order = rng.permutation(len(rows))
+    rows = [(zlib.crc32((rows[i][0] or "").encode()) % 7, *rows[i]) for i in order]
+    rows.sort(key=lambda r: r[0])  # stable: shuffled within a hash
+    h, k, t, row, n0, n1, s1 = zip(*rows, strict=True)
     return pa.table({
-        "k": pa.array(k, pa.string()), "t": pa.array(t, pa.int64()),
+        "_h": pa.array(h, pa.int64()), "k": pa.array(k, pa.string()), "t": pa.array(t, pa.int64()),
         ROW: pa.array(row, pa.int64()), "_p0_n": pa.array(n0, pa.int64()),
         "_p1_n": pa.array(n1, pa.int64()), "_p1_sum": pa.array(s1, pa.float64()),
     })  # fmt: skip
@@ -107,8 +110,8 @@ def test_every_window_matches_a_brute_force_sum(batch_rows: int) -> None:
     same(answers(table, batch_rows), brute(table))
 
 
-def test_chunks_end_at_key_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small chunks: every chunk but the last holds whole keys, and answers do not change."""
+def test_chunks_end_at_hash_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks: every chunk but the last holds whole hash runs, and answers do not change."""
     table = partition(2)
     monkeypatch.setattr(prefix, "CHUNK_ROWS", 150)
     same(answers(table, 61), brute(table))

@@ -9,7 +9,8 @@ time order, with each spine row of that key placed after the events of its own t
 
 so one pass answers every window of every additive metric of a key group:
 
-    events ∪ spine rows ─ one shuffle by key ─▶ sorted by (key, time, spine after events)
+    events ∪ spine rows ─ one shuffle by key ─▶ grouped by a 64-bit hash of the key
+      ─▶ per chunk of whole hash runs, in numpy: sorted by (key, time, spine after events)
       ─▶ each event's state as the aggregation record gives it (`Agg.unit_columns`: the
          fold of a cell that holds just that event)
       ─▶ per partition, in numpy: running totals of each state column; per spine row and
@@ -22,8 +23,11 @@ and nothing after t counts: a spine row's total stops at its own place in the or
 the slice frames (`offline.training._frames`) this needs no cell aggregation, no join for t's
 own slice and no frame per window: a window costs one binary search per spine row.
 
-A partition is processed in chunks that end at a key boundary (`CHUNK_ROWS` or more rows,
-never part of a key), so memory stays bounded by the chunk and the largest key. Sums of
+Spark groups a partition's rows by the key's hash (`xxhash64`, one long: a radix sort, where a
+sort by the key's text and time compares strings and cost Spark most of the job), and the
+tasks sort each chunk by key and time. A partition is processed in chunks that end at a hash
+boundary (`CHUNK_ROWS` or more rows, never part of a key; keys whose hashes collide share a
+run), so memory stays bounded by the chunk and the largest key. Sums of
 doubles run in extended precision (`numpy.longdouble`), so the difference of two large totals
 keeps the precision of the window's own sum.
 """
@@ -46,6 +50,8 @@ from sluice.slices.aggs import AGGS, Agg
 from sluice.slices.window import slice_start
 
 CHUNK_ROWS = 1 << 20
+_HASH = "_h"  # the key's hash: a partition's rows come grouped by it
+_Passed = tuple[pa.ChunkedArray, np.ndarray]  # the spine's columns as they came, the sort
 _INT_TYPES = ("bigint", "int", "smallint", "tinyint")
 
 
@@ -119,7 +125,8 @@ def prefix_part(
         events.unionByName(spine)
         .select("k", "t", ROW, *states, *passed)
         .repartition("k")
-        .sortWithinPartitions("k", "t", F.col(ROW).asc_nulls_first())
+        .withColumn(_HASH, F.xxhash64("k"))
+        .sortWithinPartitions(_HASH)
     )
     plan = [
         PrefixMember(
@@ -149,8 +156,8 @@ def prefix_part(
 def prefix_batches(
     members: list[PrefixMember], slice_ms: int, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body over one partition sorted by (k, t, spine rows after events): the
-    spine rows' merged windows, a chunk of whole keys at a time."""
+    """mapInArrow body over one partition grouped by the key's hash (`_HASH`): the spine rows'
+    merged windows, a chunk of whole hash runs at a time."""
     held: list[pa.RecordBatch] = []
     rows = 0
     for batch in batches:
@@ -159,27 +166,36 @@ def prefix_batches(
         if rows < CHUNK_ROWS:
             continue
         table = pa.Table.from_batches(held).combine_chunks()
-        kid = _key_ids(table)
-        cut = int(np.searchsorted(kid, kid[-1], side="left"))  # where the last key starts
+        h = table.column(_HASH).to_numpy()
+        cut = int(np.flatnonzero(h != h[-1])[-1]) + 1 if (h != h[-1]).any() else 0
         if cut == 0:
-            continue  # one key so far: it must be whole
-        yield from _answer(members, slice_ms, table.slice(0, cut), kid[:cut])
+            continue  # one hash so far: its keys must be whole
+        yield from _answer(members, slice_ms, *_in_order(table.slice(0, cut)))
         rest = table.slice(cut)
         held, rows = rest.to_batches(), rest.num_rows
     if held:
-        table = pa.Table.from_batches(held).combine_chunks()
-        yield from _answer(members, slice_ms, table, _key_ids(table))
+        yield from _answer(members, slice_ms, *_in_order(pa.Table.from_batches(held)))
 
 
-def _key_ids(table: pa.Table) -> np.ndarray:
-    """Per row, the index of its key's run (rows are sorted by key; nulls form one run)."""
+def _in_order(table: pa.Table) -> tuple[pa.Table, np.ndarray, _Passed | None]:
+    """A chunk of whole keys sorted by (key, time, spine rows after events, by ROW); per sorted
+    row the index of its key's run (nulls form one run); and the spine's own columns (`SPINE`)
+    as they came, with the sort's order, or None: `_answer` takes them for spine rows only."""
     codes = pc.dictionary_encode(table.column("k")).combine_chunks().indices
     codes = pc.fill_null(codes, -1).to_numpy(zero_copy_only=False)
-    starts = np.empty(len(codes), dtype=bool)
-    if len(codes):
+    t = pc.fill_null(table.column("t"), 0).to_numpy(zero_copy_only=False)
+    row = table.column(ROW)
+    spine_row = pc.fill_null(row, -1).to_numpy(zero_copy_only=False)
+    order = np.lexsort((spine_row, t, codes))  # events (ROW null: -1) before spine rows
+    passed = table.column(SPINE) if SPINE in table.column_names else None
+    names = [n for n in table.column_names if n not in (_HASH, SPINE)]
+    ordered = table.select(names).take(pa.array(order))
+    c = codes[order]
+    starts = np.empty(len(c), dtype=bool)
+    if len(c):
         starts[0] = True
-        np.not_equal(codes[1:], codes[:-1], out=starts[1:])
-    return np.cumsum(starts) - 1
+        np.not_equal(c[1:], c[:-1], out=starts[1:])
+    return ordered, np.cumsum(starts) - 1, (passed, order) if passed is not None else None
 
 
 def _first_at_or_after(kid: np.ndarray, t: np.ndarray, q_kid: np.ndarray,
@@ -213,9 +229,10 @@ def _running(column: pa.ChunkedArray | pa.Array, type_: str) -> np.ndarray:
     return out
 
 
-def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table,
-            kid: np.ndarray) -> Iterator[pa.RecordBatch]:  # fmt: skip
-    """The spine rows' merged windows in a chunk of whole keys; `kid`: its rows' key runs."""
+def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np.ndarray,
+            passed: _Passed | None) -> Iterator[pa.RecordBatch]:  # fmt: skip
+    """The spine rows' merged windows in a chunk of whole keys sorted by `_in_order`; `kid`:
+    its rows' key runs; `passed`: the spine's columns and the sort's order, or None."""
     row_col = table.column(ROW)
     spine = np.flatnonzero(row_col.is_valid().to_numpy(zero_copy_only=False))
     if not len(spine):
@@ -253,8 +270,9 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table,
             for j, text in enumerate(numbers):
                 cols.append(pc.cast(text, pa.float64()))
                 names.append(part_column(m.mi, PART_PREFIX, f"x{j}", wi))
-    if SPINE in table.column_names:  # the spine's columns ride along
-        cols.append(pc.take(table.column(SPINE), pa.array(spine)).combine_chunks())
+    if passed is not None:  # the spine's columns ride along
+        column, order = passed
+        cols.append(pc.take(column, pa.array(order[spine])).combine_chunks())
         names.append(SPINE)
     yield pa.RecordBatch.from_arrays(cols, names=names)
 
