@@ -8,6 +8,7 @@
     .venv/bin/python bench/offline.py --part training
     .venv/bin/python bench/offline.py --part training --keys zipf --cells headline \
         --range-timeout-s 600                 # hot cards (-> offline-training-zipf.json)
+    .venv/bin/python bench/offline.py --part stages   # a training set's stages, each timed
 
 Backfill (`--part backfill`). Per workload, an archive of `--events` events is written as
 ARCHIVE_FILES Parquet files in time order, times uniform over the `--span-h` hours before a
@@ -38,6 +39,11 @@ window list grows. A zipf run writes offline-training-zipf.json.
 Each training set is checked against DuckDB over the archive on a sample of 200 spine rows, and
 against the range join on every row where both ran. A range join over `--range-timeout-s` is
 cancelled and recorded as such. Writes bench/results/offline[.quick].json.
+
+Stages (`--part stages`, `lib.offline_stages`): on the training part's archive and largest spine,
+the training set's stages one at a time (read, plan, shuffle, sort by the key's text or by its
+hash, to Python), then the whole training set and the range join, each to Spark's no-op sink,
+`--rounds` rounds alternating (-> offline-stages.json).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from lib.offline import (
     workload_config,
     write_archive,
 )
+from lib.offline_stages import stages_part
 from lib.offline_training import (
     WINDOWS,
     compare,
@@ -81,7 +88,7 @@ from sluice.offline.events import read_archive
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.slices.window import slice_start
 
-PARTS = ("backfill", "training")
+PARTS = ("backfill", "training")  # `all`; `stages` runs on its own
 WORKLOADS = ("zipf", "highcard")
 SAMPLE_ROWS = 200
 # (quick): backfill events per workload, training events, spines, cards
@@ -338,6 +345,27 @@ def training_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
                        "archive_bytes": size}}  # fmt: skip
 
 
+def stages(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
+    """`--part stages` (`lib.offline_stages`): the training set's stages on the headline cell's
+    archive and spine (3 windows per metric, the largest spine)."""
+    load0 = load1()
+    spark.conf.set("spark.sql.shuffle.partitions", str(a.train_partitions))
+    events_dir = ws.state_dir("train-events")
+    size = write_events(events_dir, a.train_events, a.cards, a.span_days, now_ms(), a.seed,
+                        keys=a.keys, zipf_a=a.zipf_a)  # fmt: skip
+    big = max(a.spine_sizes)
+    spine_dir = ws.state_dir(f"spine-{big}")
+    write_spine(events_dir, spine_dir, big, a.seed + big)
+    log(f"stages: {a.train_events:,} events ({size / 1e6:.0f} MB), spine {big:,}")
+    spine = spark.read.parquet(str(spine_dir))
+    out = stages_part(spark, a.train_cfg, str(events_dir), spine, WINDOWS[3], a.rounds, log)
+    return out | {"load_start": load0, "load_end": load1(),
+                  "params": {"events": a.train_events, "cards": a.cards, "key_dist": a.keys,
+                             "span_days": a.span_days, "spine": big, "windows": WINDOWS[3],
+                             "rounds": a.rounds, "partitions": a.train_partitions,
+                             "archive_bytes": size}}  # fmt: skip
+
+
 def summarize_training(runs: list[dict[str, Any]], big: int) -> dict[str, Any]:
     """Medians per (spine, windows, method) over the warm runs; the speed-up per pair."""
     cells: dict[tuple[int, int], dict[str, Any]] = {}
@@ -385,7 +413,7 @@ def summarize_training(runs: list[dict[str, Any]], big: int) -> dict[str, Any]:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--part", choices=(*PARTS, "all"), default="all")
+    p.add_argument("--part", choices=(*PARTS, "stages", "all"), default="all")
     p.add_argument("--rounds", type=int, help="measured rounds (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--events", type=int, help="backfill: events per workload (default 2M)")
@@ -422,7 +450,7 @@ def main() -> None:
     a.cards = a.cards or cards
     if a.part != "all" and a.out is None:
         suffix = ".quick.json" if a.quick else ".json"
-        keys = "-zipf" if a.part == "training" and a.keys == "zipf" else ""
+        keys = "-zipf" if a.part in ("training", "stages") and a.keys == "zipf" else ""
         keys += "-conf" if a.conf_after else ""
         a.out = Path(__file__).parent / "results" / f"offline-{a.part}{keys}{suffix}"
     run = Run("offline", a)
@@ -435,7 +463,8 @@ def main() -> None:
     try:
         for part in PARTS if a.part == "all" else (a.part,):
             key = "backfill_conf" if a.conf_after else part  # not the backfill section's run
-            results[key] = (backfill_part if part == "backfill" else training_part)(spark, ws, a)
+            fn = {"backfill": backfill_part, "training": training_part, "stages": stages}[part]
+            results[key] = fn(spark, ws, a)
             run.write({"part": a.part, "seed": a.seed}, results)  # so far
     finally:
         spark.stop()
