@@ -167,12 +167,19 @@ def test_the_archive_is_read_only_for_times_a_row_can_count(
     check_rows(cfg, events, out.toPandas(), features)
 
 
-def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(
-    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
-) -> None:
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_one_group_of_additive_metrics_answers_every_row_in_the_spine_order(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int, broadcast: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """Counts, sums and averages of one key group (and a formula over them) come from running
-    totals in one pass, the spine's columns riding along (`offline.prefix`): the same values,
-    every spine row once, in the spine's order."""
+    totals in one pass (`offline.prefix`): the same values, every spine row once, in the
+    spine's order, whether the answers are broadcast back to the spine (a small spine) or the
+    spine's columns ride along through the pass (a large one: nothing joined back)."""
+    from sluice.offline import training
+    from sluice.offline.features import ROW
+
+    monkeypatch.setattr(training, "BROADCAST_BYTES", training.BROADCAST_BYTES if broadcast else 0)
     path, events = archive
     cfg = make_config(redis_url, tmp_path)
     spine = spine_rows(events, now_ms, n=300)
@@ -183,7 +190,11 @@ def test_one_group_of_additive_metrics_rides_the_spine_along_in_its_order(
         keys={"card": "card_id"}, events=spark.read.parquet(str(path)),
     )  # fmt: skip
     plan = out._jdf.queryExecution().optimizedPlan().toString()
-    assert "Join" not in plan, plan  # one part: nothing joined back
+    if broadcast:
+        assert "Join LeftOuter" in plan, plan
+        assert f"Sort [{ROW}" not in plan, plan  # no sort to restore the spine's order
+    else:
+        assert "Join" not in plan, plan  # one part: nothing joined back
     got = out.toPandas()
     cols = ["card_id", "merchant", "t", "label"]
     assert list(got.columns[:4]) == cols

@@ -67,6 +67,10 @@ from sluice.query.engine import integral_value
 from sluice.slices.aggs import AGGS, Agg
 from sluice.slices.window import slice_start
 
+# Answers up to this size (8 bytes per feature and row id, per spine row) are broadcast back to
+# the spine's partitions (`training_set`).
+BROADCAST_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class _Metric:
@@ -195,17 +199,19 @@ def _late(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFram
     return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
-def _events_needed(spine: DataFrame, t: Column, metrics: Sequence[_Metric]) -> TimeBounds:
+def _events_needed(
+    spine: DataFrame, t: Column, metrics: Sequence[_Metric]
+) -> tuple[TimeBounds, int]:
     """The event times a feature of any spine row can count (`t`: a row's time in ms): from
     the earliest row's widest window's covered start (per metric, at its slice) to the latest
     row's time. Events outside are never read past the scan (a spine of last week on an archive
     of a year shuffles a week). No bound for a spine with no time at all: every feature of it
-    is null."""
-    lo, hi = spine.select(F.min(t), F.max(t)).first() or (None, None)
+    is null. With them, the spine's row count (the same job)."""
+    lo, hi, rows = spine.select(F.min(t), F.max(t), F.count(F.lit(1))).first() or (None, None, 0)
     if lo is None or hi is None:
-        return TimeBounds()
+        return TimeBounds(), int(rows or 0)
     start = min(slice_start(lo - w + 1, m.slice_ms) for m in metrics for w in m.windows)
-    return TimeBounds(int(start), int(hi) + 1)
+    return TimeBounds(int(start), int(hi) + 1), int(rows)
 
 
 # -- the job ---------------------------------------------------------------------------------
@@ -260,7 +266,7 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
-    needed = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms])
+    needed, spine_rows = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms])
     exploded = explode_updates(archive_events(events, cfg_off, needed, arrival), cfg_off, specs)
     # Additive states take running totals (`offline.prefix`); as known at, or for any other
     # agg, the slice frames, t's own slice and (as known at) the late events.
@@ -274,13 +280,17 @@ def training_set(
     )
     ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
     # One part answers every feature when one key group holds every metric and each one is
-    # additive: the spine's columns then ride along with it (`SPINE`), and no join is needed.
-    # Else the parts are joined by row id, which must stay the same in every branch.
-    carry = (
+    # additive. The answers go back to the spine by row id (which must then stay the same in
+    # every branch): broadcast to the spine's own partitions, which keeps its order, where they
+    # are small (`BROADCAST_BYTES`); else joined and sorted by row id. A large spine answered
+    # by one part has its columns ride along through that part instead (`SPINE`): no join.
+    single = (
         len(groups) == 1
         and not arrival
         and all(m.agg.additive for ms in groups.values() for _, m in ms)
     )
+    small = spine_rows * 8 * (len(feats) + 1) <= BROADCAST_BYTES
+    carry = single and not small
     if not carry:
         spine_in = spine_in.localCheckpoint()
     for members in groups.values():
@@ -299,12 +309,11 @@ def training_set(
         framed = [(mi, m) for mi, m in members if mi not in prefixed]
         if additive:
             answering = None
-            if carry:  # its tasks answer the rows too: no second pass to Python and back
+            if single:  # its tasks answer the rows too: no second pass to Python and back
                 out = cast(StructType, StructType.fromDDL(ddl))
-                answering = (
-                    partial(answer_batches, plan),
-                    out.add(SPINE, spine_g.schema[SPINE].dataType),
-                )
+                if carry:
+                    out = out.add(SPINE, spine_g.schema[SPINE].dataType)
+                answering = (partial(answer_batches, plan), out)
             rows_g = _group_rows(exploded, additive, False)
             whole.append(prefix_part(additive, rows_g, spine_g, s, answering))
         if not framed:
@@ -328,9 +337,14 @@ def training_set(
             .orderBy(ROW)
             .select(f"{SPINE}.*", *[F.col(f"`{f.column}`") for f in feats])
         )  # the spine's order
-    # A part in `whole` has a row for every spine row: the first one is the base to join onto.
-    joined = whole[0] if whole else spine_in.select(ROW)
-    for part in [*whole[1:], *parts]:
-        joined = joined.join(part, ROW, "left")
-    answers = joined.mapInArrow(partial(answer_batches, plan), ddl)
+    if single:
+        answers = whole[0]  # answered already (`answering`)
+    else:
+        # A part in `whole` has a row for every spine row: the first is the base to join onto.
+        joined = whole[0] if whole else spine_in.select(ROW)
+        for part in [*whole[1:], *parts]:
+            joined = joined.join(part, ROW, "left")
+        answers = joined.mapInArrow(partial(answer_batches, plan), ddl)
+    if small:  # the spine's partitions, in their order
+        return spine_in.join(F.broadcast(answers), ROW, "left").drop(ROW)
     return spine_in.join(answers, ROW, "left").orderBy(ROW).drop(ROW)  # the spine's order
