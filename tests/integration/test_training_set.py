@@ -229,8 +229,16 @@ def test_every_additive_fold_is_the_sum_of_its_events_units(spark: Any) -> None:
                                           rtol=1e-12)  # fmt: skip
 
 
-def test_no_event_after_t_counts(spark: Any, redis_url: str, tmp_path: Path) -> None:
-    """Not one in t's own slice, not one at t + 1; the event at t itself counts."""
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_no_event_after_t_counts(
+    spark: Any, redis_url: str, tmp_path: Path, broadcast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not one in t's own slice, not one at t + 1; the event at t itself counts: whether the
+    spine's rows are broadcast to the events' tasks for t's own slice (a small spine) or both
+    sides are shuffled (a large one)."""
+    from sluice.offline import training
+
+    monkeypatch.setattr(training, "BROADCAST_BYTES", training.BROADCAST_BYTES if broadcast else 0)
     cfg = make_config(redis_url, tmp_path)
     t = 1_700_000_005_000  # mid-slice of txn_count's 10 s slices
     ev = pd.DataFrame({

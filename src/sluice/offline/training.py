@@ -158,10 +158,13 @@ def _frames(members: list[tuple[int, _Metric]], cells: DataFrame, spine_g: DataF
 
 
 def _edge(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFrame,
-          arrival: bool) -> DataFrame:  # fmt: skip
+          arrival: bool, broadcast: bool) -> DataFrame:  # fmt: skip
     """Per spine row, the events of its key in t's own slice with ts <= t (and, as known at,
-    arrived by t), folded with the fold's own aggregates."""
+    arrived by t), folded with the fold's own aggregates. With `broadcast`, the spine's rows
+    go to every task of the events, which then are not shuffled: only the pairs are."""
     p, e = spine_g.alias("p"), rows.alias("e")
+    if broadcast:
+        p = F.broadcast(p)
     cond = (
         (F.col("e.k") == F.col("p.k"))
         & (F.col("e.s") == F.col("p._s"))
@@ -326,7 +329,9 @@ def training_set(
         ]  # fmt: skip
         cells = prompt.groupBy("k", "s").agg(*cell_aggs)
         whole.append(_frames(framed, cells, spine_g))
-        parts.append(_edge(framed, rows, spine_g, arrival is not None))
+        # Broadcast where the spine's rows (row id, time, slice, key: about 64 bytes) are small.
+        edge_small = spine_rows * 64 <= BROADCAST_BYTES
+        parts.append(_edge(framed, rows, spine_g, arrival is not None, edge_small))
         if arrival:
             parts.append(_late(framed, rows, spine_g))
     if carry:  # answered already (`answering`)
