@@ -311,17 +311,24 @@ def other(method: str) -> str:
     return "range_join" if method == "training_set" else "training_set"
 
 
-def training_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
-    load0 = load1()
+def training_data(spark: Any, ws: Workspace, a: Any, spine_sizes: list[int]) -> int:
+    """The training archive (`a.events_dir`) and a spine per size (`a.spines`), with the
+    session's shuffle partitions set for both methods. Returns the archive's bytes."""
     spark.conf.set("spark.sql.shuffle.partitions", str(a.train_partitions))
     a.events_dir = ws.state_dir("train-events")
     size = write_events(a.events_dir, a.train_events, a.cards, a.span_days, now_ms(), a.seed,
                         keys=a.keys, zipf_a=a.zipf_a)  # fmt: skip
     a.spines = {}
-    for n in a.spine_sizes:
+    for n in spine_sizes:
         a.spines[n] = ws.state_dir(f"spine-{n}")
         write_spine(a.events_dir, a.spines[n], n, a.seed + n)
-    log(f"training: {a.train_events:,} events ({size / 1e6:.0f} MB), spines {a.spine_sizes}")
+    log(f"training: {a.train_events:,} events ({size / 1e6:.0f} MB), spines {spine_sizes}")
+    return size
+
+
+def training_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
+    load0 = load1()
+    size = training_data(spark, ws, a, a.spine_sizes)
     big, small = max(a.spine_sizes), min(a.spine_sizes)
     runs = [train_run(spark, ws, a, "training_set", small, WINDOWS[3]) | {"cold": True}]
     for rnd in range(1, a.rounds + 1):  # the headline pair, alternating, range join first
@@ -349,16 +356,10 @@ def stages(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
     """`--part stages` (`lib.offline_stages`): the training set's stages on the headline cell's
     archive and spine (3 windows per metric, the largest spine)."""
     load0 = load1()
-    spark.conf.set("spark.sql.shuffle.partitions", str(a.train_partitions))
-    events_dir = ws.state_dir("train-events")
-    size = write_events(events_dir, a.train_events, a.cards, a.span_days, now_ms(), a.seed,
-                        keys=a.keys, zipf_a=a.zipf_a)  # fmt: skip
     big = max(a.spine_sizes)
-    spine_dir = ws.state_dir(f"spine-{big}")
-    write_spine(events_dir, spine_dir, big, a.seed + big)
-    log(f"stages: {a.train_events:,} events ({size / 1e6:.0f} MB), spine {big:,}")
-    spine = spark.read.parquet(str(spine_dir))
-    out = stages_part(spark, a.train_cfg, str(events_dir), spine, WINDOWS[3], a.rounds, log)
+    size = training_data(spark, ws, a, [big])
+    spine = spark.read.parquet(str(a.spines[big]))
+    out = stages_part(spark, a.train_cfg, str(a.events_dir), spine, WINDOWS[3], a.rounds, log)
     return out | {"load_start": load0, "load_end": load1(),
                   "params": {"events": a.train_events, "cards": a.cards, "key_dist": a.keys,
                              "span_days": a.span_days, "spine": big, "windows": WINDOWS[3],
