@@ -167,7 +167,8 @@ def prefix_batches(
             continue
         table = pa.Table.from_batches(held).combine_chunks()
         h = table.column(_HASH).to_numpy()
-        cut = int(np.flatnonzero(h != h[-1])[-1]) + 1 if (h != h[-1]).any() else 0
+        other = np.flatnonzero(h != h[-1])  # rows of other hashes than the last one's
+        cut = int(other[-1]) + 1 if len(other) else 0
         if cut == 0:
             continue  # one hash so far: its keys must be whole
         yield from _answer(members, slice_ms, *_in_order(table.slice(0, cut)))
