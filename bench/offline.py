@@ -5,6 +5,8 @@
     .venv/bin/python bench/offline.py --part backfill      # one part (-> offline-backfill.json)
     .venv/bin/python bench/offline.py --part backfill --conf-after 'auto-aof-rewrite-percentage 0'
                                       # each backfill again with that line (-> ...-conf.json)
+    .venv/bin/python bench/offline.py --part backfill --script-after
+                                      # each backfill again through the slice script only
     .venv/bin/python bench/offline.py --part training
     .venv/bin/python bench/offline.py --part training --keys zipf --cells headline \
         --range-timeout-s 600                 # hot cards (-> offline-training-zipf.json)
@@ -25,6 +27,9 @@ workers, the driver) and, for a backfill, the slices written and the store's `tx
 against the events. With `--conf-after LINE`, every round runs the backfill a second time, right
 after the first, into a Redis whose config has LINE added, and reports the two side by side
 (offline-backfill-conf.json): what a server setting (say, fewer AOF rewrites) buys the write.
+With `--script-after`, every round runs the backfill a second time with every slice hash through
+`write_slices.lua` (`restore_new=False`), the way backfills wrote before new hashes were created
+with RESTORE, and reports the two side by side.
 
 Training sets (`--part training`). An archive of `--train-events` card transactions (cards
 uniform over `--cards`, or with `--keys zipf` drawn as the load generator draws keys, Zipf
@@ -132,18 +137,27 @@ def backfill_workload(spark: Any, ws: Workspace, workload: str, a: Any) -> dict[
                 f" events/s, Redis {conf['cores']['redis']:.2f} cores, exact {conf['exact']}"
             )
             rnd_out |= {"conf": conf, "conf_ratio": conf["per_s"] / fill["per_s"]}
+        if a.script_after:  # the same backfill with every hash through the slice script
+            script = run_fill((), restore_new=False)
+            log(f"{workload} round {rnd}: backfill through the script only:"
+                f" {script['per_s']:,.0f} events/s, Redis {script['cores']['redis']:.2f} cores,"
+                f" exact {script['exact']}")  # fmt: skip
+            rnd_out |= {"script": script, "script_ratio": fill["per_s"] / script["per_s"]}
         rounds.append(rnd_out)
     return summarize_backfill(workload, a, size, parts, rounds)
 
 
 def backfill_run(spark: Any, ws: Workspace, cfg: Any, where: str, until: int, a: Any,
-                 name: str, extra_config: tuple[str, ...]) -> dict[str, Any]:  # fmt: skip
+                 name: str, extra_config: tuple[str, ...],
+                 restore_new: bool = True) -> dict[str, Any]:  # fmt: skip
     """One backfill of the archive at `where` into a fresh embedded Redis (its config with
-    `extra_config` added): its rate, cores, stages and what the store holds after it."""
-    tag = "-conf" if extra_config else ""
+    `extra_config` added; with `restore_new` False, every hash through the slice script): its
+    rate, cores, stages and what the store holds after it."""
+    tag = ("-conf" if extra_config else "") + ("" if restore_new else "-script")
     srv = EmbeddedRedis(ws.state_dir(f"redis-{name}{tag}"), extra_config=extra_config).start()
     try:
-        job = partial(backfill, spark, cfg, where, until_ms=until, url=srv.url)
+        job = partial(backfill, spark, cfg, where, until_ms=until, url=srv.url,
+                      restore_new=restore_new)  # fmt: skip
         report, wall, cores, stages = timed(spark, job, srv.pid)
         with redis.Redis.from_url(srv.url) as c:
             stored = stored_count(c, "txn_count")
@@ -206,6 +220,7 @@ def summarize_backfill(workload: str, a: Any, size: int, parts: int,
         "hashes": med("backfill", "hashes"),
         "exact": all(r["backfill"]["exact"] for r in rounds),
         **({"conf": summarize_conf(warm)} if "conf" in warm[0] else {}),
+        **({"script": summarize_script(warm, bare)} if "script" in warm[0] else {}),
         "cold": {"bare_per_s": rounds[0]["bare"]["per_s"],
                  "backfill_per_s": rounds[0]["backfill"]["per_s"], "ratio": rounds[0]["ratio"]},
         "rounds": rounds,
@@ -237,13 +252,52 @@ def summarize_conf(warm: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def summarize_script(warm: list[dict[str, Any]], bare: float) -> dict[str, Any]:
+    """The backfill as users run it (new hashes created with RESTORE) against the same backfill
+    with every hash through the slice script, per round side by side (medians)."""
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[side][key] for r in warm)
+
+    def redis_us(side: str) -> float:
+        return statistics.median(r[side]["cores"]["redis"] * r[side]["wall_s"] * 1e6
+                                 / r[side]["slices"] for r in warm)  # fmt: skip
+
+    def last_s(side: str) -> float:
+        return statistics.median(r[side]["stages"][-1]["s"] if r[side]["stages"] else 0.0
+                                 for r in warm)  # fmt: skip
+
+    def cores(side: str, *keys: str) -> float:
+        return statistics.median(sum(r[side]["cores"][k] for k in keys) for r in warm)
+
+    return {
+        "restore_per_s": med("backfill", "per_s"), "script_per_s": med("script", "per_s"),
+        "ratio": statistics.median(r["script_ratio"] for r in warm),
+        "ratio_each": [r["script_ratio"] for r in warm],
+        "script_bare_ratio": med("script", "per_s") / bare,
+        "restore_redis_us_per_slice": redis_us("backfill"),
+        "script_redis_us_per_slice": redis_us("script"),
+        "restore_last_s": last_s("backfill"), "script_last_s": last_s("script"),
+        "restore_redis_cores": cores("backfill", "redis"),
+        "script_redis_cores": cores("script", "redis"),
+        "restore_spark_cores": cores("backfill", "jvm", "python_workers"),
+        "script_spark_cores": cores("script", "jvm", "python_workers"),
+        "same_store": all(r["script"]["stored_txn_count"] == r["backfill"]["stored_txn_count"]
+                          and r["script"]["hashes"] == r["backfill"]["hashes"]
+                          and r["script"]["slices"] == r["backfill"]["slices"]
+                          for r in warm),
+        "exact": all(r["script"]["exact"] for r in warm),
+    }  # fmt: skip
+
+
 def backfill_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
     load0 = load1()
     out = [backfill_workload(spark, ws, w, a) for w in WORKLOADS]
     return {"workloads": out, "load_start": load0, "load_end": load1(),
             "params": {"events": a.events, "rounds": a.rounds, "span_h": a.span_h,
                        "retention": RETENTION, "files": ARCHIVE_FILES,
-                       "driver_memory": a.driver_memory, "conf_after": a.conf_after}}  # fmt: skip
+                       "driver_memory": a.driver_memory, "conf_after": a.conf_after,
+                       "script_after": a.script_after}}  # fmt: skip
 
 
 # -- training sets ---------------------------------------------------------------------------
@@ -441,9 +495,12 @@ def main() -> None:
                    help="backfill: per round, the backfill again into a Redis with this"
                         " redis.conf line added (repeatable; -> offline-backfill-conf.json)",
                    )  # fmt: skip
+    p.add_argument("--script-after", action="store_true",
+                   help="backfill: per round, the backfill again with every hash through the"
+                        " slice script (no RESTORE), side by side")  # fmt: skip
     a = p.parse_args()
-    if a.conf_after and a.part != "backfill":
-        p.error("--conf-after needs --part backfill")
+    if (a.conf_after or a.script_after) and a.part != "backfill":
+        p.error("--conf-after and --script-after need --part backfill")
     events, train_events, spines, cards = SIZES[a.quick]
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.events, a.train_events = a.events or events, a.train_events or train_events

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from sluice.pipeline import slice_writes
+from sluice.pipeline.slice_restore import plan_restores
 from sluice.pipeline.slice_writes import (
     Calls,
     build_calls,
@@ -163,14 +164,28 @@ def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis)
 
 
 def _backfill(client: Any, seam: int, agg: str, rows: list[tuple[str, int, list[Any]]],
-              cluster: bool = False) -> list[int]:  # fmt: skip
-    """Slices through the same calls as a backfill makes them: token `b<seam>`."""
-    return _write(client, f"b{seam}", agg, rows, cluster)[0]  # type: ignore[arg-type]
+              cluster: bool = False, restore: bool = False) -> list[int]:  # fmt: skip
+    """Slices written as a backfill writes them (token `b<seam>`): through the script only, or
+    with RESTORE for the hashes that do not exist yet (`slice_restore`), as backfills do."""
+    if not restore:
+        return _write(client, f"b{seam}", agg, rows, cluster)[0]  # type: ignore[arg-type]
+    a = AGGS[agg]
+    keys = pa.array([k for k, _, _ in rows], pa.string())
+    starts = np.array([s for _, s, _ in rows], dtype=np.int64)
+    states = [pc.cast(pa.array([v[j] for _, _, v in rows]), pa.string()) for j in range(a.width)]
+    head = (a.state, SLICE_MS, RETENTION_MS, a.width)
+    totals, failed = plan_restores(f"b{seam}", head, keys, starts, states, cluster).run(client)
+    assert not failed.any()
+    return totals
 
 
+BACKFILL_PATHS = pytest.mark.parametrize("restore", [False, True], ids=["script", "restore"])
+
+
+@BACKFILL_PATHS
 @pytest.mark.parametrize("cluster", [False, True])
 def test_a_backfill_replaces_below_its_seam_and_the_live_fold_keeps_off(
-    r: redis.Redis, rc: Any, cluster: bool
+    r: redis.Redis, rc: Any, cluster: bool, restore: bool
 ) -> None:
     """The seam rule of docs/offline.md, on the script: a backfill's slices replace what is
     stored (a re-run writes the same), each key's `_b` rises to the seam and never falls, and
@@ -184,7 +199,7 @@ def test_a_backfill_replaces_below_its_seam_and_the_live_fold_keeps_off(
     archive = [(one, seam - SLICE_MS, [3]), (many, seam - 3 * SLICE_MS, [4]),
                (many, seam - 2 * SLICE_MS, [1])]  # fmt: skip
     for _ in range(2):  # a re-run leaves the same store
-        assert _backfill(client, seam, "count", archive, cluster) == [3, 0, 0, 0]
+        assert _backfill(client, seam, "count", archive, cluster, restore) == [3, 0, 0, 0]
         assert client.hget(many, str(seam - 3 * SLICE_MS)) == b"0:4"  # replaced, not 5 + 4
         assert client.hget(many, str(seam)) == b"1:7"  # the live fold's, untouched
         assert client.hget(one, str(seam - SLICE_MS)) == b"0:3"
@@ -196,19 +211,20 @@ def test_a_backfill_replaces_below_its_seam_and_the_live_fold_keeps_off(
     assert client.hget(one, str(seam - SLICE_MS)) == b"0:3"
     assert client.hget(one, str(seam)) == b"2:2"
     assert _backfill(client, seam - SLICE_MS, "count", [(one, seam - 2 * SLICE_MS, [9])],
-                     cluster) == [1, 0, 0, 0]  # fmt: skip
+                     cluster, restore) == [1, 0, 0, 0]  # fmt: skip
     assert client.hget(one, "_b") == str(seam).encode()  # a seam never moves back
     later = seam + SLICE_MS
-    assert _backfill(client, later, "count", [(one, seam, [6])], cluster) == [1, 0, 0, 0]
+    assert _backfill(client, later, "count", [(one, seam, [6])], cluster, restore) == [1, 0, 0, 0]
     assert client.hget(one, "_b") == str(later).encode()
     assert client.hget(one, str(seam)) == b"0:6"
 
 
-def test_a_backfill_keeps_retention(r: redis.Redis) -> None:
+@BACKFILL_PATHS
+def test_a_backfill_keeps_retention(r: redis.Redis, restore: bool) -> None:
     key = slice_hash_key("bf", "old")
     seam = NOW + SLICE_MS
     rows = [(key, NOW, [1]), (key, NOW - RETENTION_MS - SLICE_MS, [1])]
-    assert _backfill(r, seam, "count", rows) == [1, 0, 1, 0]
+    assert _backfill(r, seam, "count", rows, restore=restore) == [1, 0, 1, 0]
     assert set(r.hkeys(key)) == {str(NOW).encode(), b"_m", b"_b"}
     assert r.pttl(key) > 0
 

@@ -129,6 +129,7 @@ class _Task:
     specs: tuple[MetricSpec, ...]
     bounds: tuple[tuple[int, int], ...]  # per spec: [first slice, seam)
     run_key: str
+    restore_new: bool = True
 
 
 class _BoundedRows(PartitionRows):
@@ -196,7 +197,8 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
                     if AGGS[sp.agg].lua:
                         seam = task.bounds[sp.index][1]
                         ctx = WriterContext(task.url, 0, task.specs, "", 0, task.cluster,
-                                            script_token=f"b{seam}")  # fmt: skip
+                                            script_token=f"b{seam}",
+                                            restore_new=task.restore_new)  # fmt: skip
                         pending.append(apply_lua(client, ctx, rows, sp, sender))
                 parts += [done() for done in pending]
             for sp in task.specs:
@@ -301,13 +303,16 @@ def backfill(
     fresh: bool = False,
     progress: Progress | None = None,
     progress_every_s: float = 2.0,
+    restore_new: bool = True,
 ) -> BackfillReport:
     """Fold the archive at `input_path` into the store at `url` (default `cfg.redis`) for
     `metrics` (default all), events with `start_ms <= ts < until_ms` (default: all, up to the
     store's clock now). Blocks until done; calls `progress` every `progress_every_s` from a
     thread of its own. `fresh` writes every partition again, even those a same run already
-    wrote. Raises ArchiveError (path, format, schema), ConfigError (metrics) or BackfillError;
-    bad rows are counted in the report, never raised."""
+    wrote. `restore_new` creates the slice hashes that do not exist yet with one RESTORE each
+    (`sluice.pipeline.slice_restore`); False sends every hash through the slice script (the
+    same store, at more of Redis's time). Raises ArchiveError (path, format, schema),
+    ConfigError (metrics) or BackfillError; bad rows are counted in the report, never raised."""
     t0 = time.monotonic()
     chosen = select_metrics(cfg, metrics)
     target = url or cfg.redis
@@ -349,6 +354,7 @@ def backfill(
         specs=tuple(specs),
         bounds=tuple((_or(firsts[sp.name], -(2**62)), seams[sp.name]) for sp in specs),
         run_key=run_key,
+        restore_new=restore_new,
     )
     report = BackfillReport(run, [m.name for m in chosen], seams, firsts)
     report.warnings += _seam_warnings(client, seams)

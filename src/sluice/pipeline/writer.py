@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 
 from sluice import collector
 from sluice.pipeline.plan import DEAD_G, MetricSpec
+from sluice.pipeline.slice_restore import plan_restores
 from sluice.pipeline.slice_writes import (
     REPLY_COUNTS,
     build_calls,
@@ -91,6 +92,8 @@ class WriterContext:
     # The slice script's token argument when it is not `token`: a backfill's `b<seam>`, whose
     # slices replace the stored ones below the seam (write_slices.lua, sluice.offline.backfill).
     script_token: str | None = None
+    # A backfill's hashes that do not exist yet are created whole with RESTORE (slice_restore).
+    restore_new: bool = True
 
 
 class PartitionRows:
@@ -227,6 +230,16 @@ def apply_lua(
     starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
     token = ctx.token if ctx.script_token is None else ctx.script_token
+    if ctx.script_token is not None and ctx.restore_new:
+        plan = plan_restores(ctx.script_token, head, keys, starts, states, ctx.cluster)
+        restored = sender.submit(plan.run, client)
+
+        def done_restored() -> list[int]:
+            totals, failed = restored.result()
+            rows.failed[idx[failed]] = True
+            return totals
+
+        return done_restored
     calls = build_calls(token, head, keys, starts, states, ctx.cluster)
     sent = sender.submit(send_calls, client, calls)
 

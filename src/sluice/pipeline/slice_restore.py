@@ -1,0 +1,216 @@
+"""A backfill's new slice hashes, created with one `RESTORE` each instead of the slice script.
+
+A backfill writes each slice hash once, with the key's whole archived history (its slices as
+the text they are stored as, `sluice.offline.backfill`). For a hash that does not exist yet,
+what `write_slices.lua` would leave is known in advance: the slices within retention of the
+run's newest one, `_m` = "<newest>:<oldest kept>", `_b` = the seam, and the expiry of the newest
+slice. That hash is sent whole, as a DUMP payload (`sluice.redis.dump`), in
+`RESTORE key expiry payload ABSTTL`: one native command, where the script costs Redis three
+commands from Lua (`HMGET`, `HSET`, `PEXPIREAT`).
+
+`RESTORE` without `REPLACE` refuses a key that exists (`BUSYKEY`): such a hash (the live fold
+or an earlier run wrote it) goes through the script, which merges with what is stored, and so
+does a key with more slices than one script run takes (SLICES_PER_RUN). Both commands are
+atomic, so a live fold writing at the same time sees the hash either before (and the script
+path merges) or after (and keeps off the slices before `_b`). A Redis that refuses the command
+itself (an ACL without `@dangerous`, a renamed command, a future DUMP format) sends the rest of
+the writes through the script. A task that runs again meets its own hashes as existing ones,
+and the script replaces their slices with the same texts: exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from redis.exceptions import ResponseError
+
+from sluice.pipeline.slice_writes import (
+    BACKFILL_TOKEN,
+    REPLY_COUNTS,
+    SLICES_PER_RUN,
+    build_calls,
+    expire_at_ms,
+    send_calls,
+)
+from sluice.redis.dump import MAX_STRING, hash_payload_heads, hash_payloads, rdb_strings
+
+COMMANDS_PER_ROUND_TRIP = 1024
+
+
+@dataclass
+class Restores:
+    """A backfill's writes of one metric resolution: the RESTORE commands of its new-looking
+    hashes and what the script takes instead. Built on the caller's thread (`plan_restores`),
+    sent by `run`."""
+
+    token: str
+    head: tuple[str, int, int, int]
+    keys: pa.Array
+    starts: np.ndarray
+    states: list[pa.Array]
+    cluster: bool
+    # Per command, its key's input rows: order[first[i] : first[i] + count[i]].
+    order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    key_names: list[str] = field(default_factory=list)  # per command (cluster only)
+    args: list[tuple[str, bytes]] = field(default_factory=list)  # (expiry, payload), cluster
+    commands: pa.Array | None = None  # RESP-encoded commands (one Redis)
+    kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per command
+    expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    scripted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows
+
+    def run(self, client: Any) -> tuple[list[int], np.ndarray]:
+        """Send the RESTOREs, then the rest through the script: ([applied, duplicate, expired,
+        before seam], and per input row whether its write failed)."""
+        totals = [0] * REPLY_COUNTS
+        created = self._send(client)
+        totals[0] = int(self.kept[created].sum())
+        totals[2] = int(self.expired[created].sum())
+        refused = ~created
+        busy = self.order[_ranges(self.first[refused], self.count[refused])]
+        rows = np.sort(np.concatenate([self.scripted, busy]))
+        failed = np.zeros(len(self.starts), dtype=bool)
+        if len(rows):
+            take = pa.array(rows)
+            calls = build_calls(self.token, self.head, self.keys.take(take), self.starts[rows],
+                                [s.take(take) for s in self.states], self.cluster)  # fmt: skip
+            more, call_failed = send_calls(client, calls)
+            totals = [a + b for a, b in zip(totals, more, strict=True)]
+            failed[rows] = call_failed[calls.row_call]
+        return totals, failed
+
+    def _send(self, client: Any) -> np.ndarray:
+        """Per command, whether it created its hash (False: the script takes it)."""
+        n = len(self.kept)
+        created = np.zeros(n, dtype=bool)
+        if not n:
+            return created
+        if self.cluster:
+            pipe = client.pipeline(transaction=False)
+            for key, (expiry, payload) in zip(self.key_names, self.args, strict=True):
+                pipe.execute_command("RESTORE", key, expiry, payload, "ABSTTL")
+            replies = pipe.execute(raise_on_error=False)
+            return np.array([not isinstance(r, Exception) for r in replies], dtype=bool)
+        assert self.commands is not None
+        offsets = np.frombuffer(self.commands.buffers()[1], dtype=np.int32)[
+            self.commands.offset : self.commands.offset + n + 1
+        ]
+        data = self.commands.buffers()[2]
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            for a in range(0, n, COMMANDS_PER_ROUND_TRIP):
+                b = min(n, a + COMMANDS_PER_ROUND_TRIP)
+                conn.send_packed_command([data[int(offsets[a]) : int(offsets[b])].to_pybytes()])
+                other = False
+                for i in range(a, b):
+                    try:
+                        conn.read_response()
+                        created[i] = True
+                    except ResponseError as e:
+                        other = other or not _busy(e)
+                if other:  # Redis refuses the command itself: the script takes the rest
+                    break
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return created
+
+
+def _busy(e: Exception) -> bool:
+    return str(e).startswith("BUSYKEY")
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """starts[0] .. starts[0] + lengths[0] - 1, starts[1] .., as one array."""
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + within
+
+
+def plan_restores(
+    token: str,
+    head: tuple[str, int, int, int],
+    keys: pa.Array,
+    starts: np.ndarray,
+    states: list[pa.Array],
+    cluster: bool = False,
+) -> Restores:
+    """The RESTOREs of a backfill's slice updates (`build_calls`'s arguments, `token` =
+    `b<seam>`): one per key with at most SLICES_PER_RUN slices, the rest left to the script."""
+    _, slice_ms, retention_ms, _ = head
+    plan = Restores(token, head, keys, starts, list(states), cluster)
+    n = len(keys)
+    if not n:
+        return plan
+    texts = pc.binary_join_element_wise(pa.scalar(BACKFILL_TOKEN), *states, ":")
+    codes = keys.dictionary_encode().indices.to_numpy()
+    order = np.lexsort((starts, codes))
+    codes_s, starts_s = codes[order], starts[order]
+    first = np.flatnonzero(np.diff(codes_s, prepend=-1))  # each key's first row (sorted)
+    count = np.diff(np.append(first, n))
+    hi = starts_s[first + count - 1]
+    keep_from = hi - retention_ms + slice_ms
+    key_of = np.repeat(np.arange(len(first)), count)
+    keep = starts_s >= keep_from[key_of]
+    kept = np.bincount(key_of, weights=keep, minlength=len(first)).astype(np.int64)
+    long_text = pc.binary_length(texts).to_numpy(zero_copy_only=False)[order] > MAX_STRING
+    too_long = np.bincount(key_of, weights=long_text, minlength=len(first)) > 0
+    restore = (count <= SLICES_PER_RUN) & ~too_long
+    plan.scripted = np.sort(order[~restore[key_of]])
+    if not restore.any():
+        return plan
+    rows = order[keep & restore[key_of]]  # kept rows of the restored keys, by key then start
+    ks = np.flatnonzero(restore)
+    lo = starts_s[first[ks] + count[ks] - kept[ks]]
+    take = pa.array(rows)
+    pairs = pc.binary_join_element_wise(
+        rdb_strings(pc.cast(pa.array(starts[rows]), pa.string())),
+        rdb_strings(texts.take(take)), b"",
+    )  # fmt: skip
+    m = pc.binary_join_element_wise(_text(hi[ks]), _text(lo), ":")
+    seam = token[1:]
+    fixed = b"".join(_rdb(x) for x in ("_b", seam)) + _rdb("_m")
+    head_pairs = pc.binary_join_element_wise(pa.scalar(fixed), rdb_strings(m), b"")
+    heads = hash_payload_heads(kept[ks] + 2, head_pairs)
+    payloads = hash_payloads(heads, pairs, np.append(0, np.cumsum(kept[ks])))
+    expiry = _text(expire_at_ms(hi[ks], slice_ms, retention_ms))
+    names = keys.take(pa.array(order[first[ks]]))
+    plan.kept, plan.expired = kept[ks], (count - kept)[ks]
+    plan.order, plan.first, plan.count = order, first[ks], count[ks]
+    if cluster:
+        plan.key_names = names.to_pylist()
+        plan.args = list(zip(expiry.to_pylist(), payloads.to_pylist(), strict=True))
+    else:
+        plan.commands = _resp_restores(names, expiry, payloads)
+    return plan
+
+
+def _text(values: np.ndarray) -> pa.Array:
+    return pc.cast(pa.array(values), pa.string())
+
+
+def _rdb(text: str) -> bytes:
+    b = text.encode()
+    return bytes([len(b)]) + b  # short texts only (under 64 bytes)
+
+
+def _resp(values: pa.Array) -> pa.Array:
+    values = values.cast(pa.binary())
+    lens = pc.cast(pc.binary_length(values), pa.string()).cast(pa.binary())
+    return pc.binary_join_element_wise(b"$", lens, b"\r\n", values, b"\r\n", b"")
+
+
+def _resp_restores(names: pa.Array, expiry: pa.Array, payloads: pa.Array) -> pa.Array:
+    """`RESTORE name expiry payload ABSTTL`, RESP-encoded, one value per command."""
+    out = pc.binary_join_element_wise(
+        b"*5\r\n$7\r\nRESTORE\r\n", _resp(names), _resp(expiry), _resp(payloads),
+        b"$6\r\nABSTTL\r\n", b"",
+    )  # fmt: skip
+    return out.combine_chunks() if isinstance(out, pa.ChunkedArray) else out
