@@ -168,7 +168,7 @@ def test_the_archive_is_read_only_for_times_a_row_can_count(
 
 
 @pytest.mark.parametrize("broadcast", [True, False])
-def test_one_group_of_additive_metrics_answers_every_row_in_the_spine_order(
+def test_one_group_of_summed_metrics_answers_every_row_in_the_spine_order(
     spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int, broadcast: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
@@ -202,29 +202,62 @@ def test_one_group_of_additive_metrics_answers_every_row_in_the_spine_order(
     check_rows(cfg, events, got, features)
 
 
-def test_every_additive_fold_is_the_sum_of_its_events_units(spark: Any) -> None:
-    """The per-event states running totals add (`Agg.unit_columns`) sum to what the fold's own
-    aggregates make of the same cell, nulls (events a metric does not count) included."""
+def test_minima_and_maxima_of_one_group_answer_in_its_running_pass(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """min and max take range queries in the running pass (`offline.prefix`): a key group of a
+    count, a min and a max is answered by that pass alone, the spine's columns riding along
+    (nothing joined back), with DuckDB's values."""
+    from sluice.offline import training
+
+    monkeypatch.setattr(training, "BROADCAST_BYTES", 0)
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    spine = spine_rows(events, now_ms, n=300)
+    features = {"txn_count": ["1s", "1h"], "card_min": ["10s", "45s", "2h"],
+                "card_max": ["1s", "17m", "1d"]}  # fmt: skip
+    out = training_set(
+        spark, cfg, spark.createDataFrame(spine), features, ts="t",
+        keys={"card": "card_id"}, events=spark.read.parquet(str(path)),
+    )  # fmt: skip
+    plan = out._jdf.queryExecution().optimizedPlan().toString()
+    assert "Join" not in plan and "Window" not in plan, plan
+    got = out.toPandas()
+    cols = ["card_id", "merchant", "t", "label"]
+    assert got[cols].values.tolist() == spine[cols].values.tolist()
+    assert got["card_max_1d"].notna().any() and got["card_min_10s"].isna().any()
+    check_rows(cfg, events, got, features)
+
+
+def test_every_running_fold_is_the_merge_of_its_events_units(spark: Any) -> None:
+    """The per-event states of a running pass (`Agg.unit_columns`) merged by each column's
+    `Fold.merge` (sum, least, greatest) are what the fold's own aggregates make of the same
+    cell, nulls (events a metric does not count) included."""
     from pyspark.sql import functions as F
 
     from sluice.offline.features import fold_aggs
-    from sluice.slices.aggs import AGGS
+    from sluice.slices.aggs import AGGS, N
 
     rng = np.random.default_rng(9)
     rows = [(int(k), int(t), None if rng.random() < 0.2 else float(v), int(v))
             for k, t, v in zip(rng.integers(0, 7, 500), rng.integers(0, 10**6, 500),
                                np.round(rng.lognormal(2, 1, 500), 2), strict=True)]  # fmt: skip
     df = spark.createDataFrame(rows, "k long, t long, x double, i long")
-    additive = [agg for agg in AGGS.values() if agg.additive]
-    assert {a.name for a in additive} >= {"count", "sum", "avg"}
-    for agg in additive:
+    running = [agg for agg in AGGS.values() if agg.running]
+    assert {a.name for a in running} == {"count", "sum", "avg", "min", "max"}
+    merge = {"sum": F.sum, "min": F.min, "max": F.max}
+    for agg in running:
+        kinds = {f.column: f.merge for f in (N, *agg.folds)}
         for col in ("x", "i"):
             v, t = F.col(col), F.col("t")
             folded = df.groupBy("k").agg(*fold_aggs(agg, v, t, lambda c: c)).toPandas()
             units = df.select("k", *[u.alias(c) for c, u in agg.unit_columns(v, t)])
-            summed = units.groupBy("k").agg(*[F.sum(c).alias(c) for c in units.columns[1:]])
+            merged = units.groupBy("k").agg(
+                *[merge[kinds[c]](c).alias(c) for c in units.columns[1:]]
+            )
             want = folded.set_index("k").sort_index()
-            got = summed.toPandas().set_index("k").sort_index()[want.columns]
+            got = merged.toPandas().set_index("k").sort_index()[want.columns]
             pd.testing.assert_frame_equal(got.fillna(0), want.fillna(0), check_dtype=False,
                                           rtol=1e-12)  # fmt: skip
 

@@ -223,10 +223,10 @@ def test_quantiles_over_many_sketches_do_not_depend_on_chance_or_order() -> None
     assert want["0.5"] == sorted(v for v, _ in every)[int(0.5 * len(every))]
 
 
-def test_every_additive_agg_answers_on_columns() -> None:
-    """Training sets answer running-total windows on columns (`offline.answers._prefixed`)."""
-    assert {n for n, a in AGGS.items() if a.additive} == {"count", "sum", "avg"}
-    assert all(AGGS[n].finalize_columns is not None for n, a in AGGS.items() if a.additive)
+def test_every_running_agg_answers_on_columns() -> None:
+    """Training sets answer running windows on columns (`offline.answers._prefixed`)."""
+    assert {n for n, a in AGGS.items() if a.running} == {"count", "sum", "avg", "min", "max"}
+    assert all(AGGS[n].finalize_columns is not None for n, a in AGGS.items() if a.running)
 
 
 # A merged state: any slice with data, then numbers as a running-total difference gives them
@@ -237,7 +237,7 @@ merged_states = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", ["count", "sum", "avg"])
+@pytest.mark.parametrize("name", ["count", "sum", "avg", "min", "max"])
 @pytest.mark.parametrize("integral", [False, True])
 @given(states=merged_states)
 def test_answers_on_columns_are_finalize_s(
@@ -252,9 +252,9 @@ def test_answers_on_columns_are_finalize_s(
 
     agg = AGGS[name]
     assert agg.finalize_columns is not None
-    numbers = [[float(n)] if name == "count" else [float(x)] if name == "sum" else
+    numbers = [[float(n)] if name == "count" else [float(x)] if name != "avg" else
                [float(n), float(x)] for _, n, x in states]  # fmt: skip
-    if integral and name == "sum":  # a long column's sum, a long
+    if integral and name in ("sum", "min", "max"):  # a long column's sum (least, greatest), a long
         numbers = [[float(int(max(-(2.0**62), min(x, 2.0**62))))] for _, _, x in states]
     has = np.array([h for h, _, _ in states])
     columns = [np.array(c, dtype=np.float64) for c in zip(*numbers, strict=True)]

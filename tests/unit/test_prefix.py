@@ -1,5 +1,6 @@
-"""The running-total tasks of training sets (`offline.prefix`) against a brute-force sum over
-the same rows: every window, keys cut across batches and chunks, nulls, both searches."""
+"""The running tasks of training sets (`offline.prefix`) against a brute-force sum, minimum and
+maximum over the same rows: every window, keys cut across batches and chunks, nulls, both
+searches, and the segment tree's range queries on their own."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ WINDOWS = (1, 9_999, 10_000, 25_000, 3_600_000)
 MEMBERS = [
     PrefixMember(0, "count", WINDOWS, ("bigint",)),
     PrefixMember(1, "sum", WINDOWS, ("bigint", "double")),
+    PrefixMember(2, "max", WINDOWS, ("bigint", "double")),
+    PrefixMember(3, "min", WINDOWS, ("bigint", "bigint")),
 ]
 
 
@@ -35,20 +38,25 @@ def partition(seed: int, keys: int = 30, events: int = 3_000, spine: int = 400) 
     sk = rng.integers(0, keys + 2, spine)  # two keys with no events
     st = np.where(rng.random(spine) < 0.3, et[rng.integers(0, events, spine)],
                   rng.integers(0, 2 * 3_600_000, spine))  # fmt: skip
-    rows: list[tuple[Any, ...]] = [(f"k{k:03d}", int(t), None, 1, int(c), float(a) if c else None)
-            for k, t, a, c in zip(ek, et, amount, counted, strict=True)]  # fmt: skip
-    rows += [
-        (f"k{k:03d}", int(t), i, 0, 0, None) for i, (k, t) in enumerate(zip(sk, st, strict=True))
-    ]
-    rows += [(None, 5, len(sk), 0, 0, None), ("k001", None, len(sk) + 1, 0, 0, None)]
+    qty = rng.integers(-(2**40), 2**40, events)  # a long value: min over longs
+    rows: list[tuple[Any, ...]] = [
+        (f"k{k:03d}", int(t), None, 1, int(c), float(a) if c else None, int(c),
+         float(-a) if c else None, int(c), int(q) if c else None)
+        for k, t, a, c, q in zip(ek, et, amount, counted, qty, strict=True)
+    ]  # fmt: skip
+    blank = (0, 0, None, 0, None, 0, None)
+    rows += [(f"k{k:03d}", int(t), i, *blank) for i, (k, t) in enumerate(zip(sk, st, strict=True))]
+    rows += [(None, 5, len(sk), *blank), ("k001", None, len(sk) + 1, *blank)]
     order = rng.permutation(len(rows))
     rows = [(zlib.crc32((rows[i][0] or "").encode()) % 7, *rows[i]) for i in order]
     rows.sort(key=lambda r: r[0])  # stable: shuffled within a hash
-    h, k, t, row, n0, n1, s1 = zip(*rows, strict=True)
+    h, k, t, row, n0, n1, s1, n2, x2, n3, x3 = zip(*rows, strict=True)
     return pa.table({
         "_h": pa.array(h, pa.int64()), "k": pa.array(k, pa.string()), "t": pa.array(t, pa.int64()),
         ROW: pa.array(row, pa.int64()), "_p0_n": pa.array(n0, pa.int64()),
         "_p1_n": pa.array(n1, pa.int64()), "_p1_sum": pa.array(s1, pa.float64()),
+        "_p2_n": pa.array(n2, pa.int64()), "_p2_max": pa.array(x2, pa.float64()),
+        "_p3_n": pa.array(n3, pa.int64()), "_p3_min": pa.array(x3, pa.int64()),
     })  # fmt: skip
 
 
@@ -61,7 +69,7 @@ def brute(table: pa.Table) -> dict[int, dict[str, object]]:
         got: dict[str, object] = {}
         for wi, w in enumerate(WINDOWS):
             if r["k"] is None or r["t"] is None:
-                got[f"count{wi}"] = got[f"sum{wi}"] = None
+                got[f"count{wi}"] = got[f"sum{wi}"] = got[f"max{wi}"] = got[f"min{wi}"] = None
                 continue
             lo = slice_start(r["t"] - w + 1, SLICE)
             inside = [
@@ -70,6 +78,10 @@ def brute(table: pa.Table) -> dict[int, dict[str, object]]:
             got[f"count{wi}"] = sum(e["_p0_n"] for e in inside)
             n = sum(e["_p1_n"] for e in inside)
             got[f"sum{wi}"] = sum(e["_p1_sum"] or 0.0 for e in inside) if n else None
+            highs = [e["_p2_max"] for e in inside if e["_p2_max"] is not None]
+            got[f"max{wi}"] = max(highs) if highs else None
+            lows = [e["_p3_min"] for e in inside if e["_p3_min"] is not None]
+            got[f"min{wi}"] = float(min(lows)) if lows else None
         out[r[ROW]] = got
     return out
 
@@ -89,6 +101,10 @@ def answers(table: pa.Table, batch_rows: int) -> dict[int, dict[str, object]]:
                 has1 = cols[part_column(1, PART_PREFIX, "has", wi)][i]
                 total = cols[part_column(1, PART_PREFIX, "x0", wi)][i]
                 got[f"sum{wi}"] = total if has1 else None
+                for mi, name in ((2, "max"), (3, "min")):
+                    has = cols[part_column(mi, PART_PREFIX, "has", wi)][i]
+                    value = cols[part_column(mi, PART_PREFIX, "x0", wi)][i]
+                    got[f"{name}{wi}"] = value if has else None
             out[row] = got
     return out
 
@@ -129,3 +145,19 @@ def test_the_search_per_key_agrees_with_the_composite_one() -> None:
     for i in range(500):
         want = next((j for j in range(len(t)) if (kid[j], t[j]) >= (q_kid[i], q_t[i])), len(t))
         assert fast[i] == want
+
+
+@pytest.mark.parametrize("merge", ["min", "max"])
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1001])
+def test_range_queries_match_a_brute_force(merge: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    for dtype in (np.float64, np.int64):
+        values = rng.integers(-1000, 1000, n).astype(dtype)
+        lo = rng.integers(0, n + 1, 300)
+        hi = np.minimum(n, lo + rng.integers(0, n + 1, 300))
+        lo[:3], hi[:3] = [0, n, 0], [n, n, 0]  # all of it, and two empty ranges
+        got = prefix._range_reduce(values, merge, lo, hi)
+        empty = prefix._identity(values.dtype, merge)
+        pick = min if merge == "min" else max
+        want = [pick(values[a:b].tolist()) if a < b else empty for a, b in zip(lo, hi, strict=True)]
+        assert got.tolist() == want and got.dtype == values.dtype

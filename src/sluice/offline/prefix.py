@@ -1,20 +1,27 @@
-"""Training-set windows by prefix sums, for the aggregations whose every state column merges by
-addition (`Agg.additive`: count, sum, avg).
+"""Training-set windows by running totals and range minima and maxima, for the aggregations
+whose every state column merges by addition, `min` or `max` (`Agg.running`: count, sum, avg,
+min, max).
 
-Such a state merged over a window is a difference of two running totals. For a key's events in
-time order, with each spine row of that key placed after the events of its own time t:
+A state column merged by addition over a window is a difference of two running totals. For a
+key's events in time order, with each spine row of that key placed after the events of its own
+time t:
 
     window (t − W, t] covered from cs = slice_start(t − W + 1):
     state = total(events before and at t) − total(events before cs)
 
-so one pass answers every window of every additive metric of a key group:
+A column merged by `min` or `max` is the least or greatest of the same run of rows, the events
+from cs up to the spine row: a range query, answered for every spine row at once on a segment
+tree over the chunk's rows (`_range_reduce`: levels of pairwise minima, 2n numbers).
+
+so one pass answers every window of every running metric of a key group:
 
     events ∪ spine rows ─ one shuffle by key ─▶ grouped by a 64-bit hash of the key
       ─▶ per chunk of whole hash runs, in numpy: sorted by (key, time, spine after events)
       ─▶ each event's state as the aggregation record gives it (`Agg.unit_columns`: the
          fold of a cell that holds just that event)
-      ─▶ per partition, in numpy: running totals of each state column; per spine row and
-         window, the first row at or after cs (a binary search); the difference of the totals
+      ─▶ per partition, in numpy: running totals of each summed state column; per spine row
+         and window, the first row at or after cs (a binary search); the difference of the
+         totals, or the range's least or greatest
       ─▶ the merged state's numbers as `Agg.encode` writes them, answered later by
          `Agg.finalize` (`offline.answers`), as the query server answers a merged state.
 
@@ -57,8 +64,9 @@ _INT_TYPES = ("bigint", "int", "smallint", "tinyint")
 
 @dataclass(frozen=True)
 class PrefixMember:
-    """One additive metric of the group: its index among the job's metrics (`mi`), its agg,
-    its windows (ms) and the Spark types of its state columns (`n`, then `Agg.folds`)."""
+    """One running metric of the group (`Agg.running`): its index among the job's metrics
+    (`mi`), its agg, its windows (ms) and the Spark types of its state columns (`n`, then
+    `Agg.folds`)."""
 
     mi: int
     agg_name: str
@@ -96,7 +104,7 @@ def prefix_part(
     then: tuple[Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]], StructType]
     | None = None,
 ) -> DataFrame:
-    """Per spine row of the group, each additive member's windows merged (module docstring).
+    """Per spine row of the group, each running member's windows merged (module docstring).
     `members` are (mi, training._Metric); `rows` the group's exploded rows (k, s, t, v{mi});
     `spine_g` the spine's (ROW, SLICE_T, k, _s, and the spine's own columns as `SPINE` when
     they ride along). Every spine row gets a row. `then`: a task body to run on those rows in
@@ -219,6 +227,56 @@ def _first_at_or_after(kid: np.ndarray, t: np.ndarray, q_kid: np.ndarray,
     return out
 
 
+def _merges(agg: Agg) -> dict[str, str]:
+    """Each state column's merge: `sum`, `min` or `max` (`Fold.merge`)."""
+    return {"n": "sum", **{f.column: f.merge for f in agg.folds}}
+
+
+_UFUNCS = {"min": np.minimum, "max": np.maximum}
+
+
+def _identity(dtype: np.dtype[Any], merge: str) -> Any:
+    """What `min` (`max`) leaves any number as: the type's greatest (least) value."""
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return info.max if merge == "min" else info.min
+    return np.inf if merge == "min" else -np.inf
+
+
+def _values(column: pa.ChunkedArray | pa.Array, type_: str, merge: str) -> np.ndarray:
+    """A state column merged by `min` or `max` as numbers, nulls (spine rows, events the metric
+    does not count) as the merge's identity."""
+    dtype = np.dtype(np.int64) if type_ in _INT_TYPES else np.dtype(np.float64)
+    fill = _identity(dtype, merge)
+    return pc.fill_null(column, fill).to_numpy(zero_copy_only=False).astype(dtype)
+
+
+def _range_reduce(values: np.ndarray, merge: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The least (`min`) or greatest (`max`) of values[lo[i]:hi[i]] for every i (the identity
+    where empty), all ranges at once: a segment tree built bottom-up, one level of pairs at a
+    time (2n numbers in all), each range taking at most one node at each end per level, as the
+    iterative segment-tree query does."""
+    ufunc = _UFUNCS[merge]
+    empty = _identity(values.dtype, merge)
+    out = np.full(len(lo), empty, dtype=values.dtype)
+    level = values
+    left, right = lo.astype(np.int64), hi.astype(np.int64)
+    while True:
+        live = left < right
+        if not live.any():
+            return out
+        odd = live & (left & 1 == 1)  # a left end on a right child: take it, step right
+        out[odd] = ufunc(out[odd], level[left[odd]])
+        left = left + odd
+        odd = live & (right & 1 == 1)  # an (exclusive) right end after a left child: take it
+        right = right - odd
+        out[odd] = ufunc(out[odd], level[right[odd]])
+        left, right = left >> 1, right >> 1
+        if len(level) & 1:
+            level = np.append(level, empty)
+        level = ufunc(level[0::2], level[1::2])
+
+
 def _running(column: pa.ChunkedArray | pa.Array, type_: str) -> np.ndarray:
     """0, then the running total of a state column (nulls as 0)."""
     if type_ in _INT_TYPES:
@@ -251,8 +309,13 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
     for m in members:
         cols.append(pa.array(ok))
         names.append(part_column(m.mi, "", "ok"))
-        running = {
-            name: _running(table.column(_state(m.mi, name)), type_)
+        merges = _merges(m.agg)
+        columns = {
+            name: (
+                _running(table.column(_state(m.mi, name)), type_)
+                if merges[name] == "sum"
+                else _values(table.column(_state(m.mi, name)), type_, merges[name])
+            )
             for name, type_ in zip(m.agg.columns, m.state_types, strict=True)
         }
         for wi, w_ms in enumerate(m.windows):
@@ -260,7 +323,14 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
                 cs = np.asarray(slice_start(t_row - w_ms + 1, slice_ms))
                 starts[w_ms] = _first_at_or_after(kid, t, k_row, cs)
             first = starts[w_ms]
-            merged = {name: total[spine + 1] - total[first] for name, total in running.items()}
+            merged = {}
+            for name, col in columns.items():
+                if merges[name] == "sum":
+                    merged[name] = col[spine + 1] - col[first]
+                else:  # the events from `first` to the spine row (whose state is the identity)
+                    least = _range_reduce(col, merges[name], first, spine + 1)
+                    # `n` (first of the columns) counts the values: none, no number to write
+                    merged[name] = np.where(merged["n"] > 0, least, 0).astype(col.dtype)
             n = merged["n"]
             numbers = m.agg.encode(  # type: ignore[misc]
                 pa.array(n.astype(np.int64)),

@@ -7,8 +7,9 @@ event time <= t: the window (t − W, t], rounded outward to m's finest slice at
 event after t counts, not even one in t's own slice.
 
 How it is computed, from the archive (`events`), with the live fold's plan (`offline.fold`).
-Additive metrics (`Agg.additive`: count, sum, avg) take running totals in one pass over events
-and spine rows in key and time order (`offline.prefix`), unless as known at. The others:
+Metrics whose states merge by addition, min or max (`Agg.running`: count, sum, avg, min, max)
+take running totals and range minima or maxima in one pass over events and spine rows in key
+and time order (`offline.prefix`), unless as known at. The others:
 
     events ─▶ explode (the plan) ─▶ per (key, slice) cells, as the fold makes them
     spine  ─▶ key (the plan's key column), t
@@ -271,9 +272,10 @@ def training_set(
         groups.setdefault(sp.group, []).append((mi, mm))
     needed, spine_rows = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms])
     exploded = explode_updates(archive_events(events, cfg_off, needed, arrival), cfg_off, specs)
-    # Additive states take running totals (`offline.prefix`); as known at, or for any other
-    # agg, the slice frames, t's own slice and (as known at) the late events.
-    prefixed = {mi for ms in groups.values() for mi, m in ms if m.agg.additive and not arrival}
+    # Running states take running totals and range minima or maxima (`offline.prefix`); as
+    # known at, or for any other agg, the slice frames, t's own slice and (as known at) the late
+    # events.
+    prefixed = {mi for ms in groups.values() for mi, m in ms if m.agg.running and not arrival}
     plan = AnswerPlan(
         metrics=tuple(plan_metrics),
         features=tuple((f.column, f.name, f.window_ms) for f in feats),
@@ -283,14 +285,14 @@ def training_set(
     )
     ddl = ", ".join([f"{ROW} long", *[f"`{f.column}` {types[f.column]}" for f in feats]])
     # One part answers every feature when one key group holds every metric and each one is
-    # additive. The answers go back to the spine by row id (which must then stay the same in
+    # running. The answers go back to the spine by row id (which must then stay the same in
     # every branch): broadcast to the spine's own partitions, which keeps its order, where they
     # are small (`BROADCAST_BYTES`); else joined and sorted by row id. A large spine answered
     # by one part has its columns ride along through that part instead (`SPINE`): no join.
     single = (
         len(groups) == 1
         and not arrival
-        and all(m.agg.additive for ms in groups.values() for _, m in ms)
+        and all(m.agg.running for ms in groups.values() for _, m in ms)
     )
     small = spine_rows * 8 * (len(feats) + 1) <= BROADCAST_BYTES
     carry = single and not small
@@ -308,17 +310,17 @@ def training_set(
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
             *([F.col(SPINE)] if carry else []),
         )  # fmt: skip
-        additive = [(mi, m) for mi, m in members if mi in prefixed]
+        running = [(mi, m) for mi, m in members if mi in prefixed]
         framed = [(mi, m) for mi, m in members if mi not in prefixed]
-        if additive:
+        if running:
             answering = None
             if single:  # its tasks answer the rows too: no second pass to Python and back
                 out = cast(StructType, StructType.fromDDL(ddl))
                 if carry:
                     out = out.add(SPINE, spine_g.schema[SPINE].dataType)
                 answering = (partial(answer_batches, plan), out)
-            rows_g = _group_rows(exploded, additive, False)
-            whole.append(prefix_part(additive, rows_g, spine_g, s, answering))
+            rows_g = _group_rows(exploded, running, False)
+            whole.append(prefix_part(running, rows_g, spine_g, s, answering))
         if not framed:
             continue
         rows = _group_rows(exploded, framed, arrival is not None)

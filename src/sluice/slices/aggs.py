@@ -54,6 +54,7 @@ HLL = "hll"
 Finalize = Callable[[Any, "MetricConfig", bool], Any]
 # (has data, the merged numbers, integral) on numpy columns -> (answers, valid or None for all)
 FinalizeColumns = Callable[[Any, Sequence[Any], bool], tuple[Any, Any]]
+RUNNING_MERGES = ("sum", "min", "max")  # `Fold.merge`s a running pass takes (`Agg.running`)
 MergeColumns = Callable[[Columns], list[float]]
 MergeStates = Callable[[Sequence[bytes]], list[float]]
 
@@ -71,9 +72,10 @@ class Fold(NamedTuple):
     column: str
     build: Callable[[Any, Column, Column], Column]  # (pyspark.sql.functions, value, event time)
     merge: str = "collect"
-    # For a column merged by `sum`: its state for one event (the fold of a cell that holds just
-    # that event), as a row expression; a window's state is then the sum of its events' units
-    # (`sluice.offline.prefix`). tests/integration/test_training_set.py checks both agree.
+    # For a column merged by `sum`, `min` or `max`: its state for one event (the fold of a cell
+    # that holds just that event), as a row expression; a window's state is then the sum (the
+    # least, the greatest) of its events' units (`sluice.offline.prefix`).
+    # tests/integration/test_training_set.py checks both agree.
     unit: Callable[[Any, Column, Column], Column] | None = None
 
 
@@ -111,7 +113,7 @@ class Agg:
     # double) or `quantiles` (double for one `q`, else a map from q to double).
     answer_kind: str = "double"
     # `finalize` on columns, for many merged states at once (training sets): numpy arrays of
-    # whether any slice had data and of each merged number. Every `additive` agg has one;
+    # whether any slice had data and of each merged number. Every `running` agg has one;
     # tests/unit/test_aggs.py holds it to `finalize` on every state.
     finalize_columns: FinalizeColumns | None = None
 
@@ -141,10 +143,12 @@ class Agg:
         return any(f.merge == "collect" for f in self.folds)
 
     @property
-    def additive(self) -> bool:
-        """Every state column merges by addition (`Fold.merge`), the count `n` included: a
-        window's state is a difference of running totals (`sluice.offline.prefix`)."""
-        return self.lua and all(f.merge == "sum" for f in self.folds)
+    def running(self) -> bool:
+        """Every state column, the count `n` included, merges by `sum`, `min` or `max` and has a
+        per-event state (`Fold.unit`): a window's state is running totals and range minima or
+        maxima over its events (`sluice.offline.prefix`)."""
+        folds = (N, *self.folds)
+        return self.lua and all(f.merge in RUNNING_MERGES and f.unit is not None for f in folds)
 
     @property
     def columns(self) -> list[str]:
@@ -152,13 +156,14 @@ class Agg:
         return [N.column, *[f.column for f in self.folds]]
 
     def unit_columns(self, value: Column, time: Column) -> list[tuple[str, Column]]:
-        """(column name, one event's state) for the count `n` and each fold of an `additive`
-        agg: row expressions whose sums are what `fold_columns` (and `n`) fold."""
+        """(column name, one event's state) for the count `n` and each fold of a `running` agg:
+        row expressions whose sums (least, greatest: `Fold.merge`) are what `fold_columns` (and
+        `n`) fold."""
         from pyspark.sql import functions as F
 
         units = [(f.column, f.unit) for f in (N, *self.folds)]
         missing = [name for name, unit in units if unit is None]
-        if not self.additive or missing:
+        if not self.running or missing:
             raise ValueError(f"agg {self.name!r} has no per-event state for {missing}")
         return [(name, unit(F, value, time)) for name, unit in units if unit is not None]
 
@@ -202,8 +207,8 @@ def _timed(F: Any, v: Column, t: Column) -> Column:
 # Every metric's count of the events it folded, the first number of each state.
 N = Fold("n", lambda F, v, t: F.count(v), "sum", lambda F, v, t: v.isNotNull().cast("long"))
 SUM = Fold("sum", lambda F, v, t: F.sum(v), "sum", lambda F, v, t: v)
-MIN = Fold("min", lambda F, v, t: F.min(v), "min")
-MAX = Fold("max", lambda F, v, t: F.max(v), "max")
+MIN = Fold("min", lambda F, v, t: F.min(v), "min", lambda F, v, t: v)
+MAX = Fold("max", lambda F, v, t: F.max(v), "max", lambda F, v, t: v)
 MEAN = Fold("avg", lambda F, v, t: F.avg(v))
 # The sum of squared deviations from the mean, merged with Chan's formula.
 M2 = Fold("m2", lambda F, v, t: F.var_pop(v) * F.count(v))
@@ -283,6 +288,13 @@ def _columns_sum(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any,
 
     values = np.where(has, numbers[0], 0.0)
     return (values.astype(np.int64) if integral else values), None
+
+
+def _columns_value(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
+    import numpy as np
+
+    values = np.where(has, numbers[0], 0.0)
+    return (values.astype(np.int64) if integral else values), has
 
 
 def _columns_avg(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
@@ -444,8 +456,8 @@ AGGS: dict[str, Agg] = {
             answer_kind="long",
         ),
         _one_number("sum", SUM, merge_add, _finalize_sum, _columns_sum, merge_add_states),
-        _one_number("min", MIN, merge_min, _finalize_value),
-        _one_number("max", MAX, merge_max, _finalize_value),
+        _one_number("min", MIN, merge_min, _finalize_value, _columns_value),
+        _one_number("max", MAX, merge_max, _finalize_value, _columns_value),
         Agg(
             "avg",
             state="avg",
