@@ -11,6 +11,8 @@
     .venv/bin/python bench/offline.py --part training --keys zipf --cells headline \
         --range-timeout-s 600                 # hot cards (-> offline-training-zipf.json)
     .venv/bin/python bench/offline.py --part stages   # a training set's stages, each timed
+    .venv/bin/python bench/offline.py --part minmax   # a count and a max: running pass, frames,
+                                                      # range join (-> offline-minmax.json)
 
 Backfill (`--part backfill`). Per workload, an archive of `--events` events is written as
 ARCHIVE_FILES Parquet files in time order, times uniform over the `--span-h` hours before a
@@ -49,6 +51,11 @@ Stages (`--part stages`, `lib.offline_stages`): on the training part's archive a
 the training set's stages one at a time (read, plan, shuffle, sort by the key's text or by its
 hash, to Python), then the whole training set and the range join, each to Spark's no-op sink,
 `--rounds` rounds alternating (-> offline-stages.json).
+
+Minima and maxima (`--part minmax`, `lib.offline_minmax`): on the same archive and largest
+spine, a count and a maximum by card over 3 windows each, by the running pass, by the slice
+frames (the way every non-summed metric went before), and by a range join, `--rounds` rounds
+alternating after a warm-up of each (-> offline-minmax.json).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ from lib.offline import (
     workload_config,
     write_archive,
 )
+from lib.offline_minmax import minmax_config, minmax_part
 from lib.offline_stages import stages_part
 from lib.offline_training import (
     WINDOWS,
@@ -421,6 +429,22 @@ def stages(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
                              "archive_bytes": size}}  # fmt: skip
 
 
+def minmax(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
+    """`--part minmax` (`lib.offline_minmax`): a count and a maximum three ways, on the
+    headline cell's archive and spine."""
+    load0 = load1()
+    big = max(a.spine_sizes)
+    size = training_data(spark, ws, a, [big])
+    cfg = minmax_config(ws.state_dir("cfg-minmax"), a.train_partitions, a.driver_memory)
+    out = minmax_part(spark, cfg, a.events_dir, a.spines[big], big, WINDOWS[3], a.rounds,
+                      ws.root, a.seed, log)  # fmt: skip
+    return out | {"load_start": load0, "load_end": load1(),
+                  "params": {"events": a.train_events, "cards": a.cards, "key_dist": a.keys,
+                             "span_days": a.span_days, "spine": big, "windows": WINDOWS[3],
+                             "rounds": a.rounds, "partitions": a.train_partitions,
+                             "archive_bytes": size}}  # fmt: skip
+
+
 def summarize_training(runs: list[dict[str, Any]], big: int) -> dict[str, Any]:
     """Medians per (spine, windows, method) over the warm runs; the speed-up per pair."""
     cells: dict[tuple[int, int], dict[str, Any]] = {}
@@ -468,7 +492,7 @@ def summarize_training(runs: list[dict[str, Any]], big: int) -> dict[str, Any]:
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--part", choices=(*PARTS, "stages", "all"), default="all")
+    p.add_argument("--part", choices=(*PARTS, "stages", "minmax", "all"), default="all")
     p.add_argument("--rounds", type=int, help="measured rounds (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--events", type=int, help="backfill: events per workload (default 2M)")
@@ -508,7 +532,7 @@ def main() -> None:
     a.cards = a.cards or cards
     if a.part != "all" and a.out is None:
         suffix = ".quick.json" if a.quick else ".json"
-        keys = "-zipf" if a.part in ("training", "stages") and a.keys == "zipf" else ""
+        keys = "-zipf" if a.part in ("training", "stages", "minmax") and a.keys == "zipf" else ""
         keys += "-conf" if a.conf_after else ""
         a.out = Path(__file__).parent / "results" / f"offline-{a.part}{keys}{suffix}"
     run = Run("offline", a)
@@ -521,7 +545,8 @@ def main() -> None:
     try:
         for part in PARTS if a.part == "all" else (a.part,):
             key = "backfill_conf" if a.conf_after else part  # not the backfill section's run
-            fn = {"backfill": backfill_part, "training": training_part, "stages": stages}[part]
+            fn = {"backfill": backfill_part, "training": training_part, "stages": stages,
+                  "minmax": minmax}[part]  # fmt: skip
             results[key] = fn(spark, ws, a)
             run.write({"part": a.part, "seed": a.seed}, results)  # so far
     finally:
