@@ -41,7 +41,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["failover", "failover-six", "failover-highcard"],
             ["freshness", "freshness-highcard"],
             ["offline", "offline-backfill", "offline-backfill-conf", "offline-training",
-             "offline-training-zipf", "offline-stages"],
+             "offline-training-zipf", "offline-stages", "offline-minmax"],
             ["soak"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
