@@ -245,7 +245,7 @@ def test_every_running_fold_is_the_merge_of_its_events_units(spark: Any) -> None
                                np.round(rng.lognormal(2, 1, 500), 2), strict=True)]  # fmt: skip
     df = spark.createDataFrame(rows, "k long, t long, x double, i long")
     running = [agg for agg in AGGS.values() if agg.running]
-    assert {a.name for a in running} == {"count", "sum", "avg", "min", "max"}
+    assert {a.name for a in running} == {"count", "sum", "avg", "min", "max", "first", "last"}
     merge = {"sum": F.sum, "min": F.min, "max": F.max}
     for agg in running:
         kinds = {f.column: f.merge for f in (N, *agg.folds)}

@@ -225,7 +225,8 @@ def test_quantiles_over_many_sketches_do_not_depend_on_chance_or_order() -> None
 
 def test_every_running_agg_answers_on_columns() -> None:
     """Training sets answer running windows on columns (`offline.answers._prefixed`)."""
-    assert {n for n, a in AGGS.items() if a.running} == {"count", "sum", "avg", "min", "max"}
+    running = {"count", "sum", "avg", "min", "max", "first", "last"}
+    assert {n for n, a in AGGS.items() if a.running} == running
     assert all(AGGS[n].finalize_columns is not None for n, a in AGGS.items() if a.running)
 
 
@@ -237,7 +238,7 @@ merged_states = st.lists(
 )
 
 
-@pytest.mark.parametrize("name", ["count", "sum", "avg", "min", "max"])
+@pytest.mark.parametrize("name", ["count", "sum", "avg", "min", "max", "first", "last"])
 @pytest.mark.parametrize("integral", [False, True])
 @given(states=merged_states)
 def test_answers_on_columns_are_finalize_s(
@@ -252,10 +253,11 @@ def test_answers_on_columns_are_finalize_s(
 
     agg = AGGS[name]
     assert agg.finalize_columns is not None
-    numbers = [[float(n)] if name == "count" else [float(x)] if name != "avg" else
-               [float(n), float(x)] for _, n, x in states]  # fmt: skip
-    if integral and name in ("sum", "min", "max"):  # a long column's sum (least, greatest), a long
-        numbers = [[float(int(max(-(2.0**62), min(x, 2.0**62))))] for _, _, x in states]
+    numbers = [[float(n)] if name == "count" else [float(x)] if name in ("sum", "min", "max")
+               else [float(n), float(x)] for _, n, x in states]  # fmt: skip
+    if integral and name in ("sum", "min", "max", "first", "last"):  # a long column's: a long
+        longs = [float(int(max(-(2.0**62), min(x, 2.0**62)))) for _, _, x in states]
+        numbers = [[*xs[:-1], x] for xs, x in zip(numbers, longs, strict=True)]
     has = np.array([h for h, _, _ in states])
     columns = [np.array(c, dtype=np.float64) for c in zip(*numbers, strict=True)]
     values, valid = agg.finalize_columns(has, columns, integral)

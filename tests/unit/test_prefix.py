@@ -1,6 +1,7 @@
-"""The running tasks of training sets (`offline.prefix`) against a brute-force sum, minimum and
-maximum over the same rows: every window, keys cut across batches and chunks, nulls, both
-searches, and the segment tree's range queries on their own."""
+"""The running tasks of training sets (`offline.prefix`) against a brute-force sum, minimum,
+maximum, first and last over the same rows (ties at one time included): every window, keys cut
+across batches and chunks, nulls, both searches, and the segment tree's range queries on their
+own."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ MEMBERS = [
     PrefixMember(1, "sum", WINDOWS, ("bigint", "double")),
     PrefixMember(2, "max", WINDOWS, ("bigint", "double")),
     PrefixMember(3, "min", WINDOWS, ("bigint", "bigint")),
+    PrefixMember(4, "last", WINDOWS, ("bigint", "struct<t:bigint,v:double>")),
+    PrefixMember(5, "first", WINDOWS, ("bigint", "struct<t:bigint,v:bigint>")),
 ]
+TIMED = pa.struct([("t", pa.int64()), ("v", pa.float64())])
+TIMED_LONG = pa.struct([("t", pa.int64()), ("v", pa.int64())])
 
 
 def partition(seed: int, keys: int = 30, events: int = 3_000, spine: int = 400) -> pa.Table:
@@ -39,24 +44,29 @@ def partition(seed: int, keys: int = 30, events: int = 3_000, spine: int = 400) 
     st = np.where(rng.random(spine) < 0.3, et[rng.integers(0, events, spine)],
                   rng.integers(0, 2 * 3_600_000, spine))  # fmt: skip
     qty = rng.integers(-(2**40), 2**40, events)  # a long value: min over longs
+    small = rng.integers(0, 3, events)  # few values: ties at one time are common
     rows: list[tuple[Any, ...]] = [
         (f"k{k:03d}", int(t), None, 1, int(c), float(a) if c else None, int(c),
-         float(-a) if c else None, int(c), int(q) if c else None)
-        for k, t, a, c, q in zip(ek, et, amount, counted, qty, strict=True)
+         float(-a) if c else None, int(c), int(q) if c else None,
+         int(c), {"t": int(t), "v": float(x)} if c else None,
+         int(c), {"t": int(t), "v": int(x)} if c else None)
+        for k, t, a, c, q, x in zip(ek, et, amount, counted, qty, small, strict=True)
     ]  # fmt: skip
-    blank = (0, 0, None, 0, None, 0, None)
+    blank = (0, 0, None, 0, None, 0, None, 0, None, 0, None)
     rows += [(f"k{k:03d}", int(t), i, *blank) for i, (k, t) in enumerate(zip(sk, st, strict=True))]
     rows += [(None, 5, len(sk), *blank), ("k001", None, len(sk) + 1, *blank)]
     order = rng.permutation(len(rows))
     rows = [(zlib.crc32((rows[i][0] or "").encode()) % 7, *rows[i]) for i in order]
     rows.sort(key=lambda r: r[0])  # stable: shuffled within a hash
-    h, k, t, row, n0, n1, s1, n2, x2, n3, x3 = zip(*rows, strict=True)
+    h, k, t, row, n0, n1, s1, n2, x2, n3, x3, n4, x4, n5, x5 = zip(*rows, strict=True)
     return pa.table({
         "_h": pa.array(h, pa.int64()), "k": pa.array(k, pa.string()), "t": pa.array(t, pa.int64()),
         ROW: pa.array(row, pa.int64()), "_p0_n": pa.array(n0, pa.int64()),
         "_p1_n": pa.array(n1, pa.int64()), "_p1_sum": pa.array(s1, pa.float64()),
         "_p2_n": pa.array(n2, pa.int64()), "_p2_max": pa.array(x2, pa.float64()),
         "_p3_n": pa.array(n3, pa.int64()), "_p3_min": pa.array(x3, pa.int64()),
+        "_p4_n": pa.array(n4, pa.int64()), "_p4_last": pa.array(x4, TIMED),
+        "_p5_n": pa.array(n5, pa.int64()), "_p5_first": pa.array(x5, TIMED_LONG),
     })  # fmt: skip
 
 
@@ -69,7 +79,8 @@ def brute(table: pa.Table) -> dict[int, dict[str, object]]:
         got: dict[str, object] = {}
         for wi, w in enumerate(WINDOWS):
             if r["k"] is None or r["t"] is None:
-                got[f"count{wi}"] = got[f"sum{wi}"] = got[f"max{wi}"] = got[f"min{wi}"] = None
+                for name in ("count", "sum", "max", "min", "last", "first"):
+                    got[f"{name}{wi}"] = None
                 continue
             lo = slice_start(r["t"] - w + 1, SLICE)
             inside = [
@@ -82,6 +93,11 @@ def brute(table: pa.Table) -> dict[int, dict[str, object]]:
             got[f"max{wi}"] = max(highs) if highs else None
             lows = [e["_p3_min"] for e in inside if e["_p3_min"] is not None]
             got[f"min{wi}"] = float(min(lows)) if lows else None
+            # last: the greatest (time, value), a tie to the greater value; first the least
+            lasts = [(e["_p4_last"]["t"], e["_p4_last"]["v"]) for e in inside if e["_p4_last"]]
+            got[f"last{wi}"] = max(lasts)[1] if lasts else None
+            firsts = [(e["_p5_first"]["t"], e["_p5_first"]["v"]) for e in inside if e["_p5_first"]]
+            got[f"first{wi}"] = float(min(firsts)[1]) if firsts else None
         out[r[ROW]] = got
     return out
 
@@ -101,9 +117,9 @@ def answers(table: pa.Table, batch_rows: int) -> dict[int, dict[str, object]]:
                 has1 = cols[part_column(1, PART_PREFIX, "has", wi)][i]
                 total = cols[part_column(1, PART_PREFIX, "x0", wi)][i]
                 got[f"sum{wi}"] = total if has1 else None
-                for mi, name in ((2, "max"), (3, "min")):
+                for mi, name, x in ((2, "max", 0), (3, "min", 0), (4, "last", 1), (5, "first", 1)):
                     has = cols[part_column(mi, PART_PREFIX, "has", wi)][i]
-                    value = cols[part_column(mi, PART_PREFIX, "x0", wi)][i]
+                    value = cols[part_column(mi, PART_PREFIX, f"x{x}", wi)][i]
                     got[f"{name}{wi}"] = value if has else None
             out[row] = got
     return out

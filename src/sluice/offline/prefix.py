@@ -11,7 +11,9 @@ time t:
 
 A column merged by `min` or `max` is the least or greatest of the same run of rows, the events
 from cs up to the spine row: a range query, answered for every spine row at once on a segment
-tree over the chunk's rows (`_range_reduce`: levels of pairwise minima, 2n numbers).
+tree over the chunk's rows (`_range_reduce`: levels of pairwise minima, 2n numbers). A
+(time, value) state (`first`, `last`: the least or greatest pair) is ranked in that order
+first (`_ranked`), and the range's least or greatest rank names its pair.
 
 so one pass answers every window of every running metric of a key group:
 
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import pyarrow as pa
@@ -251,6 +253,36 @@ def _values(column: pa.ChunkedArray | pa.Array, type_: str, merge: str) -> np.nd
     return pc.fill_null(column, fill).to_numpy(zero_copy_only=False).astype(dtype)
 
 
+class _Ranked(NamedTuple):
+    """A (time, value) state column as ranks in (time, value) order (nulls: the merge's
+    identity), and the times and values by rank."""
+
+    rank: np.ndarray
+    t: np.ndarray
+    v: np.ndarray
+
+    def pairs(self, rank: np.ndarray, has: np.ndarray) -> pa.StructArray:
+        """The pairs of `rank` (zeros where not `has`), as the fold's struct (t, v)."""
+        at = np.where(has, rank, 0)
+        t = np.where(has, self.t[at] if len(self.t) else 0, 0).astype(self.t.dtype)
+        v = np.where(has, self.v[at] if len(self.v) else 0, 0).astype(self.v.dtype)
+        return pa.StructArray.from_arrays([pa.array(t), pa.array(v)], names=["t", "v"])
+
+
+def _ranked(column: pa.ChunkedArray | pa.Array, merge: str) -> _Ranked:
+    """`column`'s (time, value) structs ranked by time, then value: the least (greatest) rank
+    of a range is its least (greatest) pair, as Spark orders structs."""
+    col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    t = pc.fill_null(pc.struct_field(col, "t"), 0).to_numpy(zero_copy_only=False)
+    v = pc.fill_null(pc.struct_field(col, "v"), 0).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(valid)
+    order = rows[np.lexsort((v[rows], t[rows]))]
+    rank = np.full(len(col), _identity(np.dtype(np.int64), merge), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    return _Ranked(rank, t[order], v[order])
+
+
 def _range_reduce(values: np.ndarray, merge: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """The least (`min`) or greatest (`max`) of values[lo[i]:hi[i]] for every i (the identity
     where empty), all ranges at once: a segment tree built bottom-up, one level of pairs at a
@@ -310,14 +342,15 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
         cols.append(pa.array(ok))
         names.append(part_column(m.mi, "", "ok"))
         merges = _merges(m.agg)
-        columns = {
-            name: (
-                _running(table.column(_state(m.mi, name)), type_)
-                if merges[name] == "sum"
-                else _values(table.column(_state(m.mi, name)), type_, merges[name])
-            )
-            for name, type_ in zip(m.agg.columns, m.state_types, strict=True)
-        }
+        columns: dict[str, Any] = {}
+        for name, type_ in zip(m.agg.columns, m.state_types, strict=True):
+            column = table.column(_state(m.mi, name))
+            if merges[name] == "sum":
+                columns[name] = _running(column, type_)
+            elif pa.types.is_struct(column.type):
+                columns[name] = _ranked(column, merges[name])
+            else:
+                columns[name] = _values(column, type_, merges[name])
         for wi, w_ms in enumerate(m.windows):
             if w_ms not in starts:
                 cs = np.asarray(slice_start(t_row - w_ms + 1, slice_ms))
@@ -327,6 +360,9 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
             for name, col in columns.items():
                 if merges[name] == "sum":
                     merged[name] = col[spine + 1] - col[first]
+                elif isinstance(col, _Ranked):  # (time, value): the range's least/greatest rank
+                    rank = _range_reduce(col.rank, merges[name], first, spine + 1)
+                    merged[name] = col.pairs(rank, merged["n"] > 0)
                 else:  # the events from `first` to the spine row (whose state is the identity)
                     least = _range_reduce(col, merges[name], first, spine + 1)
                     # `n` (first of the columns) counts the values: none, no number to write
@@ -348,7 +384,9 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
     yield pa.RecordBatch.from_arrays(cols, names=names)
 
 
-def _arrow(values: np.ndarray) -> pa.Array:
+def _arrow(values: np.ndarray | pa.Array) -> pa.Array:
+    if isinstance(values, pa.Array):
+        return values
     if values.dtype == np.longdouble:
         return pa.array(values.astype(np.float64))
     return pa.array(values)

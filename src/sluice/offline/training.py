@@ -7,9 +7,9 @@ event time <= t: the window (t − W, t], rounded outward to m's finest slice at
 event after t counts, not even one in t's own slice.
 
 How it is computed, from the archive (`events`), with the live fold's plan (`offline.fold`).
-Metrics whose states merge by addition, min or max (`Agg.running`: count, sum, avg, min, max)
-take running totals and range minima or maxima in one pass over events and spine rows in key
-and time order (`offline.prefix`), unless as known at. The others:
+Metrics whose states merge by addition, min or max (`Agg.running`: count, sum, avg, min, max,
+first, last) take running totals and range minima or maxima in one pass over events and spine
+rows in key and time order (`offline.prefix`), unless as known at. The others:
 
     events ─▶ explode (the plan) ─▶ per (key, slice) cells, as the fold makes them
     spine  ─▶ key (the plan's key column), t

@@ -213,8 +213,8 @@ MEAN = Fold("avg", lambda F, v, t: F.avg(v))
 # The sum of squared deviations from the mean, merged with Chan's formula.
 M2 = Fold("m2", lambda F, v, t: F.var_pop(v) * F.count(v))
 # Struct order is (time, value): the greatest time, a tie to the greater value; min the reverse.
-LAST = Fold("last", lambda F, v, t: F.max(_timed(F, v, t)), "max")
-FIRST = Fold("first", lambda F, v, t: F.min(_timed(F, v, t)), "min")
+LAST = Fold("last", lambda F, v, t: F.max(_timed(F, v, t)), "max", _timed)
+FIRST = Fold("first", lambda F, v, t: F.min(_timed(F, v, t)), "min", _timed)
 SET = Fold("set", lambda F, v, t: F.collect_set(v))
 KLL = Fold("kll", lambda F, v, t: F.kll_sketch_agg_double(v))
 
@@ -294,6 +294,13 @@ def _columns_value(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[An
     import numpy as np
 
     values = np.where(has, numbers[0], 0.0)
+    return (values.astype(np.int64) if integral else values), has
+
+
+def _columns_timed(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
+    import numpy as np
+
+    values = np.where(has, numbers[1], 0.0)
     return (values.astype(np.int64) if integral else values), has
 
 
@@ -417,6 +424,7 @@ def _timed_value(name: str, fold: Fold, merge: MergeColumns) -> Agg:
         name,
         state=name,
         finalize=_finalize_timed,
+        finalize_columns=_columns_timed,
         folds=(fold,),
         width=2,
         encode=_encode_timed,
