@@ -82,6 +82,7 @@ from lib.offline import (
     workload_config,
     write_archive,
 )
+from lib.offline_minmax import METRICS as MINMAX_METRICS
 from lib.offline_minmax import minmax_config, minmax_part
 from lib.offline_stages import stages_part
 from lib.offline_training import (
@@ -442,7 +443,8 @@ def minmax(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
                   "params": {"events": a.train_events, "cards": a.cards, "key_dist": a.keys,
                              "span_days": a.span_days, "spine": big, "windows": WINDOWS[3],
                              "rounds": a.rounds, "partitions": a.train_partitions,
-                             "archive_bytes": size}}  # fmt: skip
+                             "archive_bytes": size,
+                             "features": len(MINMAX_METRICS) * len(WINDOWS[3])}}  # fmt: skip
 
 
 def summarize_training(runs: list[dict[str, Any]], big: int) -> dict[str, Any]:

@@ -1,13 +1,15 @@
-"""`bench/offline.py --part minmax`: a training set of a count and a maximum, three ways.
+"""`bench/offline.py --part minmax`: a training set of a count, a maximum and a last value,
+three ways.
 
-On the training part's archive and largest spine, with a config of two metrics by card on 1 m
-slices, `txn_count` (count) and `amount_max` (max of `amount`), three windows each:
+On the training part's archive and largest spine, with a config of three metrics by card on
+1 m slices, `txn_count` (count), `amount_max` (max of `amount`) and `amount_last` (last of
+`amount`), three windows each:
 
-- **running**: `training_set` as it runs, the maximum by range queries in the running pass
-  (`sluice.offline.prefix`);
-- **frames**: the same call with the planner told that `max` does not take the running pass
-  (`Agg.running` patched on the driver, where the plan is made), so the maximum goes through
-  the cells, window frames and t's own slice, as every non-summed metric did before;
+- **running**: `training_set` as it runs, the maximum and the last value by range queries in
+  the running pass (`sluice.offline.prefix`);
+- **frames**: the same call with the planner told that only summed states take the running
+  pass (`Agg.running` patched on the driver, where the plan is made), so the maximum and the
+  last value go through the cells, window frames and t's own slice, as they did before;
 - **range join**: a plain PySpark range join computing the same values.
 
 Each writes its table as Parquet; rounds alternate the three. The running table is checked
@@ -36,6 +38,8 @@ METRICS: list[dict[str, Any]] = [
     {"name": "txn_count", "key": ["card"], "agg": "count", "slice": SLICE, "retention": "30d"},
     {"name": "amount_max", "key": ["card"], "agg": "max", "value": "amount", "slice": SLICE,
      "retention": "30d"},
+    {"name": "amount_last", "key": ["card"], "agg": "last", "value": "amount", "slice": SLICE,
+     "retention": "30d"},
 ]  # fmt: skip
 METHODS = ("range_join", "frames", "running")
 
@@ -52,7 +56,8 @@ def minmax_config(state_dir: Path, shuffle_partitions: int, driver_memory: str) 
 
 def range_join(spark: Any, events: Any, spine: Any, windows: Sequence[str]) -> Any:
     """Per spine row, its card's events from the widest window's covered start to t, then a
-    count and a maximum per window (a maximum with no event is null, as online)."""
+    count, a maximum and the last value (the greatest (time, amount)) per window; a maximum or
+    last value with no event is null, as online."""
     from pyspark.sql import functions as F
 
     ws = [(w, parse_window(w, "window")) for w in windows]
@@ -64,8 +69,10 @@ def range_join(spark: Any, events: Any, spine: Any, windows: Sequence[str]) -> A
     aggs = []
     for w, ms in ws:
         inside = F.col("ets") >= covered_start(F.col("t"), ms, F)
+        last = F.max(F.when(inside, F.struct("ets", "amount")))["amount"]
         aggs += [F.count(F.when(inside, 1)).alias(f"txn_count_{w}"),
-                 F.max(F.when(inside, F.col("amount"))).alias(f"amount_max_{w}")]  # fmt: skip
+                 F.max(F.when(inside, F.col("amount"))).alias(f"amount_max_{w}"),
+                 last.alias(f"amount_last_{w}")]  # fmt: skip
     per_row = s.join(e, cond).groupBy("id").agg(*aggs)
     return spine.join(per_row, "id", "left").na.fill({f"txn_count_{w}": 0 for w, _ in ws})
 
@@ -80,7 +87,9 @@ def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str
     s["cs_min"] = s[[f"cs_{w}" for w, _ in ws]].min(axis=1)
     cols = ", ".join(
         f'count(e.ts) FILTER (WHERE e.ts >= s."cs_{w}") AS "txn_count_{w}",'
-        f' max(e.amount) FILTER (WHERE e.ts >= s."cs_{w}") AS "amount_max_{w}"'
+        f' max(e.amount) FILTER (WHERE e.ts >= s."cs_{w}") AS "amount_max_{w}",'
+        f' first(e.amount ORDER BY e.ts DESC, e.amount DESC) FILTER (WHERE e.ts >= s."cs_{w}")'
+        f' AS "amount_last_{w}"'
         for w, _ in ws
     )
     con = duckdb.connect()
@@ -92,15 +101,16 @@ def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str
 
 
 def compare(got: pd.DataFrame, want: pd.DataFrame, windows: Sequence[str]) -> dict[str, Any]:
-    """Rows of `got` and `want` (by `id`) whose counts or maxima differ (maxima are values of
-    the archive: exact, nulls equal)."""
+    """Rows of `got` and `want` (by `id`) whose counts, maxima or last values differ (those are
+    values of the archive: exact, nulls equal)."""
     m = got.merge(want, on="id", suffixes=("", "_want"))
     bad = np.zeros(len(m), dtype=bool)
     for w in windows:
-        c, x = f"txn_count_{w}", f"amount_max_{w}"
+        c = f"txn_count_{w}"
         bad |= m[c].to_numpy(np.int64) != m[f"{c}_want"].to_numpy(np.int64)
-        a, b = m[x].to_numpy(np.float64), m[f"{x}_want"].to_numpy(np.float64)
-        bad |= ~((a == b) | (np.isnan(a) & np.isnan(b)))
+        for x in (f"amount_max_{w}", f"amount_last_{w}"):
+            a, b = m[x].to_numpy(np.float64), m[f"{x}_want"].to_numpy(np.float64)
+            bad |= ~((a == b) | (np.isnan(a) & np.isnan(b)))
     return {"rows": len(m), "of": len(want), "mismatched": int(bad.sum()),
             "examples": m[bad].head(3).to_dict("records")}  # fmt: skip
 
