@@ -20,11 +20,17 @@ from sluice.redis.keys import slice_hash_key
 from sluice.slices.aggs import AGGS
 
 SLICE_MS, RETENTION_MS = 10_000, 600_000
-NOW = time.time_ns() // 1_000_000 // SLICE_MS * SLICE_MS
-SEAM = NOW - 5 * SLICE_MS
 
 
-def _rows(agg: str, metric: str, rng: np.random.Generator) -> list[tuple[str, int, list[Any]]]:
+@pytest.fixture
+def seam() -> int:
+    """A seam a little before now, taken when the test runs: the hashes it writes expire a
+    retention (10 minutes) after their newest slice."""
+    return time.time_ns() // 1_000_000 // SLICE_MS * SLICE_MS - 5 * SLICE_MS
+
+
+def _rows(agg: str, metric: str, rng: np.random.Generator,
+          seam: int) -> list[tuple[str, int, list[Any]]]:  # fmt: skip
     """Slices of 60 keys: 1 to 6 slices each, some of them past retention of the key's newest,
     one key with 40 slices (more than the script run the test allows a RESTORE)."""
     width = AGGS[agg].width
@@ -32,7 +38,7 @@ def _rows(agg: str, metric: str, rng: np.random.Generator) -> list[tuple[str, in
     for i in range(60):
         n = 40 if i == 7 else int(rng.integers(1, 7))
         # Each key's newest slice is the one before the seam (so that it outlives the test).
-        starts = SEAM - SLICE_MS * (1 + np.append(0, 1 + rng.choice(119, n - 1, replace=False)))
+        starts = seam - SLICE_MS * (1 + np.append(0, 1 + rng.choice(119, n - 1, replace=False)))
         for s in starts:
             numbers = (
                 [int(x) for x in rng.integers(1, 9, width)]
@@ -52,18 +58,18 @@ def _columns(rows: list[tuple[str, int, list[Any]]], agg: str) -> tuple[Any, ...
 
 
 def _scripted(client: Any, rows: list[tuple[str, int, list[Any]]], agg: str,
-              cluster: bool) -> list[int]:  # fmt: skip
+              cluster: bool, seam: int) -> list[int]:  # fmt: skip
     head, keys, starts, states = _columns(rows, agg)
-    totals, failed = send_calls(client, build_calls(f"b{SEAM}", head, keys, starts, states,
+    totals, failed = send_calls(client, build_calls(f"b{seam}", head, keys, starts, states,
                                                     cluster))  # fmt: skip
     assert not failed.any()
     return totals
 
 
 def _restored(client: Any, rows: list[tuple[str, int, list[Any]]], agg: str,
-              cluster: bool) -> list[int]:  # fmt: skip
+              cluster: bool, seam: int) -> list[int]:  # fmt: skip
     head, keys, starts, states = _columns(rows, agg)
-    totals, failed = plan_restores(f"b{SEAM}", head, keys, starts, states, cluster).run(client)
+    totals, failed = plan_restores(f"b{seam}", head, keys, starts, states, cluster).run(client)
     assert not failed.any()
     return totals
 
@@ -87,7 +93,7 @@ def _restore_calls(client: Any, cluster: bool = False) -> int:
 @pytest.mark.parametrize("agg", ["count", "avg", "max"])
 @pytest.mark.parametrize("cluster", [False, True])
 def test_restored_hashes_are_the_scripts_byte_for_byte(
-    r: redis.Redis, rc: Any, agg: str, cluster: bool, monkeypatch: Any
+    r: redis.Redis, rc: Any, agg: str, cluster: bool, monkeypatch: Any, seam: int
 ) -> None:
     """The same archive through the script alone and through RESTORE: the same slices, `_m`,
     `_b`, expiry (within the test's own time) and counts. Keys that exist already (a live fold's
@@ -96,35 +102,35 @@ def test_restored_hashes_are_the_scripts_byte_for_byte(
     monkeypatch.setattr(slice_restore, "SLICES_PER_RUN", 30)
     client = rc if cluster else r
     rng = np.random.default_rng(7)
-    rows = _rows(agg, "via-script", rng)
+    rows = _rows(agg, "via-script", rng, seam)
     twin = [(k.replace("via-script", "via-restore"), s, v) for k, s, v in rows]
     # A live fold wrote keys 0-9 first, at the seam and before it (replaced by the archive).
     a = AGGS[agg]
     live = [(slice_hash_key(m, f"k{i}"), s, [1] * a.width)
             for m in ("via-script", "via-restore") for i in range(10)
-            for s in (SEAM, SEAM - SLICE_MS)]  # fmt: skip
+            for s in (seam, seam - SLICE_MS)]  # fmt: skip
     head, keys, starts, states = _columns(live, agg)
     assert send_calls(client, build_calls(3, head, keys, starts, states, cluster))[0][0] == 40
     calls_before = _restore_calls(client, cluster)
-    want = _scripted(client, rows, agg, cluster)
-    got = _restored(client, twin, agg, cluster)
+    want = _scripted(client, rows, agg, cluster, seam)
+    got = _restored(client, twin, agg, cluster, seam)
     assert got == want and want[0] + want[2] == len(rows) and want[2] > 0
     assert _restore_calls(client, cluster) - calls_before == 59  # every key but the long one tried
     scripted, restored = _stored(client, "via-script"), _stored(client, "via-restore")
     assert scripted.keys() == restored.keys()
     for k, (fields, ttl) in scripted.items():
         assert restored[k][0] == fields, k
-        assert fields[b"_b"] == str(SEAM).encode()
+        assert fields[b"_b"] == str(seam).encode()
         assert ttl > 0 and abs(restored[k][1] - ttl) < 5_000
-    assert scripted["k0"][0][str(SEAM).encode()] == f"3:{':'.join(['1'] * a.width)}".encode()
+    assert scripted["k0"][0][str(seam).encode()] == f"3:{':'.join(['1'] * a.width)}".encode()
     # A second run (a task run again) meets every hash: the script replaces with the same texts.
-    assert _restored(client, twin, agg, cluster) == want
+    assert _restored(client, twin, agg, cluster, seam) == want
     again = _stored(client, "via-restore")
     assert all(again[k][0] == restored[k][0] for k in restored)
 
 
 def test_a_redis_that_refuses_restore_gets_the_same_store_through_the_script(
-    r: redis.Redis, redis_server: Any
+    r: redis.Redis, redis_server: Any, seam: int
 ) -> None:
     """An ACL user without RESTORE (as a managed Redis may have): the first refusal sends every
     write through the script, and the store is the script's."""
@@ -132,11 +138,11 @@ def test_a_redis_that_refuses_restore_gets_the_same_store_through_the_script(
                   commands=["+@all", "-restore"])  # fmt: skip
     limited = redis.Redis.from_url(redis_server.url, username="no-restore")
     try:
-        rows = _rows("sum", "via-script", np.random.default_rng(3))
+        rows = _rows("sum", "via-script", np.random.default_rng(3), seam)
         twin = [(k.replace("via-script", "via-restore"), s, v) for k, s, v in rows]
-        want = _scripted(r, rows, "sum", False)
+        want = _scripted(r, rows, "sum", False, seam)
         before = _restore_calls(r)
-        assert _restored(limited, twin, "sum", False) == want
+        assert _restored(limited, twin, "sum", False, seam) == want
         assert _restore_calls(r) == before
         scripted, restored = _stored(r, "via-script"), _stored(r, "via-restore")
         assert all(restored[k][0] == scripted[k][0] for k in scripted)
