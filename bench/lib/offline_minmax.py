@@ -25,13 +25,19 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import numpy as np
 import pandas as pd
 
 from lib.offline import timed
-from lib.offline_training import SCHEMA, SLICE, covered_start
-from sluice.config import Config, config_from_dict
-from sluice.query.engine import parse_window
+from lib.offline_training import (
+    COUNT_SUM,
+    SLICE,
+    Feature,
+    compare,
+    duckdb_answers,
+    range_join,
+    training_config,
+)
+from sluice.config import Config
 from sluice.slices.aggs import Agg
 
 METRICS: list[dict[str, Any]] = [
@@ -45,74 +51,19 @@ METHODS = ("range_join", "frames", "running")
 
 
 def minmax_config(state_dir: Path, shuffle_partitions: int, driver_memory: str) -> Config:
-    return config_from_dict({
-        "state_dir": str(state_dir),
-        "source": {"stream": "events", "format": "jsonl", "schema": SCHEMA, "time_field": "ts"},
-        "metrics": METRICS,
-        "spark": {"shuffle_partitions": shuffle_partitions,
-                  "conf": {"spark.driver.memory": driver_memory}},
-    })  # fmt: skip
+    return training_config(state_dir, shuffle_partitions, driver_memory, METRICS)
 
 
-def range_join(spark: Any, events: Any, spine: Any, windows: Sequence[str]) -> Any:
-    """Per spine row, its card's events from the widest window's covered start to t, then a
-    count, a maximum and the last value (the greatest (time, amount)) per window; a maximum or
-    last value with no event is null, as online."""
-    from pyspark.sql import functions as F
-
-    ws = [(w, parse_window(w, "window")) for w in windows]
-    widest = max(ms for _, ms in ws)
-    s = spine.select("id", "card", F.col("ts").alias("t"))
-    e = events.select(F.col("card").alias("ecard"), F.col("ts").alias("ets"), "amount")
-    cond = ((F.col("ecard") == F.col("card")) & (F.col("ets") <= F.col("t"))
-            & (F.col("ets") >= covered_start(F.col("t"), widest, F)))  # fmt: skip
-    aggs = []
-    for w, ms in ws:
-        inside = F.col("ets") >= covered_start(F.col("t"), ms, F)
-        last = F.max(F.when(inside, F.struct("ets", "amount")))["amount"]
-        aggs += [F.count(F.when(inside, 1)).alias(f"txn_count_{w}"),
-                 F.max(F.when(inside, F.col("amount"))).alias(f"amount_max_{w}"),
-                 last.alias(f"amount_last_{w}")]  # fmt: skip
-    per_row = s.join(e, cond).groupBy("id").agg(*aggs)
-    return spine.join(per_row, "id", "left").na.fill({f"txn_count_{w}": 0 for w, _ in ws})
-
-
-def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str]) -> pd.DataFrame:
-    import duckdb
-
-    ws = [(w, parse_window(w, "window")) for w in windows]
-    s = sample[["id", "card", "ts"]].copy()
-    for w, ms in ws:
-        s[f"cs_{w}"] = [covered_start(int(t), ms) for t in s["ts"]]
-    s["cs_min"] = s[[f"cs_{w}" for w, _ in ws]].min(axis=1)
-    cols = ", ".join(
-        f'count(e.ts) FILTER (WHERE e.ts >= s."cs_{w}") AS "txn_count_{w}",'
-        f' max(e.amount) FILTER (WHERE e.ts >= s."cs_{w}") AS "amount_max_{w}",'
-        f' first(e.amount ORDER BY e.ts DESC, e.amount DESC) FILTER (WHERE e.ts >= s."cs_{w}")'
-        f' AS "amount_last_{w}"'
-        for w, _ in ws
-    )
-    con = duckdb.connect()
-    con.register("s", s)
-    return con.execute(f"""
-        SELECT s.id, {cols} FROM s LEFT JOIN read_parquet('{events_dir}/*.parquet') e
-          ON e.card = s.card AND e.ts <= s.ts AND e.ts >= s.cs_min
-        GROUP BY s.id ORDER BY s.id""").df()  # fmt: skip
-
-
-def compare(got: pd.DataFrame, want: pd.DataFrame, windows: Sequence[str]) -> dict[str, Any]:
-    """Rows of `got` and `want` (by `id`) whose counts, maxima or last values differ (those are
-    values of the archive: exact, nulls equal)."""
-    m = got.merge(want, on="id", suffixes=("", "_want"))
-    bad = np.zeros(len(m), dtype=bool)
-    for w in windows:
-        c = f"txn_count_{w}"
-        bad |= m[c].to_numpy(np.int64) != m[f"{c}_want"].to_numpy(np.int64)
-        for x in (f"amount_max_{w}", f"amount_last_{w}"):
-            a, b = m[x].to_numpy(np.float64), m[f"{x}_want"].to_numpy(np.float64)
-            bad |= ~((a == b) | (np.isnan(a) & np.isnan(b)))
-    return {"rows": len(m), "of": len(want), "mismatched": int(bad.sum()),
-            "examples": m[bad].head(3).to_dict("records")}  # fmt: skip
+FEATURES = (
+    *COUNT_SUM[:1],
+    Feature("amount_max", lambda F, inside: F.max(F.when(inside, F.col("amount"))),
+            "max(e.amount) FILTER (WHERE {inside})", None, True),
+    # The last value: the greatest (time, amount), as the fold orders its structs.
+    Feature("amount_last",
+            lambda F, inside: F.max(F.when(inside, F.struct("ets", "amount")))["amount"],
+            "first(e.amount ORDER BY e.ts DESC, e.amount DESC) FILTER (WHERE {inside})", None,
+            True),
+)  # fmt: skip
 
 
 def _summed_only(self: Agg) -> bool:
@@ -134,7 +85,8 @@ def minmax_part(spark: Any, cfg: Config, events_dir: Path, spine_path: Path, n_r
 
         def build() -> None:
             if method == "range_join":
-                table = range_join(spark, spark.read.parquet(str(events_dir)), spine, windows)
+                archive = spark.read.parquet(str(events_dir))
+                table = range_join(spark, archive, spine, windows, FEATURES)
             else:
                 events = read_archive(spark, str(events_dir), None, cfg.source.schema_)
                 planner = (
@@ -152,11 +104,11 @@ def minmax_part(spark: Any, cfg: Config, events_dir: Path, spine_path: Path, n_r
                                "per_s": n_rows / wall, "stages": stages}  # fmt: skip
         if method == "running":
             sample = got.sample(min(200, len(got)), random_state=seed + rnd)
-            res["duckdb"] = compare(got, duckdb_answers(events_dir, sample, windows), windows)
+            want = duckdb_answers(events_dir, sample, windows, FEATURES)
+            res["duckdb"] = compare(got, want, windows, feats=FEATURES)
         if method != "range_join" and (out_root / "minmax-range_join").exists():
-            res["vs_range_join"] = compare(
-                got, pd.read_parquet(out_root / "minmax-range_join"), windows
-            )
+            rival = pd.read_parquet(out_root / "minmax-range_join")
+            res["vs_range_join"] = compare(got, rival, windows, feats=FEATURES)
         log(f"minmax {method} round {rnd}: {res['per_s']:,.0f} rows/s ({wall:.1f} s)"
             f" {res.get('duckdb', {}).get('mismatched', '')}"
             f" {res.get('vs_range_join', {}).get('mismatched', '')}")  # fmt: skip

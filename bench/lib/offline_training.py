@@ -9,9 +9,9 @@ window (t - W, t] rounded outward to the metric's slice at its start edge; nothi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -39,12 +39,13 @@ WINDOWS = {
 DAY_MS = 86_400_000
 
 
-def training_config(state_dir: Path, shuffle_partitions: int, driver_memory: str) -> Config:
-    """Two metrics by card, a count and a sum of `amount`, on 1 m slices."""
+def training_config(state_dir: Path, shuffle_partitions: int, driver_memory: str,
+                    metrics: Sequence[dict[str, Any]] = METRICS) -> Config:  # fmt: skip
+    """`metrics` (by default two by card, a count and a sum of `amount`, on 1 m slices)."""
     return config_from_dict({
         "state_dir": str(state_dir),
         "source": {"stream": "events", "format": "jsonl", "schema": SCHEMA, "time_field": "ts"},
-        "metrics": METRICS,
+        "metrics": list(metrics),
         "spark": {"shuffle_partitions": shuffle_partitions,
                   "conf": {"spark.driver.memory": driver_memory}},
     })  # fmt: skip
@@ -100,10 +101,33 @@ def covered_start(t: Any, window_ms: int, F: Any = None) -> Any:
     return lo - F.pmod(lo, F.lit(SLICE_MS)) if F is not None else slice_start(lo, SLICE_MS)
 
 
-def range_join(spark: Any, events: Any, spine: Any, windows: Sequence[str]) -> Any:
+class Feature(NamedTuple):
+    """One metric as the references compute it over the events inside a window: its Spark
+    aggregate (`spark(F, inside)`, `inside` a boolean column over the columns `ets` and
+    `amount`), its DuckDB aggregate (`sql`, filtered by `{inside}`, over `e.ts` and
+    `e.amount`), its value with no event (None: null), and whether it must match exactly (else
+    to a relative tolerance: sums of doubles in another order differ in the last bits)."""
+
+    name: str
+    spark: Callable[[Any, Any], Any]
+    sql: str
+    empty: Any
+    exact: bool
+
+
+COUNT_SUM = (
+    Feature("txn_count", lambda F, inside: F.count(F.when(inside, 1)),
+            "count(e.ts) FILTER (WHERE {inside})", 0, True),
+    Feature("amount_sum", lambda F, inside: F.sum(F.when(inside, F.col("amount"))),
+            "coalesce(sum(e.amount) FILTER (WHERE {inside}), 0)", 0.0, False),
+)  # fmt: skip
+
+
+def range_join(spark: Any, events: Any, spine: Any, windows: Sequence[str],
+               feats: Sequence[Feature] = COUNT_SUM) -> Any:  # fmt: skip
     """The features by a plain range join: the spine joined with the events of its card from
-    the widest window's covered_start to t, then per row a count and a sum per window. Spine
-    rows without events get 0 (as the online service answers a count and a sum with no data)."""
+    the widest window's covered_start to t, then per row each feature per window. Spine rows
+    without events get each feature's `empty` (a count and a sum answer 0 with no data)."""
     from pyspark.sql import functions as F
 
     ws = [(w, parse_window(w, "window")) for w in windows]
@@ -115,16 +139,16 @@ def range_join(spark: Any, events: Any, spine: Any, windows: Sequence[str]) -> A
     aggs = []
     for w, ms in ws:
         inside = F.col("ets") >= covered_start(F.col("t"), ms, F)
-        aggs += [F.count(F.when(inside, 1)).alias(f"txn_count_{w}"),
-                 F.sum(F.when(inside, F.col("amount"))).alias(f"amount_sum_{w}")]  # fmt: skip
+        aggs += [f.spark(F, inside).alias(f"{f.name}_{w}") for f in feats]
     per_row = s.join(e, cond).groupBy("id").agg(*aggs)
-    zeros = {f"txn_count_{w}": 0 for w, _ in ws} | {f"amount_sum_{w}": 0.0 for w, _ in ws}
-    return spine.join(per_row, "id", "left").na.fill(zeros)
+    fill = {f"{f.name}_{w}": f.empty for w, _ in ws for f in feats if f.empty is not None}
+    return spine.join(per_row, "id", "left").na.fill(fill)
 
 
-def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str]) -> pd.DataFrame:
-    """DuckDB over the archive's Parquet: each sample row's count and sum per window, by the
-    same rule (module docstring), one row per `id`."""
+def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str],
+                   feats: Sequence[Feature] = COUNT_SUM) -> pd.DataFrame:  # fmt: skip
+    """DuckDB over the archive's Parquet: each sample row's features per window, by the same
+    rule (module docstring), one row per `id`."""
     import duckdb
 
     ws = [(w, parse_window(w, "window")) for w in windows]
@@ -133,9 +157,9 @@ def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str
         s[f"cs_{w}"] = [covered_start(int(t), ms) for t in s["ts"]]
     s["cs_min"] = s[[f"cs_{w}" for w, _ in ws]].min(axis=1)
     cols = ", ".join(
-        f'count(e.ts) FILTER (WHERE e.ts >= s."cs_{w}") AS "txn_count_{w}",'
-        f' coalesce(sum(e.amount) FILTER (WHERE e.ts >= s."cs_{w}"), 0) AS "amount_sum_{w}"'
+        f.sql.format(inside=f'e.ts >= s."cs_{w}"') + f' AS "{f.name}_{w}"'
         for w, _ in ws
+        for f in feats
     )
     con = duckdb.connect()
     con.register("s", s)
@@ -145,16 +169,20 @@ def duckdb_answers(events_dir: Path, sample: pd.DataFrame, windows: Sequence[str
         GROUP BY s.id ORDER BY s.id""").df()  # fmt: skip
 
 
-def compare(got: pd.DataFrame, want: pd.DataFrame, windows: Sequence[str],
-            rel: float = 1e-9) -> dict[str, Any]:  # fmt: skip
-    """Rows of `got` and `want` (by `id`) whose counts differ, or whose sums differ by more
-    than `rel` relative (sums of doubles in another order differ in the last bits)."""
+def compare(got: pd.DataFrame, want: pd.DataFrame, windows: Sequence[str], rel: float = 1e-9,
+            feats: Sequence[Feature] = COUNT_SUM) -> dict[str, Any]:  # fmt: skip
+    """Rows of `got` and `want` (by `id`) where an exact feature differs (nulls equal), or
+    another differs by more than `rel` relative."""
     m = got.merge(want, on="id", suffixes=("", "_want"))
     bad = np.zeros(len(m), dtype=bool)
     for w in windows:
-        c, s = f"txn_count_{w}", f"amount_sum_{w}"
-        bad |= m[c].to_numpy(np.int64) != m[f"{c}_want"].to_numpy(np.int64)
-        a, b = m[s].to_numpy(np.float64), m[f"{s}_want"].to_numpy(np.float64)
-        bad |= np.abs(a - b) > rel * np.maximum(1.0, np.abs(b))
+        for f in feats:
+            c = f"{f.name}_{w}"
+            a, b = m[c].to_numpy(np.float64), m[f"{c}_want"].to_numpy(np.float64)
+            both_null = np.isnan(a) & np.isnan(b)
+            if f.exact:
+                bad |= ~((a == b) | both_null)
+            else:
+                bad |= ~(both_null | (np.abs(a - b) <= rel * np.maximum(1.0, np.abs(b))))
     return {"rows": len(m), "of": len(want), "mismatched": int(bad.sum()),
             "examples": m[bad].head(3).to_dict("records")}  # fmt: skip
