@@ -103,19 +103,27 @@ class Restores:
         data = self.commands.buffers()[2]
         pool = client.connection_pool
         conn = pool.get_connection()
+
+        def send(a: int) -> int:  # commands [a, b) out; returns b
+            b = min(n, a + COMMANDS_PER_ROUND_TRIP)
+            conn.send_packed_command([data[int(offsets[a]) : int(offsets[b])].to_pybytes()])
+            return b
+
         try:
-            for a in range(0, n, COMMANDS_PER_ROUND_TRIP):
-                b = min(n, a + COMMANDS_PER_ROUND_TRIP)
-                conn.send_packed_command([data[int(offsets[a]) : int(offsets[b])].to_pybytes()])
-                other = False
-                for i in range(a, b):
+            # Each round leaves before the last one's replies are read, so that Redis has
+            # the next round to run while this side reads.
+            read, sent, refused = 0, send(0), False
+            while read < sent:
+                ahead = send(sent) if sent < n and not refused else sent
+                for i in range(read, sent):
                     try:
                         conn.read_response()
                         created[i] = True
                     except ResponseError as e:
-                        other = other or not _busy(e)
-                if other:  # Redis refuses the command itself: the script takes the rest
-                    break
+                        refused = refused or not _busy(e)
+                read, sent = sent, ahead
+            # Once Redis refuses the command itself, nothing more is sent: the script takes
+            # the rest (the round already on its way is read, and what it created counts).
         except BaseException:
             conn.disconnect()
             raise
