@@ -283,25 +283,17 @@ def _columns_count(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[An
     return np.where(has, numbers[0], 0).astype(np.int64), None
 
 
-def _columns_sum(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
-    import numpy as np
+def _columns_number(at: int, nullable: bool = True) -> FinalizeColumns:
+    """sum (the number at 0; 0 with no data), min, max (at 0), first, last (at 1, after the
+    time): null with no data."""
 
-    values = np.where(has, numbers[0], 0.0)
-    return (values.astype(np.int64) if integral else values), None
+    def columns(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
+        import numpy as np
 
+        values = np.where(has, numbers[at], 0.0)
+        return (values.astype(np.int64) if integral else values), has if nullable else None
 
-def _columns_value(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
-    import numpy as np
-
-    values = np.where(has, numbers[0], 0.0)
-    return (values.astype(np.int64) if integral else values), has
-
-
-def _columns_timed(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
-    import numpy as np
-
-    values = np.where(has, numbers[1], 0.0)
-    return (values.astype(np.int64) if integral else values), has
+    return columns
 
 
 def _columns_avg(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any, Any]:
@@ -424,7 +416,7 @@ def _timed_value(name: str, fold: Fold, merge: MergeColumns) -> Agg:
         name,
         state=name,
         finalize=_finalize_timed,
-        finalize_columns=_columns_timed,
+        finalize_columns=_columns_number(1),
         folds=(fold,),
         width=2,
         encode=_encode_timed,
@@ -463,9 +455,11 @@ AGGS: dict[str, Agg] = {
             needs_value=False,
             answer_kind="long",
         ),
-        _one_number("sum", SUM, merge_add, _finalize_sum, _columns_sum, merge_add_states),
-        _one_number("min", MIN, merge_min, _finalize_value, _columns_value),
-        _one_number("max", MAX, merge_max, _finalize_value, _columns_value),
+        _one_number(
+            "sum", SUM, merge_add, _finalize_sum, _columns_number(0, False), merge_add_states
+        ),
+        _one_number("min", MIN, merge_min, _finalize_value, _columns_number(0)),
+        _one_number("max", MAX, merge_max, _finalize_value, _columns_number(0)),
         Agg(
             "avg",
             state="avg",
