@@ -172,7 +172,7 @@ def test_range_queries_match_a_brute_force(merge: str, n: int) -> None:
         lo = rng.integers(0, n + 1, 300)
         hi = np.minimum(n, lo + rng.integers(0, n + 1, 300))
         lo[:3], hi[:3] = [0, n, 0], [n, n, 0]  # all of it, and two empty ranges
-        got = prefix._range_reduce(values, merge, lo, hi)
+        got = prefix._Tree(values, merge).query(lo, hi)
         empty = prefix._identity(values.dtype, merge)
         pick = min if merge == "min" else max
         want = [pick(values[a:b].tolist()) if a < b else empty for a, b in zip(lo, hi, strict=True)]

@@ -11,7 +11,8 @@ time t:
 
 A column merged by `min` or `max` is the least or greatest of the same run of rows, the events
 from cs up to the spine row: a range query, answered for every spine row at once on a segment
-tree over the chunk's rows (`_range_reduce`: levels of pairwise minima, 2n numbers). A
+tree over the chunk's rows (`_Tree`: levels of pairwise minima, 2n numbers, built once per
+chunk and column and asked for every window). A
 (time, value) state (`first`, `last`: the least or greatest pair) is ranked in that order
 first (`_ranked`), and the range's least or greatest rank names its pair.
 
@@ -253,11 +254,49 @@ def _values(column: pa.ChunkedArray | pa.Array, type_: str, merge: str) -> np.nd
     return pc.fill_null(column, fill).to_numpy(zero_copy_only=False).astype(dtype)
 
 
-class _Ranked(NamedTuple):
-    """A (time, value) state column as ranks in (time, value) order (nulls: the merge's
-    identity), and the times and values by rank."""
+class _Tree:
+    """A segment tree over `values` for `min` or `max`: the values, then each level of
+    pairwise minima (maxima) of the one below, 2n numbers in all. `query` answers the least
+    (greatest) of values[lo[i]:hi[i]] for every i at once (the identity where empty), each
+    range taking at most one node at each end per level, as the iterative query does."""
 
-    rank: np.ndarray
+    def __init__(self, values: np.ndarray, merge: str) -> None:
+        self.ufunc = _UFUNCS[merge]
+        self.empty = _identity(values.dtype, merge)
+        self.levels = [values]
+        while len(self.levels[-1]) > 1:
+            level = self.levels[-1]
+            if len(level) & 1:
+                level = np.append(level, self.empty)
+            self.levels.append(self.ufunc(level[0::2], level[1::2]))
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.levels[0].dtype
+
+    def query(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        ufunc = self.ufunc
+        out = np.full(len(lo), self.empty, dtype=self.dtype)
+        left, right = lo.astype(np.int64), hi.astype(np.int64)
+        for level in self.levels:
+            live = left < right
+            if not live.any():
+                break
+            odd = live & (left & 1 == 1)  # a left end on a right child: take it, step right
+            out[odd] = ufunc(out[odd], level[left[odd]])
+            left = left + odd
+            odd = live & (right & 1 == 1)  # an (exclusive) right end after a left child
+            right = right - odd
+            out[odd] = ufunc(out[odd], level[right[odd]])
+            left, right = left >> 1, right >> 1
+        return out
+
+
+class _Ranked(NamedTuple):
+    """A (time, value) state column as a tree over its ranks in (time, value) order (nulls: the
+    merge's identity), and the times and values by rank."""
+
+    rank: _Tree
     t: np.ndarray
     v: np.ndarray
 
@@ -280,33 +319,7 @@ def _ranked(column: pa.ChunkedArray | pa.Array, merge: str) -> _Ranked:
     order = rows[np.lexsort((v[rows], t[rows]))]
     rank = np.full(len(col), _identity(np.dtype(np.int64), merge), dtype=np.int64)
     rank[order] = np.arange(len(order))
-    return _Ranked(rank, t[order], v[order])
-
-
-def _range_reduce(values: np.ndarray, merge: str, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """The least (`min`) or greatest (`max`) of values[lo[i]:hi[i]] for every i (the identity
-    where empty), all ranges at once: a segment tree built bottom-up, one level of pairs at a
-    time (2n numbers in all), each range taking at most one node at each end per level, as the
-    iterative segment-tree query does."""
-    ufunc = _UFUNCS[merge]
-    empty = _identity(values.dtype, merge)
-    out = np.full(len(lo), empty, dtype=values.dtype)
-    level = values
-    left, right = lo.astype(np.int64), hi.astype(np.int64)
-    while True:
-        live = left < right
-        if not live.any():
-            return out
-        odd = live & (left & 1 == 1)  # a left end on a right child: take it, step right
-        out[odd] = ufunc(out[odd], level[left[odd]])
-        left = left + odd
-        odd = live & (right & 1 == 1)  # an (exclusive) right end after a left child: take it
-        right = right - odd
-        out[odd] = ufunc(out[odd], level[right[odd]])
-        left, right = left >> 1, right >> 1
-        if len(level) & 1:
-            level = np.append(level, empty)
-        level = ufunc(level[0::2], level[1::2])
+    return _Ranked(_Tree(rank, merge), t[order], v[order])
 
 
 def _running(column: pa.ChunkedArray | pa.Array, type_: str) -> np.ndarray:
@@ -350,7 +363,7 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
             elif pa.types.is_struct(column.type):
                 columns[name] = _ranked(column, merges[name])
             else:
-                columns[name] = _values(column, type_, merges[name])
+                columns[name] = _Tree(_values(column, type_, merges[name]), merges[name])
         for wi, w_ms in enumerate(m.windows):
             if w_ms not in starts:
                 cs = np.asarray(slice_start(t_row - w_ms + 1, slice_ms))
@@ -361,10 +374,9 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
                 if merges[name] == "sum":
                     merged[name] = col[spine + 1] - col[first]
                 elif isinstance(col, _Ranked):  # (time, value): the range's least/greatest rank
-                    rank = _range_reduce(col.rank, merges[name], first, spine + 1)
-                    merged[name] = col.pairs(rank, merged["n"] > 0)
+                    merged[name] = col.pairs(col.rank.query(first, spine + 1), merged["n"] > 0)
                 else:  # the events from `first` to the spine row (whose state is the identity)
-                    least = _range_reduce(col, merges[name], first, spine + 1)
+                    least = col.query(first, spine + 1)
                     # `n` (first of the columns) counts the values: none, no number to write
                     merged[name] = np.where(merged["n"] > 0, least, 0).astype(col.dtype)
             n = merged["n"]
