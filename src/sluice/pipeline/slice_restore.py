@@ -29,12 +29,15 @@ import pyarrow.compute as pc
 from redis.exceptions import ResponseError
 
 from sluice.pipeline.slice_writes import (
-    BACKFILL_TOKEN,
     REPLY_COUNTS,
     SLICES_PER_RUN,
+    Spans,
+    as_text,
     build_calls,
     expire_at_ms,
+    resp_bulks,
     send_calls,
+    stored_texts,
 )
 from sluice.redis.dump import MAX_STRING, hash_payload_heads, hash_payloads, rdb_strings
 
@@ -59,7 +62,7 @@ class Restores:
     count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     key_names: list[str] = field(default_factory=list)  # per command (cluster only)
     args: list[tuple[str, bytes]] = field(default_factory=list)  # (expiry, payload), cluster
-    commands: pa.Array | None = None  # RESP-encoded commands (one Redis)
+    commands: Spans | None = None  # RESP-encoded commands (one Redis)
     kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per command
     expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     scripted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows
@@ -96,17 +99,14 @@ class Restores:
                 pipe.execute_command("RESTORE", key, expiry, payload, "ABSTTL")
             replies = pipe.execute(raise_on_error=False)
             return np.array([not isinstance(r, Exception) for r in replies], dtype=bool)
-        assert self.commands is not None
-        offsets = np.frombuffer(self.commands.buffers()[1], dtype=np.int32)[
-            self.commands.offset : self.commands.offset + n + 1
-        ]
-        data = self.commands.buffers()[2]
+        commands = self.commands
+        assert commands is not None
         pool = client.connection_pool
         conn = pool.get_connection()
 
         def send(a: int) -> int:  # commands [a, b) out; returns b
             b = min(n, a + COMMANDS_PER_ROUND_TRIP)
-            conn.send_packed_command([data[int(offsets[a]) : int(offsets[b])].to_pybytes()])
+            conn.send_packed_command([commands.bytes(a, b)])
             return b
 
         try:
@@ -157,7 +157,7 @@ def plan_restores(
     n = len(keys)
     if not n:
         return plan
-    texts = pc.binary_join_element_wise(pa.scalar(BACKFILL_TOKEN), *states, ":")
+    texts = stored_texts(states)
     codes = keys.dictionary_encode().indices.to_numpy()
     order = np.lexsort((starts, codes))
     codes_s, starts_s = codes[order], starts[order]
@@ -179,16 +179,15 @@ def plan_restores(
     lo = starts_s[first[ks] + count[ks] - kept[ks]]
     take = pa.array(rows)
     pairs = pc.binary_join_element_wise(
-        rdb_strings(pc.cast(pa.array(starts[rows]), pa.string())),
+        rdb_strings(as_text(starts[rows])),
         rdb_strings(texts.take(take)), b"",
     )  # fmt: skip
-    m = pc.binary_join_element_wise(_text(hi[ks]), _text(lo), ":")
-    seam = token[1:]
-    fixed = b"".join(_rdb(x) for x in ("_b", seam)) + _rdb("_m")
+    m = pc.binary_join_element_wise(as_text(hi[ks]), as_text(lo), ":")
+    fixed = b"".join(rdb_strings(pa.array(["_b", token[1:], "_m"])).to_pylist())
     head_pairs = pc.binary_join_element_wise(pa.scalar(fixed), rdb_strings(m), b"")
     heads = hash_payload_heads(kept[ks] + 2, head_pairs)
     payloads = hash_payloads(heads, pairs, np.append(0, np.cumsum(kept[ks])))
-    expiry = _text(expire_at_ms(hi[ks], slice_ms, retention_ms))
+    expiry = as_text(expire_at_ms(hi[ks], slice_ms, retention_ms))
     names = keys.take(pa.array(order[first[ks]]))
     plan.kept, plan.expired = kept[ks], (count - kept)[ks]
     plan.order, plan.first, plan.count = order, first[ks], count[ks]
@@ -196,29 +195,14 @@ def plan_restores(
         plan.key_names = names.to_pylist()
         plan.args = list(zip(expiry.to_pylist(), payloads.to_pylist(), strict=True))
     else:
-        plan.commands = _resp_restores(names, expiry, payloads)
+        plan.commands = Spans(_resp_restores(names, expiry, payloads))
     return plan
-
-
-def _text(values: np.ndarray) -> pa.Array:
-    return pc.cast(pa.array(values), pa.string())
-
-
-def _rdb(text: str) -> bytes:
-    b = text.encode()
-    return bytes([len(b)]) + b  # short texts only (under 64 bytes)
-
-
-def _resp(values: pa.Array) -> pa.Array:
-    values = values.cast(pa.binary())
-    lens = pc.cast(pc.binary_length(values), pa.string()).cast(pa.binary())
-    return pc.binary_join_element_wise(b"$", lens, b"\r\n", values, b"\r\n", b"")
 
 
 def _resp_restores(names: pa.Array, expiry: pa.Array, payloads: pa.Array) -> pa.Array:
     """`RESTORE name expiry payload ABSTTL`, RESP-encoded, one value per command."""
     out = pc.binary_join_element_wise(
-        b"*5\r\n$7\r\nRESTORE\r\n", _resp(names), _resp(expiry), _resp(payloads),
+        b"*5\r\n$7\r\nRESTORE\r\n", resp_bulks(names), resp_bulks(expiry), resp_bulks(payloads),
         b"$6\r\nABSTTL\r\n", b"",
     )  # fmt: skip
     return out.combine_chunks() if isinstance(out, pa.ChunkedArray) else out

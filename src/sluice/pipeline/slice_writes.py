@@ -57,15 +57,15 @@ def expire_at_ms(newest_ms: Any, slice_ms: int, retention_ms: int) -> Any:
     return -(-(newest_ms + slice_ms + retention_ms) // step) * step
 
 
-def _text(values: np.ndarray) -> pa.Array:
+def as_text(values: np.ndarray) -> pa.Array:
     return pc.cast(pa.array(values), pa.string())
 
 
 def _key_heads(counts: np.ndarray, expire: np.ndarray) -> pa.Array:
     """Each key's argument: its expiry, or `n:expiry` when it carries n > 1 slices."""
-    expire_s = _text(expire)
+    expire_s = as_text(expire)
     return pc.if_else(
-        pa.array(counts == 1), expire_s, pc.binary_join_element_wise(_text(counts), expire_s, ":")
+        pa.array(counts == 1), expire_s, pc.binary_join_element_wise(as_text(counts), expire_s, ":")
     )
 
 
@@ -83,18 +83,28 @@ def _interleave(columns: Sequence[pa.Array]) -> pa.Array:
     return pa.concat_arrays([c.cast(pa.string()) for c in columns]).take(pa.array(order))
 
 
-class _Encoded:
-    """A string column with every value RESP-encoded (`$<len>\\r\\n<value>\\r\\n`), whose runs of
-    values are cut out as bytes without a copy per value."""
+def resp_bulks(values: pa.Array) -> pa.Array:
+    """Each value (text or binary) RESP-encoded as a bulk string, `$<len>\\r\\n<value>\\r\\n`."""
+    values = values.cast(pa.binary())
+    lens = pc.cast(pc.binary_length(values), pa.string()).cast(pa.binary())
+    enc = pc.binary_join_element_wise(b"$", lens, b"\r\n", values, b"\r\n", b"")
+    return enc.combine_chunks() if isinstance(enc, pa.ChunkedArray) else enc
+
+
+def stored_texts(states: Sequence[pa.Array]) -> pa.Array:
+    """A backfill's slice states (one text column per number) as the texts they are stored as,
+    `0:v1:..:v_width` (BACKFILL_TOKEN first)."""
+    return pc.binary_join_element_wise(pa.scalar(BACKFILL_TOKEN), *states, ":")
+
+
+class Spans:
+    """A binary (or string) column whose runs of values are cut out as bytes without a copy per
+    value: RESP-encoded arguments or whole commands, sent as they lie."""
 
     def __init__(self, values: pa.Array) -> None:
-        lens = pc.cast(pc.binary_length(values), pa.string())
-        enc = pc.binary_join_element_wise("$", lens, "\r\n", values, "\r\n", "")
-        if isinstance(enc, pa.ChunkedArray):
-            enc = enc.combine_chunks()
-        self.data = enc.buffers()[2]
-        self.offsets = np.frombuffer(enc.buffers()[1], dtype=np.int32)[
-            enc.offset : enc.offset + len(enc) + 1
+        self.data = values.buffers()[2]
+        self.offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[
+            values.offset : values.offset + len(values) + 1
         ]
 
     def bytes(self, a: int, b: int) -> bytes:
@@ -188,7 +198,7 @@ def build_calls(
         return Calls([], [], [], np.zeros(0, dtype=np.int64))
     backfill = str(token).startswith("b")
     if backfill:
-        states = [pc.binary_join_element_wise(pa.scalar(BACKFILL_TOKEN), *states, ":")]
+        states = [stored_texts(states)]
     order, run_start, key_call = _key_runs(keys, cluster, starts if backfill else None)
     take = pa.array(order)
     run_keys = keys.take(take).take(pa.array(run_start))
@@ -196,14 +206,14 @@ def build_calls(
     counts = np.diff(np.append(run_start, n))
     expire = expire_at_ms(np.maximum.reduceat(starts_s, run_start), slice_ms, retention_ms)
     per_key = _key_heads(counts, expire)
-    slice_args = _interleave([_text(starts_s), *[st.take(take) for st in states]])
+    slice_args = _interleave([as_text(starts_s), *[st.take(take) for st in states]])
     step = expiry_step_ms(slice_ms, retention_ms)
     head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
     call_keys = np.append(np.flatnonzero(np.diff(key_call, prepend=-1)), len(run_keys))
     call_rows = np.append(run_start, n)[call_keys]
     calls = Calls([], [], [], np.repeat(key_call, counts)[np.argsort(order)])
     stride = len(states) + 1
-    enc = None if cluster else [_Encoded(run_keys), _Encoded(per_key), _Encoded(slice_args)]
+    enc = None if cluster else [Spans(resp_bulks(x)) for x in (run_keys, per_key, slice_args)]
     head_bytes = _bulk(*head_args)
     for c in range(len(call_keys) - 1):
         ka, kb = int(call_keys[c]), int(call_keys[c + 1])
