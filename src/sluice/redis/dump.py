@@ -82,6 +82,5 @@ def hash_payload_heads(pair_counts: np.ndarray, head_pairs: pa.Array) -> pa.Arra
     """The start of each hash's payload: its type, its number of pairs (`pair_counts`, those in
     `head_pairs` included) and `head_pairs` (the pairs every hash starts with, as RDB strings
     joined: one value per hash)."""
-    n = len(pair_counts)
-    kind = pa.array([TYPE_HASH] * n, pa.binary()) if n else pa.array([], pa.binary())
+    kind = pa.scalar(TYPE_HASH, pa.binary())
     return pc.binary_join_element_wise(kind, length_prefix(pair_counts), head_pairs, b"")
