@@ -163,6 +163,22 @@ def test_the_search_per_key_agrees_with_the_composite_one() -> None:
         assert fast[i] == want
 
 
+def test_the_composite_sort_agrees_with_the_sort_on_three_columns() -> None:
+    """Codes from -1 (no key), times with ties, spine rows among them: the one-number sort and
+    the three-column one give the same order, and a time span too wide for one number takes
+    the three-column sort."""
+    rng = np.random.default_rng(9)
+    codes = rng.integers(-1, 40, 5_000)
+    t = rng.integers(-5_000, 5_000, 5_000) // 100 * 100
+    spine = rng.random(5_000) < 0.2
+    want = np.lexsort((spine, t, codes))
+    assert (prefix._sort_order(codes, t, spine) == want).all()
+    t_wide = t.copy()
+    t_wide[0], t_wide[1] = -(1 << 60), 1 << 60
+    assert (prefix._sort_order(codes, t_wide, spine) == np.lexsort((spine, t_wide, codes))).all()
+    assert len(prefix._sort_order(codes[:0], t[:0], spine[:0])) == 0
+
+
 @pytest.mark.parametrize("merge", ["min", "max"])
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1001])
 def test_range_queries_match_a_brute_force(merge: str, n: int) -> None:

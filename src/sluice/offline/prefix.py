@@ -35,7 +35,9 @@ own slice and no frame per window: a window costs one binary search per spine ro
 
 Spark groups a partition's rows by the key's hash (`xxhash64`, one long: a radix sort, where a
 sort by the key's text and time compares strings and cost Spark most of the job), and the
-tasks sort each chunk by key and time. A partition is processed in chunks that end at a hash
+tasks sort each chunk by key and time: the key's code in the chunk (its dictionary index),
+the time and a spine bit packed into one 64-bit number where they fit, one stable sort (the
+codes come grouped, so it mostly orders each key's own run). A partition is processed in chunks that end at a hash
 boundary (`CHUNK_ROWS` or more rows, never part of a key; keys whose hashes collide share a
 run), so memory stays bounded by the chunk and the largest key. Sums of
 doubles run in extended precision (`numpy.longdouble`), so the difference of two large totals
@@ -189,25 +191,41 @@ def prefix_batches(
         yield from _answer(members, slice_ms, *_in_order(pa.Table.from_batches(held)))
 
 
-def _in_order(table: pa.Table) -> tuple[pa.Table, np.ndarray, _Passed | None]:
-    """A chunk of whole keys sorted by (key, time, spine rows after events, by ROW); per sorted
-    row the index of its key's run (nulls form one run); and the spine's own columns (`SPINE`)
-    as they came, with the sort's order, or None: `_answer` takes them for spine rows only."""
+def _in_order(table: pa.Table) -> tuple[pa.Table, np.ndarray, np.ndarray, _Passed | None]:
+    """A chunk of whole keys sorted by (key, time, spine rows after events); per sorted row the
+    index of its key's run (nulls form one run) and whether it has a key; and the spine's own
+    columns (`SPINE`) as they came, with the sort's order, or None: `_answer` takes them for
+    spine rows only. The key's text is not carried into the sorted table: its runs are all
+    `_answer` needs of it."""
     codes = pc.dictionary_encode(table.column("k")).combine_chunks().indices
     codes = pc.fill_null(codes, -1).to_numpy(zero_copy_only=False)
     t = pc.fill_null(table.column("t"), 0).to_numpy(zero_copy_only=False)
-    row = table.column(ROW)
-    spine_row = pc.fill_null(row, -1).to_numpy(zero_copy_only=False)
-    order = np.lexsort((spine_row, t, codes))  # events (ROW null: -1) before spine rows
+    is_spine = table.column(ROW).is_valid().to_numpy(zero_copy_only=False)
+    order = _sort_order(codes, t, is_spine)
     passed = table.column(SPINE) if SPINE in table.column_names else None
-    names = [n for n in table.column_names if n not in (_HASH, SPINE)]
+    names = [n for n in table.column_names if n not in (_HASH, SPINE, "k")]
     ordered = table.select(names).take(pa.array(order))
     c = codes[order]
     starts = np.empty(len(c), dtype=bool)
     if len(c):
         starts[0] = True
         np.not_equal(c[1:], c[:-1], out=starts[1:])
-    return ordered, np.cumsum(starts) - 1, (passed, order) if passed is not None else None
+    return ordered, np.cumsum(starts) - 1, c != -1, (passed, order) if passed is not None else None
+
+
+def _sort_order(codes: np.ndarray, t: np.ndarray, is_spine: np.ndarray) -> np.ndarray:
+    """The stable order by (key code, time, spine rows after events): one sort of a composite
+    64-bit number where it fits (a chunk's codes come grouped, so the sort mostly orders each
+    key's own run), else a sort on the three columns. Rows equal in all three keep the order
+    they came in; spine rows equal in key and time answer alike, whatever their order."""
+    if not len(t):
+        return np.zeros(0, dtype=np.int64)
+    lo = int(t.min())
+    span = 2 * (int(t.max()) - lo + 1)  # twice: room for the spine bit
+    if (int(codes.max()) + 2) * span < (1 << 63):
+        composite = (codes.astype(np.int64) + 1) * span + (t - lo) * 2 + is_spine
+        return np.argsort(composite, kind="stable")
+    return np.lexsort((is_spine, t, codes))
 
 
 def _first_at_or_after(kid: np.ndarray, t: np.ndarray, q_kid: np.ndarray,
@@ -334,19 +352,17 @@ def _running(column: pa.ChunkedArray | pa.Array, type_: str) -> np.ndarray:
 
 
 def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np.ndarray,
-            passed: _Passed | None) -> Iterator[pa.RecordBatch]:  # fmt: skip
+            keyed: np.ndarray, passed: _Passed | None) -> Iterator[pa.RecordBatch]:  # fmt: skip
     """The spine rows' merged windows in a chunk of whole keys sorted by `_in_order`; `kid`:
-    its rows' key runs; `passed`: the spine's columns and the sort's order, or None."""
+    its rows' key runs; `keyed`: which rows have a key; `passed`: the spine's columns and the
+    sort's order, or None."""
     row_col = table.column(ROW)
     spine = np.flatnonzero(row_col.is_valid().to_numpy(zero_copy_only=False))
     if not len(spine):
         return
     t_col = table.column("t")
     t = pc.fill_null(t_col, 0).to_numpy(zero_copy_only=False).astype(np.int64)
-    ok = (
-        t_col.is_valid().to_numpy(zero_copy_only=False)
-        & table.column("k").is_valid().to_numpy(zero_copy_only=False)
-    )[spine]
+    ok = (t_col.is_valid().to_numpy(zero_copy_only=False) & keyed)[spine]
     t_row, k_row = t[spine], kid[spine]
     cols: list[pa.Array] = [pc.take(row_col, pa.array(spine)).combine_chunks()]
     names = [ROW]
