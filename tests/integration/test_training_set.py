@@ -167,6 +167,41 @@ def test_the_archive_is_read_only_for_times_a_row_can_count(
     check_rows(cfg, events, out.toPandas(), features)
 
 
+def test_a_sparse_spine_reads_only_the_events_within_its_keys_reach(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """One row per key over the archive's 40 minutes, windows of at most 5 minutes: each key's
+    events are read only from its row's widest window's covered start to its time (a join
+    on the key's hash in the plan), for the running pass and the slice frames alike, and
+    every value is DuckDB's."""
+    from sluice.offline import training
+
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    rng = np.random.default_rng(11)
+    cards = events["card"].value_counts().index[:30].tolist()
+    spine = pd.DataFrame({
+        "card_id": cards, "merchant": "m-0", "label": 0,
+        "t": rng.integers(now_ms - 40 * 60_000, now_ms, len(cards)),
+    })  # fmt: skip
+    features = {"txn_count": ["1m", "5m"], "card_min": ["45s"], "card_merchants": ["5m"]}
+    out = training_set(
+        spark, cfg, spark.createDataFrame(spine), features, ts="t",
+        keys={"card": "card_id"}, events=spark.read.parquet(str(path)),
+    )  # fmt: skip
+    plan = out._jdf.queryExecution().optimizedPlan().toString()
+    # the running pass, the frames' cells and t's own slice (the same rows, read twice)
+    assert plan.count("Join LeftSemi") == 3, plan
+    check_rows(cfg, events, out.toPandas(), features)
+    # The choice, by rows per key: 1 row per key over 40 minutes reaches 5 minutes of each
+    # key's 45; 10 rows per key reach most of them; with no keys known, every event is read.
+    dense = training._Spine(training.TimeBounds(0, 45 * 60_000), 30, 40 * 60_000, {("card",): 30})
+    members = [(0, training._Metric(cfg.metric("txn_count"), None, True, (300_000,)))]
+    assert training._reaches_less(members, dense)
+    assert not training._reaches_less(members, dense._replace(rows=300))  # 10 rows per key
+    assert not training._reaches_less(members, dense._replace(keys={}))
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_one_group_of_summed_metrics_answers_every_row_in_the_spine_order(
     spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int, broadcast: bool,

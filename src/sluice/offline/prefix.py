@@ -37,9 +37,9 @@ Spark groups a partition's rows by the key's hash (`xxhash64`, one long: a radix
 sort by the key's text and time compares strings and cost Spark most of the job), and the
 tasks sort each chunk by key and time: the key's code in the chunk (its dictionary index),
 the time and a spine bit packed into one 64-bit number where they fit, one stable sort (the
-codes come grouped, so it mostly orders each key's own run). A partition is processed in chunks that end at a hash
-boundary (`CHUNK_ROWS` or more rows, never part of a key; keys whose hashes collide share a
-run), so memory stays bounded by the chunk and the largest key. Sums of
+codes come grouped, so it mostly orders each key's own run). A partition is processed in
+chunks that end at a hash boundary (`CHUNK_ROWS` or more rows, never part of a key; keys whose
+hashes collide share a run), so memory stays bounded by the chunk and the largest key. Sums of
 doubles run in extended precision (`numpy.longdouble`), so the difference of two large totals
 keeps the precision of the window's own sum.
 """

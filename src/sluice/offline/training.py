@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -71,6 +71,9 @@ from sluice.slices.window import slice_start
 # Answers up to this size (8 bytes per feature and row id, per spine row) are broadcast back to
 # the spine's partitions (`training_set`).
 BROADCAST_BYTES = 64 << 20
+# A small spine's groups read only the events within their keys' reach (`_reach`) when that is
+# likely at most this share of the events in the spine's time bounds (`_reaches_less`).
+REACH_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -92,16 +95,42 @@ class _Metric:
 
 
 def _group_rows(
-    exploded: DataFrame, members: list[tuple[int, _Metric]], arrival: bool
+    exploded: DataFrame,
+    members: list[tuple[int, _Metric]],
+    arrival: bool,
+    reach: DataFrame | None = None,
 ) -> DataFrame:
     """The exploded rows of the members' group: key, slice, event time, (arrival,) and each
-    member's value `v{mi}` (null where the event does not count for it)."""
+    member's value `v{mi}` (null where the event does not count for it). With `reach`
+    (`_reach`), only the events some spine row of their key can count."""
     group = members[0][1].spec.group
     cols = [F.col("k"), F.col("s"), F.col("t")]
     if arrival:
         cols.append(F.col("ems").alias("a"))
     cols += [F.col(m.spec.column("v")).alias(f"v{mi}") for mi, m in members]
-    return exploded.where(F.col("g") == F.lit(group)).select(*cols)
+    rows = exploded.where(F.col("g") == F.lit(group)).select(*cols)
+    if reach is None:
+        return rows
+    r = F.broadcast(reach.alias("r"))
+    near = (F.xxhash64(F.col("e.k")) == F.col("r.h")) & F.col("e.t").between(
+        F.col("r.lo"), F.col("r.hi")
+    )
+    return rows.alias("e").join(r, near, "left_semi")
+
+
+def _reach(members: list[tuple[int, _Metric]], spine_g: DataFrame) -> DataFrame:
+    """Per key of the spine, the event times any of its rows can count (`_events_needed`, per
+    key): from the earliest row's widest window's covered start to the latest row's time. An
+    event outside its key's reach changes no answer, so a small spine (a few labelled rows
+    per key, or few keys) needs only a small part of the archive shuffled."""
+    t = F.col(SLICE_T)
+    lo = t - F.lit(max(w for _, m in members for w in m.windows) - 1)
+    start = lo - F.pmod(lo, F.lit(members[0][1].slice_ms))
+    return (
+        spine_g.where(F.col("k").isNotNull() & t.isNotNull())
+        .groupBy(F.xxhash64("k").alias("h"))
+        .agg(F.min(start).alias("lo"), F.max(t).alias("hi"))
+    )
 
 
 def _cell(mi: int, name: str) -> str:
@@ -203,19 +232,52 @@ def _late(members: list[tuple[int, _Metric]], rows: DataFrame, spine_g: DataFram
     return p.join(late, cond).groupBy(F.col(f"p.{ROW}").alias(ROW)).agg(*aggs)
 
 
+class _Spine(NamedTuple):
+    """What one small job over the spine tells (`_events_needed`)."""
+
+    needed: TimeBounds  # the event times any row can count
+    rows: int
+    span_ms: int  # from the earliest row's time to the latest's
+    keys: dict[tuple[str, ...], int]  # per key set: its distinct keys (an estimate)
+
+
 def _events_needed(
-    spine: DataFrame, t: Column, metrics: Sequence[_Metric]
-) -> tuple[TimeBounds, int]:
+    spine: DataFrame, t: Column, metrics: Sequence[_Metric], key_cols: Mapping[str, str]
+) -> _Spine:
     """The event times a feature of any spine row can count (`t`: a row's time in ms): from
     the earliest row's widest window's covered start (per metric, at its slice) to the latest
     row's time. Events outside are never read past the scan (a spine of last week on an archive
     of a year shuffles a week). No bound for a spine with no time at all: every feature of it
-    is null. With them, the spine's row count (the same job)."""
-    lo, hi, rows = spine.select(F.min(t), F.max(t), F.count(F.lit(1))).first() or (None, None, 0)
+    is null. With them, in the same job, the spine's row count and time span, and per key set
+    of the metrics an estimate of its distinct keys (for `_reach`; `key_cols`: the spine
+    column of each key field)."""
+    sets = sorted({tuple(m.cfg.key) for m in metrics})
+    distinct = [
+        F.approx_count_distinct(F.struct(*[F.col(f"`{key_cols.get(f, f)}`") for f in ks]))
+        for ks in sets
+    ]
+    got = spine.select(F.min(t), F.max(t), F.count(F.lit(1)), *distinct).first()
+    lo, hi, rows, *counts = got if got is not None else (None, None, 0)
+    keys = {ks: int(n or 0) for ks, n in zip(sets, counts, strict=False)}
     if lo is None or hi is None:
-        return TimeBounds(), int(rows or 0)
+        return _Spine(TimeBounds(), int(rows or 0), 0, keys)
     start = min(slice_start(lo - w + 1, m.slice_ms) for m in metrics for w in m.windows)
-    return TimeBounds(int(start), int(hi) + 1), int(rows)
+    return _Spine(TimeBounds(int(start), int(hi) + 1), int(rows), int(hi) - int(lo), keys)
+
+
+def _reaches_less(members: list[tuple[int, _Metric]], spine: _Spine) -> bool:
+    """Whether the events within their keys' reach (`_reach`) are likely at most `REACH_SHARE`
+    of those in the spine's time bounds, by the spine's rows per key, as if each key's rows
+    fell uniformly over its time span: r of them leave, on average, (r − 1)/(r + 1) of the
+    span between the first and the last, and the widest window reaches back before the first.
+    Rows clustered in time reach less than this says, so it errs toward reading more."""
+    keys = spine.keys.get(tuple(members[0][1].cfg.key), 0)
+    if not keys or spine.needed.start_ms is None or spine.needed.until_ms is None:
+        return False
+    per_key = spine.rows / keys
+    widest = max(w for _, m in members for w in m.windows)
+    reach = spine.span_ms * (per_key - 1) / (per_key + 1) + widest
+    return reach <= REACH_SHARE * (spine.needed.until_ms - spine.needed.start_ms)
 
 
 # -- the job ---------------------------------------------------------------------------------
@@ -270,8 +332,11 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
-    needed, spine_rows = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms])
-    exploded = explode_updates(archive_events(events, cfg_off, needed, arrival), cfg_off, specs)
+    known = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms], keys)
+    spine_rows = known.rows
+    exploded = explode_updates(
+        archive_events(events, cfg_off, known.needed, arrival), cfg_off, specs
+    )
     # Running states take running totals and range minima or maxima (`offline.prefix`); as
     # known at, or for any other agg, the slice frames, t's own slice and (as known at) the late
     # events.
@@ -310,6 +375,9 @@ def training_set(
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
             *([F.col(SPINE)] if carry else []),
         )  # fmt: skip
+        # Only the events some spine row of their key can count, where that is few of them.
+        near = spine_rows * 64 <= BROADCAST_BYTES and _reaches_less(members, known)
+        reach = _reach(members, spine_g) if near else None
         running = [(mi, m) for mi, m in members if mi in prefixed]
         framed = [(mi, m) for mi, m in members if mi not in prefixed]
         if running:
@@ -319,11 +387,11 @@ def training_set(
                 if carry:
                     out = out.add(SPINE, spine_g.schema[SPINE].dataType)
                 answering = (partial(answer_batches, plan), out)
-            rows_g = _group_rows(exploded, running, False)
+            rows_g = _group_rows(exploded, running, False, reach)
             whole.append(prefix_part(running, rows_g, spine_g, s, answering))
         if not framed:
             continue
-        rows = _group_rows(exploded, framed, arrival is not None)
+        rows = _group_rows(exploded, framed, arrival is not None, reach)
         prompt = rows.where(F.col("a") < F.col("s") + F.lit(s)) if arrival else rows
         cell_aggs = [
             a for mi, m in framed
