@@ -117,6 +117,30 @@ def test_a_reply_that_does_not_add_up_fails_its_call(r: redis.Redis) -> None:
     assert totals == [1, 0, 0, 0] and failed.tolist() == [True]
 
 
+def test_replies_are_read_raw_from_the_socket(r: redis.Redis) -> None:
+    """`read_replies`: replies cut across reads, an error reply returned (not raised) in its
+    place, and a connection Redis closes raised as redis' ConnectionError."""
+    import hiredis
+
+    pool = r.connection_pool
+    conn = pool.get_connection()
+    try:
+        reader = hiredis.Reader(replyError=redis.exceptions.ResponseError)
+        big = "x" * 3_000_000  # more than one read's bytes
+        commands = [("SET", "raw:a", big), ("NOSUCHCOMMAND",), ("GET", "raw:a"), ("PING",)]
+        conn.send_packed_command(conn.pack_commands(commands))
+        ok, error = slice_writes.read_replies(conn, reader, 2)
+        assert ok == b"OK" and isinstance(error, redis.exceptions.ResponseError)
+        assert slice_writes.read_replies(conn, reader, 2) == [big.encode(), b"PONG"]
+        conn.send_packed_command(conn.pack_commands([("QUIT",), ("PING",)]))
+        assert slice_writes.read_replies(conn, reader, 1) == [b"OK"]
+        with pytest.raises(redis.exceptions.ConnectionError):
+            slice_writes.read_replies(conn, reader, 1)
+    finally:
+        conn.disconnect()
+        pool.release(conn)
+
+
 def test_calls_keep_to_one_slot_on_a_cluster(rc: Any) -> None:
     keys = [slice_hash_key("m", f"c{i}") for i in range(200)]
     rows = [(k, NOW, [1]) for k in keys]

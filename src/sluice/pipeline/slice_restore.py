@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import hiredis
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,6 +36,7 @@ from sluice.pipeline.slice_writes import (
     as_text,
     build_calls,
     expire_at_ms,
+    read_replies,
     resp_bulks,
     send_calls,
     stored_texts,
@@ -109,18 +111,18 @@ class Restores:
             conn.send_packed_command([commands.bytes(a, b)])
             return b
 
+        reader = hiredis.Reader(replyError=ResponseError)
         try:
             # Each round leaves before the last one's replies are read, so that Redis has
             # the next round to run while this side reads.
             read, sent, refused = 0, send(0), False
             while read < sent:
                 ahead = send(sent) if sent < n and not refused else sent
-                for i in range(read, sent):
-                    try:
-                        conn.read_response()
+                for i, reply in enumerate(read_replies(conn, reader, sent - read), read):
+                    if isinstance(reply, ResponseError):
+                        refused = refused or not _busy(reply)
+                    else:
                         created[i] = True
-                    except ResponseError as e:
-                        refused = refused or not _busy(e)
                 read, sent = sent, ahead
             # Once Redis refuses the command itself, nothing more is sent: the script takes
             # the rest (the round already on its way is read, and what it created counts).
@@ -159,7 +161,7 @@ def plan_restores(
         return plan
     texts = stored_texts(states)
     codes = keys.dictionary_encode().indices.to_numpy()
-    order = np.lexsort((starts, codes))
+    order = _by_key_and_start(codes, starts)
     codes_s, starts_s = codes[order], starts[order]
     first = np.flatnonzero(np.diff(codes_s, prepend=-1))  # each key's first row (sorted)
     count = np.diff(np.append(first, n))
@@ -197,6 +199,17 @@ def plan_restores(
     else:
         plan.commands = Spans(_resp_restores(names, expiry, payloads))
     return plan
+
+
+def _by_key_and_start(codes: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The order of the rows by key code, then slice start: one sort of a composite number
+    (code, start) where it fits in 63 bits, else a sort on the two columns."""
+    lo = int(starts.min())
+    span = int(starts.max()) - lo + 1
+    if (int(codes.max()) + 1) * span < (1 << 63):
+        composite = codes.astype(np.int64) * span + (starts - lo)
+        return np.argsort(composite, kind="stable")
+    return np.lexsort((starts, codes))
 
 
 def _resp_restores(names: pa.Array, expiry: pa.Array, payloads: pa.Array) -> pa.Array:
