@@ -4,6 +4,7 @@ pure logic. The Lua side of every merge is held to these in tests/integration/te
 from __future__ import annotations
 
 import math
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,20 @@ def test_a_sum_is_the_script_s_doubles_added_in_slice_order(values: list[float])
         want += float(v)
     for name in ("count", "sum"):
         assert AGGS[name].merge(stored) == [len(values), want], name
+
+
+@given(st.lists(st.floats(), min_size=1, max_size=40))
+def test_doubles_in_order_are_reduce_s_additions(values: list[float]) -> None:
+    """`in_order` gives what adding the doubles one by one gives, to the bit: the sign of a
+    zero, infinities and NaN included."""
+    from functools import reduce
+    from operator import add
+
+    from sluice.slices.state import in_order
+
+    got, want = in_order(values), reduce(add, values)
+    assert struct.pack("<d", got) == struct.pack("<d", want) or (got != got and want != want)
+    assert math.copysign(1.0, in_order([-0.0, -0.0])) == -1.0
 
 
 @pytest.mark.parametrize("stored", [b"9:1:2", b"9", b"9:1:", b"9:x"])

@@ -136,6 +136,8 @@ ESCAPES = (("%", "%25"), ("|", "%7C"), ("{", "%7B"), ("}", "%7D"))
 
 
 def escape_part(value: str) -> str:
+    if "%" not in value and "|" not in value and "{" not in value and "}" not in value:
+        return value  # most keys: four scans, no copies
     for raw, esc in ESCAPES:
         value = value.replace(raw, esc)
     return value
@@ -149,7 +151,9 @@ def unescape_part(value: str) -> str:
 
 def encode_key(parts: Sequence[str]) -> str:
     """The stored form of a metric key (one or more field values)."""
-    return KEY_SEP.join(escape_part(p) for p in parts)
+    if len(parts) == 1:
+        return escape_part(parts[0])
+    return KEY_SEP.join([escape_part(p) for p in parts])
 
 
 def decode_key(encoded: str) -> list[str]:

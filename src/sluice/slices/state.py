@@ -22,7 +22,8 @@ pairwise updates in the last bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from functools import reduce
 from operator import add
 from typing import Any
@@ -77,6 +78,21 @@ def state_columns(states: Sequence[bytes], width: int) -> Columns:
     return [parts[j::stride] for j in range(1, stride)]
 
 
+if sys.version_info < (3, 12):
+
+    def in_order(values: Iterable[float]) -> float:
+        """The doubles added one by one in order, as the script adds them: `sum` from -0.0 (the
+        one start that leaves every first value as it is), whose loop adds doubles in C with
+        no call per value before Python 3.12."""
+        return sum(values, -0.0)
+
+else:  # 3.12's `sum` compensates the rounding of each addition: another total
+
+    def in_order(values: Iterable[float]) -> float:
+        """The doubles added one by one in order, as the script adds them."""
+        return reduce(add, values)
+
+
 def _floats(col: list[str]) -> map[float]:
     return map(float, col)
 
@@ -84,34 +100,36 @@ def _floats(col: list[str]) -> map[float]:
 def merge_add(cols: Columns) -> list[float]:
     """count, sum: the total, added in slice order as the script adds it (`_added`)."""
     col = cols[0]
-    return _added(col, any("-" in x for x in col))
+    return _added(col, not any("-" in x or "." in x for x in col))
 
 
 def merge_add_states(states: Sequence[bytes]) -> list[float]:
     """`merge_add` of one-number states (count, sum) straight from their stored texts, as
     `state_columns` then `merge_add` give it, with one split and one look for a minus sign over
-    the whole text. The query server's most common merge."""
+    the whole text (and one for a decimal point). The query server's most common merge."""
     text = b":".join(states).decode("latin-1")
     parts = text.split(":")
     if len(parts) != 2 * len(states):
         raise ValueError("a slice state is not `token` and 1 numbers")
-    return _added(parts[1::2], "-" in text)
+    return _added(parts[1::2], "-" not in text and "." not in text)
 
 
-def _added(col: list[str], minus: bool) -> list[float]:
-    """The numbers of `col` added in order. With no minus sign among them (`minus`: no negative
-    number, no negative exponent) and every one an integer (every count, the sums of an integer
-    field), they are added as ints, about twice as fast: when none is negative and the total is
-    at most 2**53, every partial sum is exact as a double too, so the total is the script's.
-    Anything else is added as doubles, as the script adds them."""
-    if not minus:
+def _added(col: list[str], maybe_ints: bool) -> list[float]:
+    """The numbers of `col` added in order. With no minus sign or decimal point among them
+    (`maybe_ints`: no negative number, no negative exponent, no fraction written out) and every
+    one an integer (every count, the sums of an integer field), they are added as ints, about
+    twice as fast: when none is negative and the total is at most 2**53, every partial sum is
+    exact as a double too, so the total is the script's. Anything else is added as doubles, as
+    the script adds them (a column with a decimal point skips the try as ints, whose failure
+    costs as much as the sum)."""
+    if maybe_ints:
         try:
             total = sum(map(int, col))
         except ValueError:  # a double's text ("2.5", "1e+15"): added as doubles
             total = EXACT_INT + 1
         if total <= EXACT_INT:
             return [float(total)]
-    return [reduce(add, _floats(col))]
+    return [in_order(_floats(col))]
 
 
 def merge_min(cols: Columns) -> list[float]:
@@ -124,7 +142,7 @@ def merge_max(cols: Columns) -> list[float]:
 
 def merge_avg(cols: Columns) -> list[float]:
     """(count, sum): both added."""
-    return [reduce(add, _floats(cols[0])), reduce(add, _floats(cols[1]))]
+    return [in_order(_floats(cols[0])), in_order(_floats(cols[1]))]
 
 
 def merge_var(cols: Columns) -> list[float]:

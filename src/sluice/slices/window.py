@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def slice_start(ts_ms: int, slice_ms: int) -> int:
@@ -68,10 +68,10 @@ class Cover:
     pieces: tuple[Piece, ...]
     covered_start: int
     covered_end: int
+    n_slices: int = field(init=False)  # of every piece (counted once: covers are shared)
 
-    @property
-    def n_slices(self) -> int:
-        return sum(p.n_slices for p in self.pieces)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n_slices", sum(p.n_slices for p in self.pieces))
 
 
 def cover(end_ms: int, window_ms: int, slice_lengths: Sequence[int]) -> Cover:
@@ -85,8 +85,14 @@ def cover(end_ms: int, window_ms: int, slice_lengths: Sequence[int]) -> Cover:
     Slices read, at most: ceil(window / r_n) + 2 + 2 * sum(r_(i+1) / r_i - 1) over consecutive
     resolutions. For [1s, 1m, 1h] that is window/1h + 238, whatever the window's length.
     """
-    edges = coverage(end_ms, window_ms, slice_lengths[0])
-    return _tiled(edges.covered_start, edges.covered_end, tuple(slice_lengths))
+    finest = slice_lengths[0]
+    if window_ms <= 0 or finest <= 0:
+        coverage(end_ms, window_ms, finest)  # raises the error that says which
+    lo_ts = end_ms - window_ms + 1
+    # `coverage`'s edges, without the object: a lookup's dearest step after the merge.
+    lo, hi = lo_ts - lo_ts % finest, end_ms - end_ms % finest + finest
+    lengths = slice_lengths if isinstance(slice_lengths, tuple) else tuple(slice_lengths)
+    return _tiled(lo, hi, lengths)
 
 
 @functools.lru_cache(maxsize=4096)
