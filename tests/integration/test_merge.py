@@ -116,3 +116,35 @@ def test_prepacked_hmget_is_the_command_its_arguments_make() -> None:
         command = Hmget("sluice:s:{m|k\u00e9}", first, last, step)
         assert command.resp() == hiredis.pack_command(command.args())
         assert len(command.args()) == 2 + (last - first) // step + 1
+
+
+def test_a_batch_reads_a_repeated_lookup_once(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Lookups of one batch with the same metric, key and cover (a hot key asked twice, ends in
+    the same slice, a derived metric over a base asked on its own) read once and answer as each
+    would alone; the answers keep their own `end`."""
+    rng = random.Random(8)
+    now = time.time_ns() // 1_000_000
+    newest = now // 60_000 * 60_000
+    cfg = make_config(redis_url, tmp_path)
+    for name in ("amount_sum", "merchant_txn"):
+        m = cfg.metric(name)
+        assert m is not None
+        states = {str(newest - m.slice * i): _state(AGGS[m.agg].state, rng) for i in range(30)}
+        r.hset(slice_hash_key(name, encode_key(["m1"])), mapping={**states, "_m": f"{newest}:0"})
+    q = QueryEngine(cfg, r)
+    asks = [("amount_sum", "5m", newest + 100), ("amount_sum", "5m", newest + 200),
+            ("merchant_txn", "5m", newest + 300), ("avg_ticket", "5m", newest + 400),
+            ("amount_sum", "10m", newest + 100), ("amount_sum", "5m", newest + 200)]  # fmt: skip
+    lookups = [q.lookup(name, ["m1"], w, str(end)) for name, w, end in asks]
+    alone = [q.run([lk])[0] for lk in lookups]
+    before = r.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)
+    together = q.run(lookups)
+    hmgets = r.info("commandstats")["cmdstat_hmget"]["calls"] - before
+    assert together == alone
+    assert [a["end"] for a in together] == [end for _, _, end in asks]
+    assert together[3]["inputs"] == {"amount_sum": alone[0]["value"],
+                                      "merchant_txn": alone[2]["value"]}  # fmt: skip
+    # Three (metric, cover) reads: amount_sum 5m, merchant_txn 5m, amount_sum 10m.
+    assert hmgets == 3, hmgets

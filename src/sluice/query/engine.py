@@ -31,9 +31,11 @@ from sluice.units import format_duration_ms, parse_duration_ms
 
 MAX_BATCH = 1000
 RAW_MAX_SLICES = 2000  # read raw and merged here up to this many slices; longer: in Redis
-# Per (lookup, base metric): lookup index, metric, cover, how many pipeline replies it has,
-# and whether they are raw slice states (HMGET) rather than read_slices.lua's merged state.
+# Per (lookup, base metric): lookup index, metric, cover, how many pipeline replies it has (0:
+# none, an earlier lookup of the batch asked the same), and whether they are raw slice states
+# (HMGET) rather than read_slices.lua's merged state.
 Plan = list[tuple[int, MetricConfig, Cover, int, bool]]
+_Asked = tuple[str, tuple[str, ...], int, int]  # metric, key, covered start and end
 MAX_POINTS = 1000
 
 
@@ -252,10 +254,18 @@ class QueryEngine:
         """Queue every read on `pipe` (sync or asyncio); returns how to read the replies."""
         plan: Plan = []
         lengths, states = self._lengths, self._states
+        asked: set[_Asked] = set()
         for n, lk in enumerate(lookups):
             encoded = encode_key(lk.key)
             for m in self._base_metrics(lk.metric):
                 cov = cover(lk.end_ms, lk.window_ms, lengths[m.name])
+                # The same metric, key and cover as an earlier lookup of the batch (a hot key
+                # asked twice): no reads of its own, that lookup's value (`_answers`).
+                same = (m.name, lk.key, cov.covered_start, cov.covered_end)
+                if same in asked:
+                    plan.append((n, m, cov, 0, False))
+                    continue
+                asked.add(same)
                 stored = states[m.name]
                 # Blobs are merged here only, HyperLogLogs in Redis only (PFCOUNT).
                 raw = stored == BLOB or (stored != HLL and cov.n_slices <= RAW_MAX_SLICES)
@@ -269,17 +279,24 @@ class QueryEngine:
         parts: dict[int, dict[str, tuple[Any, Cover]]] = {}  # derived lookups' inputs
         at = 0
         aggs, integral = self._aggs, self._integral
+        done: dict[
+            tuple[str, tuple[str, ...], int, int], Any
+        ] = {}  # value per (metric, key, cover)
         for n, m, cov, count, raw in plan:
-            agg = aggs[m.name]
-            if count == 1:  # one read: its reply as it is (raw: one HMGET's states)
-                reply = agg.merge(replies[at]) if raw else replies[at]
-            else:
-                reply = replies[at : at + count]
-                if raw:
-                    reply = agg.merge(chain.from_iterable(reply))
-            value = agg.finalize(reply, m, integral[m.name])
-            at += count
             lk = lookups[n]
+            same = (m.name, lk.key, cov.covered_start, cov.covered_end)
+            if count == 0:  # read and answered for an earlier lookup (`_queue_all`)
+                value = done[same]
+            else:
+                agg = aggs[m.name]
+                if count == 1:  # one read: its reply as it is (raw: one HMGET's states)
+                    reply = agg.merge(replies[at]) if raw else replies[at]
+                else:
+                    reply = replies[at : at + count]
+                    if raw:
+                        reply = agg.merge(chain.from_iterable(reply))
+                value = done[same] = agg.finalize(reply, m, integral[m.name])
+                at += count
             if lk.metric == m.name:  # a base metric's lookup: one read, its answer at once
                 answers[n] = _answer(lk, value, cov.covered_start, cov.covered_end)
             else:
