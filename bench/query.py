@@ -51,7 +51,7 @@ READ_COMMANDS = ("hmget", "evalsha", "pfcount")
 THREAD_ROOT = "Thread._bootstrap (threading.py"  # the root frame of anyio's worker threads
 INCLUSIVE = (  # (id, stack marker, negate): shares of the server's samples; labels in the docs
     ("event_loop", THREAD_ROOT, True), ("threadpool", THREAD_ROOT, False),
-    ("fast", "(sluice/query/fast.py", False), ("engine", "(sluice/query/engine.py", False),
+    ("fast", "(sluice/server/fast.py", False), ("engine", "(sluice/query/engine.py", False),
     ("mux", "(sluice/redis/mux.py", False), ("redis_py", "(redis/", False),
 )  # fmt: skip
 
