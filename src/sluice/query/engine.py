@@ -279,9 +279,7 @@ class QueryEngine:
         parts: dict[int, dict[str, tuple[Any, Cover]]] = {}  # derived lookups' inputs
         at = 0
         aggs, integral = self._aggs, self._integral
-        done: dict[
-            tuple[str, tuple[str, ...], int, int], Any
-        ] = {}  # value per (metric, key, cover)
+        done: dict[_Asked, Any] = {}  # the value of each (metric, key, cover) read
         for n, m, cov, count, raw in plan:
             lk = lookups[n]
             same = (m.name, lk.key, cov.covered_start, cov.covered_end)

@@ -88,9 +88,8 @@ def cover(end_ms: int, window_ms: int, slice_lengths: Sequence[int]) -> Cover:
     finest = slice_lengths[0]
     if window_ms <= 0 or finest <= 0:
         coverage(end_ms, window_ms, finest)  # raises the error that says which
-    lo_ts = end_ms - window_ms + 1
     # `coverage`'s edges, without the object: a lookup's dearest step after the merge.
-    lo, hi = lo_ts - lo_ts % finest, end_ms - end_ms % finest + finest
+    lo, hi = slice_start(end_ms - window_ms + 1, finest), slice_start(end_ms, finest) + finest
     lengths = slice_lengths if isinstance(slice_lengths, tuple) else tuple(slice_lengths)
     return _tiled(lo, hi, lengths)
 
