@@ -23,7 +23,7 @@ from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.answers import AnswerLog
 from sluice.query.wire import Commands, aexecute, slice_fields
-from sluice.redis.keys import encode_key, slice_hash_key, slice_hll_key
+from sluice.redis.keys import encode_key, slice_hash_affixes, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import Cover, Piece, cover, slice_start
@@ -132,6 +132,12 @@ class QueryEngine:
         self._lengths = {m.name: tuple(m.slice_lengths()) for m in cfg.metrics}
         self._aggs = {m.name: AGGS[m.agg] for m in cfg.metrics}
         self._states = {m.name: AGGS[m.agg].state for m in cfg.metrics}
+        # Per metric and slice length, the slice hash's key around the encoded key.
+        self._affixes = {
+            m.name: {r: slice_hash_affixes(m.name, None if r == m.slice else r) for r in lengths}
+            for m in cfg.metrics
+            if (lengths := m.slice_lengths())
+        }
         self._derived = {d.name: formula.parse(d.expr) for d in cfg.derived}
         # The base metrics each name reads: itself, or a derived metric's inputs.
         self._bases: dict[str, list[MetricConfig]] = {m.name: [m] for m in cfg.metrics}
@@ -311,6 +317,16 @@ class QueryEngine:
     def _queue(self, pipe: Any, m: MetricConfig, encoded: str, cov: Cover, raw: bool) -> int:
         """Queue the reads of one (metric, key) over `cov`, raw slice states (one HMGET per
         piece) or merged by read_slices.lua; returns how many replies they give."""
+        if raw:  # never a HyperLogLog (`_queue_all`)
+            affixes = self._affixes[m.name]
+            for p in cov.pieces:
+                before, after = affixes[p.slice_ms]
+                key = before + encoded + after
+                if isinstance(pipe, Commands):
+                    pipe.hmget_slices(key, p.first, p.last, p.slice_ms)
+                else:
+                    pipe.execute_command("HMGET", key, *slice_fields(p.first, p.last, p.slice_ms))
+            return len(cov.pieces)
 
         def res(piece: Piece) -> int | None:
             return None if piece.slice_ms == m.slice else piece.slice_ms
@@ -325,14 +341,6 @@ class QueryEngine:
             ]
             pipe.execute_command("PFCOUNT", *keys)
             return 1
-        if raw:
-            for p in cov.pieces:
-                key = slice_hash_key(m.name, encoded, res(p))
-                if isinstance(pipe, Commands):
-                    pipe.hmget_slices(key, p.first, p.last, p.slice_ms)
-                else:
-                    pipe.execute_command("HMGET", key, *slice_fields(p.first, p.last, p.slice_ms))
-            return len(cov.pieces)
         args: list[Any] = [AGGS[m.agg].state]
         for p in cov.pieces:
             args += [p.first, p.last, p.slice_ms]

@@ -162,8 +162,15 @@ def decode_key(encoded: str) -> list[str]:
 
 def slice_hash_key(metric: str, encoded_key: str, resolution_ms: int | None = None) -> str:
     """The slice hash of (metric, key); a coarser resolution is a suffix after the same tag."""
-    base = f"{SLICE_PREFIX}{{{metric}{KEY_SEP}{encoded_key}}}"
-    return base if resolution_ms is None else f"{base}:r{resolution_ms}"
+    before, after = slice_hash_affixes(metric, resolution_ms)
+    return before + encoded_key + after
+
+
+def slice_hash_affixes(metric: str, resolution_ms: int | None = None) -> tuple[str, str]:
+    """What comes before and after the encoded key in `slice_hash_key` (for callers that make
+    many keys of one metric and resolution)."""
+    after = "}" if resolution_ms is None else f"}}:r{resolution_ms}"
+    return f"{SLICE_PREFIX}{{{metric}{KEY_SEP}", after
 
 
 def slice_hll_key(

@@ -178,7 +178,8 @@ class Agg:
         to what read_slices.lua returns, [slices with data, merged numbers...], or just [0]
         when no slice holds data; a blob to its union, or None. Raises ValueError on a state
         that does not have the agg's width."""
-        states = list(filter(None, replies))
+        dense = type(replies) is list and None not in replies  # every slice holds data
+        states: list[bytes] = replies if dense else [*filter(None, replies)]  # type: ignore[assignment]
         if self.gather is not None:
             return self.gather([s.partition(b":")[2] for s in states])
         if self.union is not None:

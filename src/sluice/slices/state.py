@@ -28,8 +28,10 @@ from functools import reduce
 from operator import add
 from typing import Any
 
+from fastnumbers import RAISE, try_float
+
 # Columns of a state's numbers, the writer tokens left out: cols[j] holds v_(j+1) of every slice,
-# as text (`float` reads a str about twice as fast as the same bytes).
+# as text.
 Columns = list[list[str]]
 
 
@@ -93,8 +95,12 @@ else:  # 3.12's `sum` compensates the rounding of each addition: another total
         return reduce(add, values)
 
 
-def _floats(col: list[str]) -> map[float]:
-    return map(float, col)
+def _floats(col: Sequence[Any]) -> list[float]:
+    """The numbers of `col` as doubles, each the one `float` reads from its text (fastnumbers'
+    parser rounds correctly, as `float` and Lua's `tonumber` do, and reads a column in one C
+    call, at about half `map(float)`'s cost). Raises ValueError on a text that is not a
+    number."""
+    return try_float(col, on_fail=RAISE, map=list)
 
 
 def merge_add(cols: Columns) -> list[float]:
@@ -105,16 +111,17 @@ def merge_add(cols: Columns) -> list[float]:
 
 def merge_add_states(states: Sequence[bytes]) -> list[float]:
     """`merge_add` of one-number states (count, sum) straight from their stored texts, as
-    `state_columns` then `merge_add` give it, with one split and one look for a minus sign over
-    the whole text (and one for a decimal point). The query server's most common merge."""
-    text = b":".join(states).decode("latin-1")
-    parts = text.split(":")
+    `state_columns` then `merge_add` give it, with one split of the bytes (`int` and the
+    parser of `_floats` read bytes as they read text) and one look for a minus sign over the
+    whole text (and one for a decimal point). The query server's most common merge."""
+    text = b":".join(states)
+    parts = text.split(b":")
     if len(parts) != 2 * len(states):
         raise ValueError("a slice state is not `token` and 1 numbers")
-    return _added(parts[1::2], "-" not in text and "." not in text)
+    return _added(parts[1::2], b"-" not in text and b"." not in text)
 
 
-def _added(col: list[str], maybe_ints: bool) -> list[float]:
+def _added(col: Sequence[str | bytes], maybe_ints: bool) -> list[float]:
     """The numbers of `col` added in order. With no minus sign or decimal point among them
     (`maybe_ints`: no negative number, no negative exponent, no fraction written out) and every
     one an integer (every count, the sums of an integer field), they are added as ints, about
