@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 .PHONY: setup demo test lint bench
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# setup.py and the C source too: an edit to either builds the extension again.
+$(STAMP): pyproject.toml setup.py src/sluice/slices/_sums.c
 	@command -v java >/dev/null || { echo "Java 17+ is required by Spark (install openjdk-17-jre-headless)"; exit 1; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip

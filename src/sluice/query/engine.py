@@ -298,7 +298,7 @@ class QueryEngine:
                 else:
                     reply = replies[at : at + count]
                     if raw:
-                        reply = agg.merge(chain.from_iterable(reply))
+                        reply = agg.merge([*chain.from_iterable(reply)])
                 value = done[same] = agg.finalize(reply, m, integral[m.name])
                 at += count
             if lk.metric == m.name:  # a base metric's lookup: one read, its answer at once

@@ -56,7 +56,7 @@ Finalize = Callable[[Any, "MetricConfig", bool], Any]
 FinalizeColumns = Callable[[Any, Sequence[Any], bool], tuple[Any, Any]]
 RUNNING_MERGES = ("sum", "min", "max")  # `Fold.merge`s a running pass takes (`Agg.running`)
 MergeColumns = Callable[[Columns], list[float]]
-MergeStates = Callable[[Sequence[bytes]], list[float]]
+MergeStates = Callable[[Iterable[bytes | None]], list[float]]
 
 
 class Fold(NamedTuple):
@@ -98,7 +98,7 @@ class Agg:
     # `width` string columns, each number as exact text (see `slices.state.number_text`).
     encode: Callable[..., list[Any]] | None = None
     merge_columns: MergeColumns | None = None  # Lua-merged states
-    # `merge_columns` on the stored texts themselves, where that is quicker (count, sum).
+    # `merge` itself on HMGET's replies, where that is quicker (count, sum).
     merge_states: MergeStates | None = None
     union: Callable[[Sequence[bytes]], bytes | None] | None = None  # BLOB: serialized union
     # BLOB, at query time: what `merge` gives `finalize` instead of the union (a sketch whose
@@ -174,12 +174,15 @@ class Agg:
         return [(f.column, f.build(F, value, time)) for f in self.folds]
 
     def merge(self, replies: Iterable[bytes | None]) -> Any:
-        """Merge the stored states HMGET returned (None = no slice). A Lua-merged state merges
-        to what read_slices.lua returns, [slices with data, merged numbers...], or just [0]
-        when no slice holds data; a blob to its union, or None. Raises ValueError on a state
-        that does not have the agg's width."""
-        dense = type(replies) is list and None not in replies  # every slice holds data
-        states: list[bytes] = replies if dense else [*filter(None, replies)]  # type: ignore[assignment]
+        """Merge the stored states HMGET returned (None = no slice): a Lua-merged state to what
+        read_slices.lua returns, [slices with data, merged numbers...] or [0] with no data; a
+        blob to its union, or None. Raises ValueError on a state without the agg's width."""
+        if self.merge_states is not None:
+            try:
+                return self.merge_states(replies)
+            except ValueError as e:
+                raise ValueError(f"{e} for {self.name!r}") from None
+        states = list(filter(None, replies))
         if self.gather is not None:
             return self.gather([s.partition(b":")[2] for s in states])
         if self.union is not None:
@@ -189,8 +192,6 @@ class Agg:
         if not states:
             return [0]
         try:
-            if self.merge_states is not None:
-                return [float(len(states)), *self.merge_states(states)]
             cols = state_columns(states, self.width)
         except ValueError as e:
             raise ValueError(f"{e} for {self.name!r}") from None

@@ -23,13 +23,18 @@ pairwise updates in the last bits.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import reduce
 from operator import add
 from typing import Any
 
 from fastnumbers import RAISE, try_float
 
+_add_in_c: Callable[[object], tuple[int, float] | None] | None
+try:  # count and sum states added in C (src/sluice/slices/_sums.c), where it was built
+    from sluice.slices._sums import add_states as _add_in_c
+except ImportError:  # pragma: no cover - a build without a C compiler: the same, in Python
+    _add_in_c = None
 # Columns of a state's numbers, the writer tokens left out: cols[j] holds v_(j+1) of every slice,
 # as text.
 Columns = list[list[str]]
@@ -109,16 +114,26 @@ def merge_add(cols: Columns) -> list[float]:
     return _added(col, not any("-" in x or "." in x for x in col))
 
 
-def merge_add_states(states: Sequence[bytes]) -> list[float]:
-    """`merge_add` of one-number states (count, sum) straight from their stored texts, as
-    `state_columns` then `merge_add` give it, with one split of the bytes (`int` and the
-    parser of `_floats` read bytes as they read text) and one look for a minus sign over the
-    whole text (and one for a decimal point). The query server's most common merge."""
+def merge_add_states(replies: Iterable[bytes | None]) -> list[float]:
+    """The merge of one-number states (count, sum) straight from HMGET's replies (None = no
+    slice), as `Agg.merge` gives it: [states, total], or [0] with none. The query server's
+    most common merge.
+
+    A list of plain states is added in C where the extension is built (`_sums.c`: the same
+    doubles, added in the same order). Otherwise, and for anything the C code does not read
+    plainly, the states are added as `state_columns` then `merge_add` would, with one split of
+    the bytes (`int` and the parser of `_floats` read bytes as they read text) and one look
+    for a minus sign and a decimal point over the whole text."""
+    if _add_in_c is not None and (added := _add_in_c(replies)) is not None:
+        return [float(added[0]), added[1]] if added[0] else [0]
+    states = list(filter(None, replies))
+    if not states:
+        return [0]
     text = b":".join(states)
     parts = text.split(b":")
     if len(parts) != 2 * len(states):
         raise ValueError("a slice state is not `token` and 1 numbers")
-    return _added(parts[1::2], b"-" not in text and b"." not in text)
+    return [float(len(states)), *_added(parts[1::2], b"-" not in text and b"." not in text)]
 
 
 def _added(col: Sequence[str | bytes], maybe_ints: bool) -> list[float]:
