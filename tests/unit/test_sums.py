@@ -52,7 +52,18 @@ def test_the_c_merge_is_built() -> None:
     )
 
 
+def _decimal(sign: str, digits: str, point: int) -> str:
+    return sign + (digits if point > len(digits) else f"{digits[:point]}.{digits[point:]}")
+
+
+# Up to 15 digits with a point anywhere (or none): what the C code reads itself, as a quotient
+# of two exact doubles.
+_short_decimals = st.builds(
+    _decimal, st.sampled_from(["", "-"]), st.text("0123456789", min_size=1, max_size=15),
+    st.integers(0, 16),
+)  # fmt: skip
 _texts = st.one_of(
+    _short_decimals,
     st.integers(0, 10**6).map(str),
     st.integers(0, 2**64).map(str),  # past 2**53: added as doubles, rounded as `float` reads
     st.integers(-(2**60), -1).map(str),
@@ -89,6 +100,7 @@ def test_c_adds_what_python_adds_or_steps_aside(replies: list[bytes | None]) -> 
     [
         [b"9:3", None, b"9:4"],  # counts
         [b"9:0.1", b"9:0.2", b"9:0.3"],  # doubles, in order: not 0.6
+        [b"9:1355.8500000000001", b"9:0.000000000000001", b"9:-999999999999999"],
         [b"9:-0", b"9:-0"],  # -0.0, as the doubles add
         [None, None],  # no state
         [],
