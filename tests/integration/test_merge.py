@@ -105,7 +105,7 @@ def test_answers_agree_on_both_sides_of_the_raw_limit(
 def test_prepacked_hmget_is_the_command_its_arguments_make() -> None:
     import hiredis
 
-    from sluice.query.wire import Hmget
+    from sluice.query.wire import Commands
 
     for first, last, step in [
         (T0, T0, SLICE),
@@ -113,9 +113,11 @@ def test_prepacked_hmget_is_the_command_its_arguments_make() -> None:
         (0, 9_000, 1_000),
         (T0, T0 + 1_999 * SLICE, SLICE),  # longer than the cached pieces
     ]:
-        command = Hmget("sluice:s:{m|k\u00e9}", first, last, step)
-        assert command.resp() == hiredis.pack_command(command.args())
-        assert len(command.args()) == 2 + (last - first) // step + 1
+        packed, args = Commands(resp=True), Commands()
+        for commands in (packed, args):
+            commands.hmget_slices("sluice:s:{m|k\u00e9}", first, last, step)
+        assert packed == [hiredis.pack_command(args[0])]
+        assert len(args[0]) == 2 + (last - first) // step + 1
 
 
 def test_a_batch_reads_a_repeated_lookup_once(

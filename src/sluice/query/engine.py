@@ -22,7 +22,7 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.answers import AnswerLog
-from sluice.query.wire import Commands, aexecute, slice_fields
+from sluice.query.wire import Commands, aexecute, commands_for, slice_fields
 from sluice.redis.keys import encode_key, slice_hash_affixes, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
@@ -235,7 +235,7 @@ class QueryEngine:
         without holding a thread."""
         self._check_batch(lookups)
         for attempt in (0, 1):
-            commands = Commands()
+            commands = commands_for(aclient)
             plan = self._queue_all(commands, lookups)
             try:
                 replies = await aexecute(aclient, commands) if plan else []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from sluice.redis.mux import MuxClient
 
@@ -49,38 +49,43 @@ def _make_resp(first: int, last: int, step: int) -> bytes:
 _cached_resp = functools.lru_cache(maxsize=1024)(_make_resp)
 
 
-class Hmget(NamedTuple):
-    key: str
-    first: int
-    last: int
-    step: int
-
-    def resp(self) -> bytes:
-        """The whole command, RESP-encoded, from the cached fields."""
-        key = self.key.encode()
-        n = (self.last - self.first) // self.step + 1
-        head = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (n + 2, len(key), key)
-        return head + _fields_resp(self.first, self.last, self.step)
-
-    def args(self) -> tuple[str, ...]:
-        return ("HMGET", self.key, *slice_fields(self.first, self.last, self.step))
+def hmget_resp(key: str, first: int, last: int, step: int) -> bytes:
+    """The HMGET of the slices first, first + step, ..., last of `key`, RESP-encoded, from the
+    cached fields."""
+    k = key.encode()
+    head = b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % ((last - first) // step + 3, len(k), k)
+    return head + _fields_resp(first, last, step)
 
 
 class Commands(list[Any]):
-    """Commands queued like on a pipeline (argument tuples, or `Hmget`s), to be sent by
-    `aexecute`."""
+    """Commands queued like on a pipeline, to be sent by `aexecute`: argument tuples, and for a
+    `MuxClient` (`commands_for`) the HMGETs of slices already RESP-encoded as they are queued."""
+
+    def __init__(self, resp: bool = False) -> None:
+        super().__init__()
+        self.resp = resp
 
     def execute_command(self, *args: Any) -> None:
         self.append(args)
 
     def hmget_slices(self, key: str, first: int, last: int, step: int) -> None:
-        self.append(Hmget(key, first, last, step))
+        if self.resp:
+            self.append(hmget_resp(key, first, last, step))
+        else:
+            self.append(("HMGET", key, *slice_fields(first, last, step)))
+
+
+def commands_for(aclient: Any) -> Commands:
+    """An empty batch of commands for `aclient` (see `Commands`)."""
+    return Commands(resp=isinstance(aclient, MuxClient))
 
 
 async def aexecute(aclient: Any, commands: Sequence[Any]) -> list[Any]:
+    """The replies to `commands` in one round trip. Pre-encoded commands go to a `MuxClient`
+    only (`commands_for`)."""
     if isinstance(aclient, MuxClient):
-        return await aclient.execute([c.resp() if isinstance(c, Hmget) else c for c in commands])
+        return await aclient.execute(commands)
     pipe = aclient.pipeline(transaction=False)
     for command in commands:
-        pipe.execute_command(*(command.args() if isinstance(command, Hmget) else command))
+        pipe.execute_command(*command)
     return list(await pipe.execute())
