@@ -32,9 +32,10 @@ from sluice.units import format_duration_ms, parse_duration_ms
 MAX_BATCH = 1000
 RAW_MAX_SLICES = 2000  # read raw and merged here up to this many slices; longer: in Redis
 # Per (lookup, base metric): lookup index, metric, cover, how many pipeline replies it has (0:
-# none, an earlier lookup of the batch asked the same), and whether they are raw slice states
-# (HMGET) rather than read_slices.lua's merged state.
-Plan = list[tuple[int, MetricConfig, Cover, int, bool]]
+# none, an earlier lookup of the batch asked the same), whether they are raw slice states
+# (HMGET) rather than read_slices.lua's merged state, and the plan entry whose value it takes
+# (its own, or that earlier lookup's).
+Plan = list[tuple[int, MetricConfig, Cover, int, bool, int]]
 _Asked = tuple[str, tuple[str, ...], int, int]  # metric, key, covered start and end
 MAX_POINTS = 1000
 
@@ -260,7 +261,7 @@ class QueryEngine:
         """Queue every read on `pipe` (sync or asyncio); returns how to read the replies."""
         plan: Plan = []
         lengths, states = self._lengths, self._states
-        asked: set[_Asked] = set()
+        asked: dict[_Asked, int] = {}  # the plan entry that reads each
         for n, lk in enumerate(lookups):
             encoded = encode_key(lk.key)
             for m in self._base_metrics(lk.metric):
@@ -268,14 +269,14 @@ class QueryEngine:
                 # The same metric, key and cover as an earlier lookup of the batch (a hot key
                 # asked twice): no reads of its own, that lookup's value (`_answers`).
                 same = (m.name, lk.key, cov.covered_start, cov.covered_end)
-                if same in asked:
-                    plan.append((n, m, cov, 0, False))
+                first = asked.setdefault(same, len(plan))
+                if first != len(plan):
+                    plan.append((n, m, cov, 0, False, first))
                     continue
-                asked.add(same)
                 stored = states[m.name]
                 # Blobs are merged here only, HyperLogLogs in Redis only (PFCOUNT).
                 raw = stored == BLOB or (stored != HLL and cov.n_slices <= RAW_MAX_SLICES)
-                plan.append((n, m, cov, self._queue(pipe, m, encoded, cov, raw), raw))
+                plan.append((n, m, cov, self._queue(pipe, m, encoded, cov, raw), raw, first))
         return plan
 
     def _answers(
@@ -285,12 +286,11 @@ class QueryEngine:
         parts: dict[int, dict[str, tuple[Any, Cover]]] = {}  # derived lookups' inputs
         at = 0
         aggs, integral = self._aggs, self._integral
-        done: dict[_Asked, Any] = {}  # the value of each (metric, key, cover) read
-        for n, m, cov, count, raw in plan:
+        done: list[Any] = []  # each plan entry's value
+        for n, m, cov, count, raw, first in plan:
             lk = lookups[n]
-            same = (m.name, lk.key, cov.covered_start, cov.covered_end)
             if count == 0:  # read and answered for an earlier lookup (`_queue_all`)
-                value = done[same]
+                value = done[first]
             else:
                 agg = aggs[m.name]
                 if count == 1:  # one read: its reply as it is (raw: one HMGET's states)
@@ -299,8 +299,9 @@ class QueryEngine:
                     reply = replies[at : at + count]
                     if raw:
                         reply = agg.merge([*chain.from_iterable(reply)])
-                value = done[same] = agg.finalize(reply, m, integral[m.name])
+                value = agg.finalize(reply, m, integral[m.name])
                 at += count
+            done.append(value)
             if lk.metric == m.name:  # a base metric's lookup: one read, its answer at once
                 answers[n] = _answer(lk, value, cov.covered_start, cov.covered_end)
             else:
