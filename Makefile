@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 setup: $(STAMP)
 
 # setup.py and the C source too: an edit to either builds the extension again.
-$(STAMP): pyproject.toml setup.py src/sluice/slices/_sums.c
+$(STAMP): pyproject.toml setup.py src/sluice/slices/_sums.c src/sluice/redis/_dump.c
 	@command -v java >/dev/null || { echo "Java 17+ is required by Spark (install openjdk-17-jre-headless)"; exit 1; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip

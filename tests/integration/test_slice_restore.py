@@ -16,6 +16,7 @@ import redis
 from sluice.pipeline import slice_restore
 from sluice.pipeline.slice_restore import plan_restores
 from sluice.pipeline.slice_writes import build_calls, send_calls
+from sluice.redis.dump import ZIPLIST_LIMITS, ziplist_limits
 from sluice.redis.keys import slice_hash_key
 from sluice.slices.aggs import AGGS
 
@@ -98,13 +99,17 @@ def _restores_refused(client: Any) -> int:
 
 @pytest.mark.parametrize("agg", ["count", "avg", "max"])
 @pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("payloads", ["c", "arrow"])
 def test_restored_hashes_are_the_scripts_byte_for_byte(
-    r: redis.Redis, rc: Any, agg: str, cluster: bool, monkeypatch: Any, seam: int
+    r: redis.Redis, rc: Any, agg: str, cluster: bool, payloads: str, monkeypatch: Any, seam: int
 ) -> None:
     """The same archive through the script alone and through RESTORE: the same slices, `_m`,
     `_b`, expiry (within the test's own time) and counts. Keys that exist already (a live fold's
     and an earlier run's) are refused by RESTORE and merged by the script, as are keys with more
-    slices than one script run; the rest are created by one RESTORE each."""
+    slices than one script run; the rest are created by one RESTORE each. Payloads built in C
+    (ziplists) and by the Arrow code (the plain type) alike."""
+    if payloads == "arrow":
+        monkeypatch.setattr(slice_restore, "_items_in_c", None)
     monkeypatch.setattr(slice_restore, "SLICES_PER_RUN", 30)
     monkeypatch.setattr(slice_restore, "COMMANDS_PER_ROUND_TRIP", 7)  # rounds sent ahead
     client = rc if cluster else r
@@ -159,3 +164,75 @@ def test_a_redis_that_refuses_restore_gets_the_same_store_through_the_script(
     finally:
         limited.close()
         r.acl_deluser("no-restore")
+
+
+# Texts at each edge of how a ziplist stores them: the integers of each width (0..12 in the
+# encoding byte itself, then 8, 16, 24, 32 and 64 bits), and texts that only look like integers.
+EDGE_TEXTS = [
+    "0", "12", "13", "-1", "127", "128", "-128", "-129", "32767", "32768", "-32769", "8388607",
+    "8388608", "-8388609", "2147483647", "2147483648", "-2147483649", "9223372036854775807",
+    "-9223372036854775808", "9223372036854775808", "007", "-0", "+5", "1e3", " 5", "", "x" * 64,
+    "0:3", "0:1.5:-2", "0:" + "9" * 29, "1" * 31, "1" * 32,
+]  # fmt: skip
+
+
+def test_a_ziplist_payload_is_the_one_redis_dumps(r: redis.Redis, monkeypatch: Any) -> None:
+    """Hashes restored from the plain type (the Arrow path), which Redis builds into ziplists
+    one push at a time, then DUMPed by Redis (compression off): the C payload, byte for byte.
+    Restored from the C payload, each is the same hash, encoded the same."""
+    rng = np.random.default_rng(4)
+    counts = rng.integers(1, 9, 40)
+    bounds = np.append(0, np.cumsum(counts))
+    starts = np.concatenate([1_700_000_000_000 + 10_000 * np.sort(rng.choice(99, c, False))
+                             for c in counts])  # fmt: skip
+    texts = pa.array([EDGE_TEXTS[i % len(EDGE_TEXTS)] for i in range(int(bounds[-1]))])
+    names = pa.array([f"sluice:s:{{m|{i}}}" for i in range(len(counts))])
+    expiry = np.zeros(len(counts), np.int64)
+    args = (names, expiry, bounds, starts, texts, "1699999990000")
+    compact = slice_restore.restore_items(*args, resp=False).to_pylist()
+    monkeypatch.setattr(slice_restore, "_items_in_c", None)
+    plain = slice_restore.restore_items(*args, resp=False).to_pylist()
+    assert all(p[:1] == b"\x04" for p in plain) and all(c[:1] == b"\x0d" for c in compact)
+    r.config_set("rdbcompression", "no")
+    try:
+        for i, (name, p, c) in enumerate(zip(names.to_pylist(), plain, compact, strict=True)):
+            r.restore(name, 0, p)
+            assert r.object("encoding", name) == b"ziplist"
+            assert r.dump(name) == c, i
+            r.restore(f"{name}:c", 0, c)
+            assert r.hgetall(f"{name}:c") == r.hgetall(name)
+            assert r.object("encoding", f"{name}:c") == b"ziplist"
+    finally:
+        r.config_set("rdbcompression", "yes")
+
+
+def test_hashes_past_the_servers_ziplist_limits_take_the_plain_type(r: redis.Redis) -> None:
+    """`ziplist_limits` reads the server's; a hash with more pairs or a longer value than they
+    allow is sent as the plain type, and Redis makes it the hash table it would have made."""
+    saved = r.config_get("hash-max-ziplist-*")
+    assert ziplist_limits(r) == (int(saved["hash-max-ziplist-entries"]),
+                                 int(saved["hash-max-ziplist-value"]))  # fmt: skip
+    assert ZIPLIST_LIMITS == (128, 64)  # Redis's defaults, where CONFIG is refused
+    r.config_set("hash-max-ziplist-value", 30)
+    r.config_set("hash-max-ziplist-entries", 100)
+    try:
+        limits = ziplist_limits(r)
+        assert limits == (100, 30)
+        names = pa.array(["sluice:s:{m|short}", "sluice:s:{m|long}", "sluice:s:{m|many}"])
+        starts = 1_700_000_000_000 + 10_000 * np.arange(1 + 1 + 99)
+        texts = pa.array(["0:1", "0:" + "5" * 29] + ["0:2"] * 99)  # 99 slices: 101 pairs
+        bounds = np.array([0, 1, 2, 101])
+        items = slice_restore.restore_items(names, np.zeros(3, np.int64), bounds, starts, texts,
+                                            "1699999990000", limits, resp=False)  # fmt: skip
+        assert [p[:1] for p in items.to_pylist()] == [b"\x0d", b"\x04", b"\x04"]
+        for name, p in zip(names.to_pylist(), items.to_pylist(), strict=True):
+            r.restore(name, 0, p)
+        assert [r.object("encoding", n) for n in names.to_pylist()] == [
+            b"ziplist",
+            b"hashtable",
+            b"hashtable",
+        ]
+        assert r.hlen("sluice:s:{m|many}") == 101 and r.hget("sluice:s:{m|long}", "_b")
+    finally:
+        r.config_set("hash-max-ziplist-value", saved["hash-max-ziplist-value"])
+        r.config_set("hash-max-ziplist-entries", saved["hash-max-ziplist-entries"])

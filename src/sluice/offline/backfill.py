@@ -51,6 +51,7 @@ from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
 from sluice.pipeline.writer import PartitionRows, WriterContext, apply_hll, apply_lua
 from sluice.redis.connection import client_for
+from sluice.redis.dump import ZIPLIST_LIMITS, ziplist_limits
 from sluice.redis.keys import (
     BACKFILL_PREFIX,
     BACKFILL_RUNS_KEY,
@@ -130,6 +131,7 @@ class _Task:
     bounds: tuple[tuple[int, int], ...]  # per spec: [first slice, seam)
     run_key: str
     restore_new: bool = True
+    ziplist: tuple[int, int] = ZIPLIST_LIMITS  # the server's hash-max-ziplist-entries, -value
 
 
 class _BoundedRows(PartitionRows):
@@ -198,7 +200,8 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
                         seam = task.bounds[sp.index][1]
                         ctx = WriterContext(task.url, 0, task.specs, "", 0, task.cluster,
                                             script_token=f"b{seam}",
-                                            restore_new=task.restore_new)  # fmt: skip
+                                            restore_new=task.restore_new,
+                                            ziplist=task.ziplist)  # fmt: skip
                         pending.append(apply_lua(client, ctx, rows, sp, sender))
                 parts += [done() for done in pending]
             for sp in task.specs:
@@ -355,6 +358,7 @@ def backfill(
         bounds=tuple((_or(firsts[sp.name], -(2**62)), seams[sp.name]) for sp in specs),
         run_key=run_key,
         restore_new=restore_new,
+        ziplist=ziplist_limits(client),
     )
     report = BackfillReport(run, [m.name for m in chosen], seams, firsts)
     report.warnings += _seam_warnings(client, seams)

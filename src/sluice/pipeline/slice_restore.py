@@ -6,7 +6,10 @@ what `write_slices.lua` would leave is known in advance: the slices within reten
 run's newest one, `_m` = "<newest>:<oldest kept>", `_b` = the seam, and the expiry of the newest
 slice. That hash is sent whole, as a DUMP payload (`sluice.redis.dump`), in
 `RESTORE key expiry payload ABSTTL`: one native command, where the script costs Redis three
-commands from Lua (`HMGET`, `HSET`, `PEXPIREAT`).
+commands from Lua (`HMGET`, `HSET`, `PEXPIREAT`). Where the C extension is built, the payload is
+the compact hash (a ziplist) that Redis would itself DUMP for it, byte for byte, so that Redis
+loads it as one string instead of growing it one field at a time (`_dump.c`); without it, the
+plain hash type, from which Redis builds the same hash.
 
 `RESTORE` without `REPLACE` refuses a key that exists (`BUSYKEY`): such a hash (the live fold
 or an earlier run wrote it) goes through the script, which merges with what is stored, and so
@@ -20,6 +23,7 @@ and the script replaces their slices with the same texts: exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +45,19 @@ from sluice.pipeline.slice_writes import (
     send_calls,
     stored_texts,
 )
-from sluice.redis.dump import MAX_STRING, hash_payload_heads, hash_payloads, rdb_strings
+from sluice.redis.dump import (
+    MAX_STRING,
+    ZIPLIST_LIMITS,
+    hash_payload_heads,
+    hash_payloads,
+    rdb_strings,
+)
+
+_items_in_c: Callable[..., tuple[bytes, bytes]] | None
+try:  # the RESTOREs built in C (src/sluice/redis/_dump.c), where it was built
+    from sluice.redis._dump import restore_commands as _items_in_c
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _items_in_c = None
 
 COMMANDS_PER_ROUND_TRIP = 1024
 
@@ -151,9 +167,11 @@ def plan_restores(
     starts: np.ndarray,
     states: list[pa.Array],
     cluster: bool = False,
+    limits: tuple[int, int] = ZIPLIST_LIMITS,
 ) -> Restores:
     """The RESTOREs of a backfill's slice updates (`build_calls`'s arguments, `token` =
-    `b<seam>`): one per key with at most SLICES_PER_RUN slices, the rest left to the script."""
+    `b<seam>`): one per key with at most SLICES_PER_RUN slices, the rest left to the script.
+    `limits`: the server's (hash-max-ziplist-entries, hash-max-ziplist-value)."""
     _, slice_ms, retention_ms, _ = head
     plan = Restores(token, head, keys, starts, list(states), cluster)
     n = len(keys)
@@ -178,27 +196,65 @@ def plan_restores(
         return plan
     rows = order[keep & restore[key_of]]  # kept rows of the restored keys, by key then start
     ks = np.flatnonzero(restore)
-    lo = starts_s[first[ks] + count[ks] - kept[ks]]
-    take = pa.array(rows)
-    pairs = pc.binary_join_element_wise(
-        rdb_strings(as_text(starts[rows])),
-        rdb_strings(texts.take(take)), b"",
-    )  # fmt: skip
-    m = pc.binary_join_element_wise(as_text(hi[ks]), as_text(lo), ":")
-    fixed = b"".join(rdb_strings(pa.array(["_b", token[1:], "_m"])).to_pylist())
-    head_pairs = pc.binary_join_element_wise(pa.scalar(fixed), rdb_strings(m), b"")
-    heads = hash_payload_heads(kept[ks] + 2, head_pairs)
-    payloads = hash_payloads(heads, pairs, np.append(0, np.cumsum(kept[ks])))
-    expiry = as_text(expire_at_ms(hi[ks], slice_ms, retention_ms))
+    expiry = expire_at_ms(hi[ks], slice_ms, retention_ms)
     names = keys.take(pa.array(order[first[ks]]))
+    bounds = np.append(0, np.cumsum(kept[ks]))
+    items = restore_items(names, expiry, bounds, starts[rows], texts.take(pa.array(rows)),
+                          token[1:], limits, resp=not cluster)  # fmt: skip
     plan.kept, plan.expired = kept[ks], (count - kept)[ks]
     plan.order, plan.first, plan.count = order, first[ks], count[ks]
     if cluster:
         plan.key_names = names.to_pylist()
-        plan.args = list(zip(expiry.to_pylist(), payloads.to_pylist(), strict=True))
+        plan.args = list(zip(as_text(expiry).to_pylist(), items.to_pylist(), strict=True))
     else:
-        plan.commands = Spans(_resp_restores(names, expiry, payloads))
+        plan.commands = Spans(items)
     return plan
+
+
+def restore_items(
+    names: pa.Array,
+    expiry: np.ndarray,
+    bounds: np.ndarray,
+    starts: np.ndarray,
+    texts: pa.Array,
+    seam: str,
+    limits: tuple[int, int] = ZIPLIST_LIMITS,
+    resp: bool = True,
+) -> pa.Array:
+    """Per hash, `RESTORE name expiry payload ABSTTL` RESP-encoded (with `resp` False, the
+    payload alone). Hash i is `_b` = `seam`, `_m` = "<newest>:<oldest>" and the slices
+    `starts[bounds[i]:bounds[i + 1]]` (oldest first) with their `texts`; it expires at
+    `expiry[i]` (ms). Built in C where the extension is (`_dump.c`: the ziplist payload Redis
+    itself would DUMP for the hash, within `limits`), else here with Arrow (the plain hash type,
+    from which Redis builds the same hash)."""
+    if _items_in_c is not None:
+        names = names.cast(pa.binary())
+        texts = texts.cast(pa.binary())
+        if isinstance(texts, pa.ChunkedArray):
+            texts = texts.combine_chunks()
+        data, offsets = _items_in_c(
+            _offsets(names), names.buffers()[2] or b"", expiry.astype(np.int64),
+            bounds.astype(np.int64), starts.astype(np.int64), _offsets(texts),
+            texts.buffers()[2] or b"", seam.encode(), limits[0], limits[1], resp,
+        )  # fmt: skip
+        return pa.Array.from_buffers(
+            pa.large_binary(), len(names), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+        )
+    pairs = pc.binary_join_element_wise(rdb_strings(as_text(starts)), rdb_strings(texts), b"")
+    lo, hi = starts[bounds[:-1]], starts[bounds[1:] - 1]
+    m = pc.binary_join_element_wise(as_text(hi), as_text(lo), ":")
+    fixed = b"".join(rdb_strings(pa.array(["_b", seam, "_m"])).to_pylist())
+    head_pairs = pc.binary_join_element_wise(pa.scalar(fixed), rdb_strings(m), b"")
+    heads = hash_payload_heads(np.diff(bounds) + 2, head_pairs)
+    payloads = hash_payloads(heads, pairs, bounds)
+    return _resp_restores(names, as_text(expiry), payloads) if resp else payloads
+
+
+def _offsets(values: pa.Array) -> np.ndarray:
+    """A binary column's int32 offsets, from its own first value (its data buffer's)."""
+    return np.frombuffer(values.buffers()[1], dtype=np.int32)[
+        values.offset : values.offset + len(values) + 1
+    ]
 
 
 def _by_key_and_start(codes: np.ndarray, starts: np.ndarray) -> np.ndarray:

@@ -106,7 +106,8 @@ class Spans:
 
     def __init__(self, values: pa.Array) -> None:
         self.data = values.buffers()[2]
-        self.offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[
+        wide = pa.types.is_large_binary(values.type) or pa.types.is_large_string(values.type)
+        self.offsets = np.frombuffer(values.buffers()[1], dtype=np.int64 if wide else np.int32)[
             values.offset : values.offset + len(values) + 1
         ]
 

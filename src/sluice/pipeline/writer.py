@@ -39,6 +39,7 @@ from sluice.pipeline.slice_writes import (
     send_calls,
 )
 from sluice.redis.connection import client_for
+from sluice.redis.dump import ZIPLIST_LIMITS
 from sluice.redis.keys import (
     dead_letter_marker_key,
     dead_letter_stream_key,
@@ -92,8 +93,10 @@ class WriterContext:
     # The slice script's token argument when it is not `token`: a backfill's `b<seam>`, whose
     # slices replace the stored ones below the seam (write_slices.lua, sluice.offline.backfill).
     script_token: str | None = None
-    # A backfill's hashes that do not exist yet are created whole with RESTORE (slice_restore).
+    # A backfill's hashes that do not exist yet are created whole with RESTORE (slice_restore),
+    # as ziplists within the server's (hash-max-ziplist-entries, hash-max-ziplist-value).
     restore_new: bool = True
+    ziplist: tuple[int, int] = ZIPLIST_LIMITS
 
 
 class PartitionRows:
@@ -231,7 +234,8 @@ def apply_lua(
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
     token = ctx.token if ctx.script_token is None else ctx.script_token
     if ctx.script_token is not None and ctx.restore_new:
-        plan = plan_restores(ctx.script_token, head, keys, starts, states, ctx.cluster)
+        plan = plan_restores(ctx.script_token, head, keys, starts, states, ctx.cluster,
+                             ctx.ziplist)  # fmt: skip
         restored = sender.submit(plan.run, client)
 
         def done_restored() -> list[int]:

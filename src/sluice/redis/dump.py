@@ -11,21 +11,42 @@ every later Redis loads too.
 
 `RESTORE key ttl payload ABSTTL` (no `REPLACE`) creates a key with its expiry in one command, and
 refuses a key that exists (`BUSYKEY`): a writer that may only create can try it first.
+
+Redis keeps a small hash as one compact string (a ziplist: `hash-max-ziplist-entries` pairs, no
+field or value longer than `hash-max-ziplist-value` bytes; Redis 7 calls them listpacks and
+converts on load), and DUMPs it as RDB type 13, that string as it lies. A payload in that form
+costs Redis one allocation to load, where the plain type costs one ziplist push per field and
+value; `_dump.c` builds it (`sluice.pipeline.slice_restore.restore_items`).
 """
 
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 import anycrc
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from redis.exceptions import RedisError
 
 TYPE_HASH = b"\x04"
 RDB_VERSION = b"\x09\x00"
 MAX_STRING = (1 << 14) - 1  # the longest string a one- or two-byte length prefix covers
+# Redis's defaults for `hash-max-ziplist-entries` and `hash-max-ziplist-value`.
+ZIPLIST_LIMITS = (128, 64)
 _CRC = anycrc.Model("CRC64-REDIS")
+
+
+def ziplist_limits(client: Any) -> tuple[int, int]:
+    """The server's (`hash-max-ziplist-entries`, `hash-max-ziplist-value`): up to these, Redis
+    keeps a hash as a ziplist. Redis's defaults where CONFIG is refused (an ACL, a renamed
+    command) or says nothing."""
+    try:
+        got = client.config_get("hash-max-ziplist-*")
+        return int(got["hash-max-ziplist-entries"]), int(got["hash-max-ziplist-value"])
+    except (RedisError, KeyError, ValueError, TypeError):
+        return ZIPLIST_LIMITS
 
 
 def crc64(data: bytes) -> int:
