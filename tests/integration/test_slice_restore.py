@@ -236,3 +236,65 @@ def test_hashes_past_the_servers_ziplist_limits_take_the_plain_type(r: redis.Red
     finally:
         r.config_set("hash-max-ziplist-value", saved["hash-max-ziplist-value"])
         r.config_set("hash-max-ziplist-entries", saved["hash-max-ziplist-entries"])
+
+
+@pytest.mark.parametrize("payloads", ["c", "arrow"])
+def test_a_live_batch_s_new_hashes_restored_are_the_scripts(
+    r: redis.Redis, payloads: str, monkeypatch: Any, seam: int
+) -> None:
+    """A live writer's batch (its token, no seam) through the script alone and through RESTORE:
+    the same slices stored under the token, `_m`, no `_b`, expiry and counts. Replayed, every
+    slice is a duplicate either way; a later batch merges into both alike."""
+    if payloads == "arrow":
+        monkeypatch.setattr(slice_restore, "_items_in_c", None)
+    monkeypatch.setattr(slice_restore, "SLICES_PER_RUN", 30)
+    rng = np.random.default_rng(12)
+    rows = _rows("sum", "via-script", rng, seam)
+    twin = [(k.replace("via-script", "via-restore"), s, v) for k, s, v in rows]
+    token = 7 * 10**12 + 41
+    head, keys, starts, states = _columns(rows, "sum")
+    want, failed = send_calls(r, build_calls(token, head, keys, starts, states))
+    assert not failed.any()
+    head, keys, starts, states = _columns(twin, "sum")
+    plan = plan_restores(token, head, keys, starts, states)
+    got, failed = plan.run(r)
+    assert not failed.any() and got == want and want[2] > 0
+    assert plan.created == 59 and not plan.refused  # every key but the one past SLICES_PER_RUN
+    scripted, restored = _stored(r, "via-script"), _stored(r, "via-restore")
+    for k, (fields, ttl) in scripted.items():
+        assert restored[k][0] == fields, k
+        assert b"_b" not in fields and abs(restored[k][1] - ttl) < 5_000
+    assert all(v.startswith(f"{token}:".encode()) for v in scripted["k1"][0].values()
+               if v != scripted["k1"][0][b"_m"])  # fmt: skip
+    # The batch again: duplicates only, nothing changes.
+    again = plan_restores(token, head, keys, starts, states)
+    totals, _ = again.run(r)
+    assert again.created == 0 and totals[0] == 0 and totals[1] == want[0]
+    assert all(_stored(r, "via-restore")[k][0] == restored[k][0] for k in restored)
+    # The next batch merges into both stores alike.
+    later = [(k, s, [1.5]) for k, s, _ in rows[::3]]
+    for rs in (later, [(k.replace("via-script", "via-restore"), s, v) for k, s, v in later]):
+        head, keys, starts, states = _columns(rs, "sum")
+        send_calls(r, build_calls(token + 1, head, keys, starts, states))
+    after_s, after_r = _stored(r, "via-script"), _stored(r, "via-restore")
+    assert all(after_r[k][0] == after_s[k][0] for k in after_s)
+
+
+def test_the_live_writer_tries_restore_where_it_pays() -> None:
+    """`NewHashes`: a metric resolution is tried until its tries stop creating hashes, then
+    once every PROBE_EVERY batches; a Redis that refuses the command is not asked again."""
+    guess = slice_restore.NewHashes()
+    plan = slice_restore.Restores(1, ("sum", 1, 1, 1), pa.array([]), np.zeros(0), [], False)
+    plan.kept = np.ones(100, np.int64)
+    assert guess.worth_trying("m:0")
+    plan.created = 90
+    guess.saw("m:0", plan)
+    assert guess.worth_trying("m:0")
+    plan.created = 10  # mostly BUSYKEY: hashes that exist
+    guess.saw("m:0", plan)
+    tries = [guess.worth_trying("m:0") for _ in range(3 * slice_restore.PROBE_EVERY)]
+    assert sum(tries) == 3 and tries[slice_restore.PROBE_EVERY - 1]
+    assert guess.worth_trying("other:0")  # each metric resolution on its own
+    plan.refused = True
+    guess.saw("other:0", plan)
+    assert not guess.worth_trying("other:0") and not guess.worth_trying("new:0")
