@@ -65,12 +65,11 @@ except ImportError:  # pragma: no cover - a build without a C compiler
     _items_in_c = None
 
 COMMANDS_PER_ROUND_TRIP = 1024
-# A live writer tries RESTORE while at least this share of the hashes it asked about were new. A
-# new one-slice hash costs Redis about 3 to 4 µs of CPU created by RESTORE against 6 to 7 µs by
-# the script; asking (EXISTS) costs Redis about 0.3 µs and the writer about 0.2 µs per hash.
-# (A RESTORE refused as BUSYKEY, the hash existing, would cost Redis 1.7 µs and the writer 2 µs,
-# hence the question first.) Measured on a fresh 6.2 with AOF on.
-PAYS_FROM = 0.2
+# A live writer tries RESTORE while at least this share of its tries created their hash. A new
+# one-slice hash costs Redis about 3 to 4 µs of CPU created by RESTORE against 6 to 7 µs by the
+# script; a RESTORE refused (BUSYKEY: the hash exists) costs Redis about 1.7 µs and the writer
+# about 2 µs more before the script writes it anyway. Measured on a fresh 6.2 with AOF on.
+PAYS_FROM = 0.5
 PROBE_EVERY = 16  # batches between tries once they stopped paying
 
 
@@ -90,23 +89,13 @@ class Restores:
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    # What each command is built from (`restore_items`), once `run` knows which to send.
-    names: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
-    expiry: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    bounds: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    row_starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    row_texts: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
-    seam: str = ""
-    limits: tuple[int, int] = ZIPLIST_LIMITS
-    # Ask first which hashes exist (one EXISTS each), and RESTORE only the others: a live
-    # writer's, whose hashes are often old, where a RESTORE refused costs more than the EXISTS.
-    probe: bool = False
+    key_names: list[str] = field(default_factory=list)  # per command (cluster only)
+    args: list[tuple[str, bytes]] = field(default_factory=list)  # (expiry, payload), cluster
+    commands: Spans | None = None  # RESP-encoded commands (one Redis)
     kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per command
     expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     scripted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows
-    # After `run`: the hashes RESTORE was tried for and created, and whether Redis refused the
-    # command itself.
-    tried: int = 0
+    # After `run`: the hashes RESTORE created, and whether Redis refused the command itself.
     created: int = 0
     refused: bool = False
 
@@ -114,10 +103,8 @@ class Restores:
         """Send the RESTOREs, then the rest through the script: ([applied, duplicate, expired,
         before seam], and per input row whether its write failed)."""
         totals = [0] * REPLY_COUNTS
-        tried = ~self._exist(client) if self.probe else np.ones(len(self.kept), dtype=bool)
-        created = np.zeros(len(self.kept), dtype=bool)
-        created[tried] = self._send(client, np.flatnonzero(tried))
-        self.tried, self.created = int(tried.sum()), int(created.sum())
+        created = self._send(client)
+        self.created = int(created.sum())
         totals[0] = int(self.kept[created].sum())
         totals[2] = int(self.expired[created].sum())
         refused = ~created
@@ -133,52 +120,21 @@ class Restores:
             failed[rows] = call_failed[calls.row_call]
         return totals, failed
 
-    def _exist(self, client: Any) -> np.ndarray:
-        """Per command, whether its hash exists now (EXISTS; one round trip)."""
-        n = len(self.names)
-        if not n:
-            return np.zeros(0, dtype=bool)
-        if self.cluster:
-            pipe = client.pipeline(transaction=False)
-            for key in self.names.to_pylist():
-                pipe.exists(key)
-            return np.array(pipe.execute(), dtype=bool)
-        enc = pc.binary_join_element_wise(b"*2\r\n$6\r\nEXISTS\r\n", resp_bulks(self.names), b"")
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command([Spans(enc).bytes(0, n)])
-            replies = read_replies(conn, hiredis.Reader(replyError=ResponseError), n)
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-        return np.array(replies, dtype=bool)
-
-    def _send(self, client: Any, which: np.ndarray) -> np.ndarray:
-        """RESTORE the hashes of commands `which`: per one, whether it created its hash
-        (False: the script takes it)."""
-        n = len(which)
+    def _send(self, client: Any) -> np.ndarray:
+        """Per command, whether it created its hash (False: the script takes it)."""
+        n = len(self.kept)
         created = np.zeros(n, dtype=bool)
         if not n:
             return created
-        lengths = np.diff(self.bounds)[which]
-        rows = _ranges(self.bounds[:-1][which], lengths)
-        take = pa.array(which)
-        names, expiry = self.names.take(take), self.expiry[which]
-        items = restore_items(names, expiry, np.append(0, np.cumsum(lengths)),
-                              self.row_starts[rows], self.row_texts.take(pa.array(rows)),
-                              self.seam, self.limits, resp=not self.cluster)  # fmt: skip
         if self.cluster:
             pipe = client.pipeline(transaction=False)
-            for key, exp, payload in zip(names.to_pylist(), as_text(expiry).to_pylist(),
-                                         items.to_pylist(), strict=True):  # fmt: skip
-                pipe.execute_command("RESTORE", key, exp, payload, "ABSTTL")
+            for key, (expiry, payload) in zip(self.key_names, self.args, strict=True):
+                pipe.execute_command("RESTORE", key, expiry, payload, "ABSTTL")
             replies = pipe.execute(raise_on_error=False)
             self.refused = any(isinstance(r, Exception) and not _busy(r) for r in replies)
             return np.array([not isinstance(r, Exception) for r in replies], dtype=bool)
-        commands = Spans(items)
+        commands = self.commands
+        assert commands is not None
         pool = client.connection_pool
         conn = pool.get_connection()
 
@@ -292,13 +248,18 @@ def plan_restores(
         return plan
     rows = order[keep & restore[key_of]]  # kept rows of the restored keys, by key then start
     ks = np.flatnonzero(restore)
-    plan.expiry = expire_at_ms(hi[ks], slice_ms, retention_ms)
-    plan.names = keys.take(pa.array(order[first[ks]]))
-    plan.bounds = np.append(0, np.cumsum(kept[ks]))
-    plan.row_starts, plan.row_texts = starts[rows], texts.take(pa.array(rows))
-    plan.seam, plan.limits, plan.probe = seam, limits, not backfill
+    expiry = expire_at_ms(hi[ks], slice_ms, retention_ms)
+    names = keys.take(pa.array(order[first[ks]]))
+    bounds = np.append(0, np.cumsum(kept[ks]))
+    items = restore_items(names, expiry, bounds, starts[rows], texts.take(pa.array(rows)),
+                          seam, limits, resp=not cluster)  # fmt: skip
     plan.kept, plan.expired = kept[ks], (count - kept)[ks]
     plan.order, plan.first, plan.count = order, first[ks], count[ks]
+    if cluster:
+        plan.key_names = names.to_pylist()
+        plan.args = list(zip(as_text(expiry).to_pylist(), items.to_pylist(), strict=True))
+    else:
+        plan.commands = Spans(items)
     return plan
 
 
