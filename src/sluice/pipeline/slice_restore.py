@@ -1,4 +1,4 @@
-"""New slice hashes, created with one `RESTORE` each instead of the slice script.
+"""A backfill's new slice hashes, created with one `RESTORE` each instead of the slice script.
 
 A backfill writes each slice hash once, with the key's whole archived history (its slices as
 the text they are stored as, `sluice.offline.backfill`). For a hash that does not exist yet,
@@ -19,11 +19,6 @@ path merges) or after (and keeps off the slices before `_b`). A Redis that refus
 itself (an ACL without `@dangerous`, a renamed command, a future DUMP format) sends the rest of
 the writes through the script. A task that runs again meets its own hashes as existing ones,
 and the script replaces their slices with the same texts: exact.
-
-The live writer creates the hashes a batch is the first to touch the same way, where its tries
-pay (`NewHashes`): what the script would leave in a hash it creates is known as well, each slice
-stored under the writer's token and no `_b`. A replay of the batch meets those hashes as existing
-ones, and the script finds its token on every slice: duplicates, as after a scripted write.
 """
 
 from __future__ import annotations
@@ -65,21 +60,15 @@ except ImportError:  # pragma: no cover - a build without a C compiler
     _items_in_c = None
 
 COMMANDS_PER_ROUND_TRIP = 1024
-# A live writer tries RESTORE while at least this share of its tries created their hash. A new
-# one-slice hash costs Redis about 3 to 4 µs of CPU created by RESTORE against 6 to 7 µs by the
-# script; a RESTORE refused (BUSYKEY: the hash exists) costs Redis about 1.7 µs and the writer
-# about 2 µs more before the script writes it anyway. Measured on a fresh 6.2 with AOF on.
-PAYS_FROM = 0.5
-PROBE_EVERY = 16  # batches between tries once they stopped paying
 
 
 @dataclass
 class Restores:
-    """The writes of one metric resolution: the RESTORE commands of its new-looking hashes and
-    what the script takes instead. Built on the caller's thread (`plan_restores`), sent by
-    `run`."""
+    """A backfill's writes of one metric resolution: the RESTORE commands of its new-looking
+    hashes and what the script takes instead. Built on the caller's thread (`plan_restores`),
+    sent by `run`."""
 
-    token: str | int
+    token: str
     head: tuple[str, int, int, int]
     keys: pa.Array
     starts: np.ndarray
@@ -95,16 +84,12 @@ class Restores:
     kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per command
     expired: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     scripted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # rows
-    # After `run`: the hashes RESTORE created, and whether Redis refused the command itself.
-    created: int = 0
-    refused: bool = False
 
     def run(self, client: Any) -> tuple[list[int], np.ndarray]:
         """Send the RESTOREs, then the rest through the script: ([applied, duplicate, expired,
         before seam], and per input row whether its write failed)."""
         totals = [0] * REPLY_COUNTS
         created = self._send(client)
-        self.created = int(created.sum())
         totals[0] = int(self.kept[created].sum())
         totals[2] = int(self.expired[created].sum())
         refused = ~created
@@ -131,7 +116,6 @@ class Restores:
             for key, (expiry, payload) in zip(self.key_names, self.args, strict=True):
                 pipe.execute_command("RESTORE", key, expiry, payload, "ABSTTL")
             replies = pipe.execute(raise_on_error=False)
-            self.refused = any(isinstance(r, Exception) and not _busy(r) for r in replies)
             return np.array([not isinstance(r, Exception) for r in replies], dtype=bool)
         commands = self.commands
         assert commands is not None
@@ -163,39 +147,7 @@ class Restores:
             raise
         finally:
             pool.release(conn)
-        self.refused = refused
         return created
-
-
-class NewHashes:
-    """A live writer's guess, per metric resolution, whether RESTORE pays for its hashes.
-
-    A backfill's hashes are mostly new; a live fold's are new where keys are many and seldom
-    seen (a card and merchant pair) and old where a key's hash outlives many batches. RESTORE is
-    tried for a metric resolution while at least PAYS_FROM of its tries lately created their
-    hash, and once every PROBE_EVERY batches after that (the share changes as a store fills
-    and its hashes expire). A Redis that refuses the command itself is not asked again by this
-    process. One per process: a Spark worker keeps it across the tasks it runs."""
-
-    def __init__(self) -> None:
-        self._share: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-        self.refused = False
-
-    def worth_trying(self, what: str) -> bool:
-        if self.refused:
-            return False
-        share = self._share.get(what)
-        if share is None or share >= PAYS_FROM:
-            return True
-        self._skipped[what] = skipped = self._skipped.get(what, 0) + 1
-        return skipped % PROBE_EVERY == 0
-
-    def saw(self, what: str, plan: Restores) -> None:
-        """What one try of `plan` (run) found."""
-        self.refused = self.refused or plan.refused
-        if len(plan.kept):
-            self._share[what] = plan.created / len(plan.kept)
 
 
 def _busy(e: Exception) -> bool:
@@ -209,7 +161,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def plan_restores(
-    token: str | int,
+    token: str,
     head: tuple[str, int, int, int],
     keys: pa.Array,
     starts: np.ndarray,
@@ -217,19 +169,15 @@ def plan_restores(
     cluster: bool = False,
     limits: tuple[int, int] = ZIPLIST_LIMITS,
 ) -> Restores:
-    """The RESTOREs of slice updates (`build_calls`'s arguments): one per key with at most
-    SLICES_PER_RUN slices, the rest left to the script. `token` is a backfill's `b<seam>` (each
-    hash gets `_b` = the seam, its slices stored under BACKFILL_TOKEN) or a live writer's token
-    (its slices stored under it, no `_b`: what the script leaves in a hash it creates).
+    """The RESTOREs of a backfill's slice updates (`build_calls`'s arguments, `token` =
+    `b<seam>`): one per key with at most SLICES_PER_RUN slices, the rest left to the script.
     `limits`: the server's (hash-max-ziplist-entries, hash-max-ziplist-value)."""
     _, slice_ms, retention_ms, _ = head
     plan = Restores(token, head, keys, starts, list(states), cluster)
     n = len(keys)
     if not n:
         return plan
-    backfill = str(token).startswith("b")
-    seam = str(token)[1:] if backfill else ""
-    texts = stored_texts(states) if backfill else stored_texts(states, str(token))
+    texts = stored_texts(states)
     codes = keys.dictionary_encode().indices.to_numpy()
     order = _by_key_and_start(codes, starts)
     codes_s, starts_s = codes[order], starts[order]
@@ -252,7 +200,7 @@ def plan_restores(
     names = keys.take(pa.array(order[first[ks]]))
     bounds = np.append(0, np.cumsum(kept[ks]))
     items = restore_items(names, expiry, bounds, starts[rows], texts.take(pa.array(rows)),
-                          seam, limits, resp=not cluster)  # fmt: skip
+                          token[1:], limits, resp=not cluster)  # fmt: skip
     plan.kept, plan.expired = kept[ks], (count - kept)[ks]
     plan.order, plan.first, plan.count = order, first[ks], count[ks]
     if cluster:
@@ -274,8 +222,7 @@ def restore_items(
     resp: bool = True,
 ) -> pa.Array:
     """Per hash, `RESTORE name expiry payload ABSTTL` RESP-encoded (with `resp` False, the
-    payload alone). Hash i is `_b` = `seam` (none where `seam` is ""), `_m` =
-    "<newest>:<oldest>" and the slices
+    payload alone). Hash i is `_b` = `seam`, `_m` = "<newest>:<oldest>" and the slices
     `starts[bounds[i]:bounds[i + 1]]` (oldest first) with their `texts`; it expires at
     `expiry[i]` (ms). Built in C where the extension is (`_dump.c`: the ziplist payload Redis
     itself would DUMP for the hash, within `limits`), else here with Arrow (the plain hash type,
@@ -296,10 +243,9 @@ def restore_items(
     pairs = pc.binary_join_element_wise(rdb_strings(as_text(starts)), rdb_strings(texts), b"")
     lo, hi = starts[bounds[:-1]], starts[bounds[1:] - 1]
     m = pc.binary_join_element_wise(as_text(hi), as_text(lo), ":")
-    fixed = ["_b", seam, "_m"] if seam else ["_m"]
-    head = pa.scalar(b"".join(rdb_strings(pa.array(fixed)).to_pylist()))
-    head_pairs = pc.binary_join_element_wise(head, rdb_strings(m), b"")
-    heads = hash_payload_heads(np.diff(bounds) + (2 if seam else 1), head_pairs)
+    fixed = b"".join(rdb_strings(pa.array(["_b", seam, "_m"])).to_pylist())
+    head_pairs = pc.binary_join_element_wise(pa.scalar(fixed), rdb_strings(m), b"")
+    heads = hash_payload_heads(np.diff(bounds) + 2, head_pairs)
     payloads = hash_payloads(heads, pairs, bounds)
     return _resp_restores(names, as_text(expiry), payloads) if resp else payloads
 

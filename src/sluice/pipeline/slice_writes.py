@@ -94,11 +94,10 @@ def resp_bulks(values: pa.Array) -> pa.Array:
     return enc.combine_chunks() if isinstance(enc, pa.ChunkedArray) else enc
 
 
-def stored_texts(states: Sequence[pa.Array], token: str = BACKFILL_TOKEN) -> pa.Array:
-    """Slice states (one text column per number) as the texts they are stored as,
-    `<token>:v1:..:v_width`: a backfill's under BACKFILL_TOKEN, a new slice's under the token
-    of the writer that wrote it (write_slices.lua's `packed_of`)."""
-    return pc.binary_join_element_wise(pa.scalar(token), *states, ":")
+def stored_texts(states: Sequence[pa.Array]) -> pa.Array:
+    """A backfill's slice states (one text column per number) as the texts they are stored as,
+    `0:v1:..:v_width` (BACKFILL_TOKEN first)."""
+    return pc.binary_join_element_wise(pa.scalar(BACKFILL_TOKEN), *states, ":")
 
 
 class Spans:

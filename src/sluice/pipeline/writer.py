@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from sluice import collector
 from sluice.pipeline.plan import DEAD_G, MetricSpec
-from sluice.pipeline.slice_restore import NewHashes, plan_restores
+from sluice.pipeline.slice_restore import plan_restores
 from sluice.pipeline.slice_writes import (
     REPLY_COUNTS,
     build_calls,
@@ -50,7 +50,6 @@ from sluice.redis.loading import wait_while_loading
 from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 
-NEW_HASHES = NewHashes()  # this process' guess of whose hashes RESTORE creates (slice_restore)
 UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired", "updates_before_seam")
 PIPELINE_CHUNK = 50
 DEAD_MARKER_TTL_S = 7 * 86400
@@ -94,9 +93,8 @@ class WriterContext:
     # The slice script's token argument when it is not `token`: a backfill's `b<seam>`, whose
     # slices replace the stored ones below the seam (write_slices.lua, sluice.offline.backfill).
     script_token: str | None = None
-    # Hashes that do not exist yet are created whole with RESTORE (slice_restore): a backfill's,
-    # and a live batch's where that pays (NEW_HASHES), as ziplists within the server's
-    # (hash-max-ziplist-entries, hash-max-ziplist-value).
+    # A backfill's hashes that do not exist yet are created whole with RESTORE (slice_restore),
+    # as ziplists within the server's (hash-max-ziplist-entries, hash-max-ziplist-value).
     restore_new: bool = True
     ziplist: tuple[int, int] = ZIPLIST_LIMITS
 
@@ -235,17 +233,14 @@ def apply_lua(
     starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
     token = ctx.token if ctx.script_token is None else ctx.script_token
-    live = ctx.script_token is None
-    what = f"{sp.name}:{sp.resolution_ms}"
-    if ctx.restore_new and (not live or NEW_HASHES.worth_trying(what)):
-        plan = plan_restores(token, head, keys, starts, states, ctx.cluster, ctx.ziplist)
+    if ctx.script_token is not None and ctx.restore_new:
+        plan = plan_restores(ctx.script_token, head, keys, starts, states, ctx.cluster,
+                             ctx.ziplist)  # fmt: skip
         restored = sender.submit(plan.run, client)
 
         def done_restored() -> list[int]:
             totals, failed = restored.result()
             rows.failed[idx[failed]] = True
-            if live:
-                NEW_HASHES.saw(what, plan)
             return totals
 
         return done_restored

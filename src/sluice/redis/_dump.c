@@ -6,8 +6,8 @@
  * one more than there are hashes). An item is `RESTORE <name> <expiry> <payload> ABSTTL` in RESP,
  * or with `resp` false the payload alone.
  *
- * A hash is `_b` = the seam (none where the seam is empty: a live writer's), `_m` =
- * "<newest start>:<oldest start>", then its slices in start order. Its payload is the one Redis itself would DUMP for it after building it from the plain
+ * A hash is `_b` = the seam, `_m` = "<newest start>:<oldest start>", then its slices in start
+ * order. Its payload is the one Redis itself would DUMP for it after building it from the plain
  * hash type: a ziplist (RDB type 13), with every field and value that reads as an integer stored
  * as one (`zip_try_int`, Redis's `zipTryEncoding`), as `ziplistPush` stores it. Loading it is one
  * string to Redis instead of a ziplist grown one push at a time. A hash Redis would not keep as a
@@ -267,10 +267,8 @@ hash_texts(const Input *in, Py_ssize_t h, Text *t, char *digits)
 {
     int64_t a = in->bounds[h], b = in->bounds[h + 1];
     Py_ssize_t n = 0;
-    if (in->seam.len) { /* a backfill's; a live writer's hashes have none */
-        t[n++] = (Text){"_b", 2};
-        t[n++] = in->seam;
-    }
+    t[n++] = (Text){"_b", 2};
+    t[n++] = in->seam;
     t[n++] = (Text){"_m", 2};
     int m = decimal(in->starts[b - 1], digits);
     digits[m++] = ':';
