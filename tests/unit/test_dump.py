@@ -87,6 +87,10 @@ def test_c_restores_refuse_bounds_that_do_not_fit() -> None:
         with pytest.raises(ValueError):
             restore_commands(name_offsets, names.buffers()[2], expiry, bad, starts, offsets,
                              texts.buffers()[2], b"1", 128, 64, True)  # fmt: skip
+    before = offsets - 1  # an offset before the texts' first byte
+    with pytest.raises(ValueError):
+        restore_commands(name_offsets, names.buffers()[2], expiry, bounds, starts, before,
+                         texts.buffers()[2], b"1", 128, 64, True)  # fmt: skip
 
 
 def test_a_column_s_crcs_are_each_value_s() -> None:

@@ -488,6 +488,10 @@ restore_commands(PyObject *self, PyObject *args)
         b[0].buf, b[1].buf, b[2].buf, bounds, b[4].buf, b[5].buf, b[6].buf,
         {seam.buf, seam.len}, max_entries, max_value, resp,
     };
+    if (in.name_offsets[0] < 0 || in.text_offsets[0] < 0) {
+        PyErr_SetString(PyExc_ValueError, "offsets must start at 0 or after");
+        goto done;
+    }
     for (Py_ssize_t h = 0; h < hashes; h++) {
         if (bounds[h + 1] <= bounds[h] || bounds[h] < 0 || bounds[h + 1] > rows) {
             PyErr_SetString(PyExc_ValueError, "bounds: every hash needs rows, in order");
