@@ -1,8 +1,9 @@
 /* A backfill's `RESTORE` commands built in C: each new slice hash's DUMP payload, its CRC-64
- * and the RESP-encoded command, in two passes over flat arrays (sizes, then bytes).
+ * and the RESP-encoded command, appended one hash after another to one growing buffer (each
+ * payload measured, then written in place).
  *
- * `restore_commands(...)` (arguments below, and `sluice.redis.dump.restore_commands`, which
- * calls it) returns (data, offsets): the items back to back, and where each one starts (int64,
+ * `restore_commands(...)` (arguments below, and `sluice.pipeline.slice_restore.restore_items`,
+ * which calls it) returns (data, offsets): the items back to back, and where each one starts (int64,
  * one more than there are hashes). An item is `RESTORE <name> <expiry> <payload> ABSTTL` in RESP,
  * or with `resp` false the payload alone.
  *
@@ -24,7 +25,6 @@
 #define TYPE_HASH_ZIPLIST 13
 #define RDB_VERSION 9
 #define BIG_PREVLEN 254
-#define MAX_INT_TEXT 31 /* zipTryEncoding: longer texts are strings */
 
 /* Slicing by 8 (as Redis's crcspeed): T[0] is the bytewise table, T[k] steps a byte k more. */
 static uint64_t CRC_TABLE[8][256];
@@ -124,7 +124,8 @@ static int
 zip_try_int(const char *s, Py_ssize_t len, unsigned char *buf)
 {
     long long v;
-    if (len >= MAX_INT_TEXT + 1 || !text_to_ll(s, len, &v)) {
+    /* zipTryEncoding also turns away texts of 32 bytes or more; string2ll's 20 are fewer. */
+    if (!text_to_ll(s, len, &v)) {
         return 0;
     }
     uint64_t u = (uint64_t)v;
