@@ -110,9 +110,10 @@ def _interrupted(what: str, e: Interrupted) -> None:
               " answer exactly")  # fmt: skip
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "csv"]), default=None,
               help="the input's format (default: from its suffix, else parquet)")  # fmt: skip
-@click.option("--arrival", default=None, metavar="COLUMN",
-              help="the archive's arrival-time column: count only events that had arrived by"
-              " each row's time (as known at)")  # fmt: skip
+@click.option("--as-known-at", "--arrival", "arrival", default=None, metavar="COLUMN",
+              help="the archive's arrival-time column (epoch ms, a timestamp, ISO 8601 or a"
+              " Redis Stream entry id): count only events that had arrived by each row's"
+              " time")  # fmt: skip
 @click.option("--overwrite", is_flag=True, help="replace --out if it exists")
 def training_set(
     config_path: str, spine: str, ts: str, out: str, features: tuple[str, ...],
@@ -124,13 +125,13 @@ def training_set(
     key_map = parse_keys(keys)
     if arrival and not inputs:
         raise click.BadParameter("needs --input: the store does not keep arrival times",
-                                 param_hint="'--arrival'")  # fmt: skip
+                                 param_hint="'--as-known-at'")  # fmt: skip
     if Path(out).exists() and not overwrite:
         raise click.ClickException(f"{out} exists; pass --overwrite to replace it")
     t0 = time.monotonic()
     try:
         with opened(config_path) as (cfg, handle):
-            from sluice.offline.events import read_archive
+            from sluice.offline.events import archive_events, bad_rows, read_archive
             from sluice.offline.features import parse_features
             from sluice.offline.store import UNANSWERED
             from sluice.offline.training import training_set as build
@@ -139,8 +140,9 @@ def training_set(
             check_local_inputs((spine, *inputs))
             with spark_for(cfg, "sluice-training-set") as spark:
                 rows = read_table(spark, spine, None)
-                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_) if inputs \
-                    else None  # fmt: skip
+                extra = [arrival] if arrival else []
+                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_, extra) \
+                    if inputs else None  # fmt: skip
                 table = build(spark, cfg, rows, list(features), ts=ts, keys=key_map,
                               events=events, arrival=arrival, url=handle.url)  # fmt: skip
                 say = lambda line: click.echo(line, err=True)  # noqa: E731
@@ -157,13 +159,21 @@ def training_set(
                     if UNANSWERED in written.columns else 0
                 )  # fmt: skip
                 added = [c for c in written.columns if c not in rows.columns]
+                bad = bad_rows(archive_events(events, cfg, arrival=arrival)) if events else {}
     except Interrupted as e:
         _interrupted("training-set", e)
     elapsed_s = round(time.monotonic() - t0, 1)
     summary = {"out": out, "rows": n, "columns": added, "unanswered_rows": unanswered,
-               "elapsed_s": elapsed_s}  # fmt: skip
+               "bad_rows": {r: c for r, (c, _) in bad.items()}, "elapsed_s": elapsed_s}  # fmt: skip
     click.echo(f"training-set: {n:,} rows -> {out} in {duration_text(elapsed_s)};"
                f" added {', '.join(added)}", err=True)  # fmt: skip
+    if bad:
+        click.echo(f"  bad input rows: {sum(c for c, _ in bad.values()):,}, counted in no"
+                   " feature (the live fold dead-letters them too)", err=True)  # fmt: skip
+        width = max(len(r) for r in bad)
+        for reason, (c, sample) in sorted(bad.items(), key=lambda kv: -kv[1][0]):
+            sample = sample if len(sample) <= 160 else sample[:157] + "..."
+            click.echo(f"    {reason:<{width}}  {c:>9,}  e.g. {sample}", err=True)
     if unanswered:
         click.echo(f"  {unanswered:,} rows have features the store could not answer exactly"
                    f" (see their {UNANSWERED} column; give --input)", err=True)  # fmt: skip
@@ -183,7 +193,7 @@ def training_set(
 @click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "csv"]), default=None)
 @click.option("--sample", type=click.IntRange(min=1), default=1000, show_default=True,
               help="how many of the newest logged answers to check")  # fmt: skip
-@click.option("--arrival", default=None, metavar="COLUMN",
+@click.option("--as-known-at", "--arrival", "arrival", default=None, metavar="COLUMN",
               help="the archive's arrival-time column: an answer is held only to the events"
               " that had arrived when it was served")  # fmt: skip
 @click.option(
@@ -212,7 +222,9 @@ def consistency(
 
             check_local_inputs(inputs)
             with spark_for(cfg, "sluice-consistency") as spark:
-                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_)
+                events = read_archive(
+                    spark, list(inputs), fmt, cfg.source.schema_, [arrival] if arrival else []
+                )
                 report = check(spark, cfg, handle.client, events, ", ".join(inputs), sample,
                                arrival, settle_ms)  # fmt: skip
     except Interrupted as e:

@@ -91,3 +91,59 @@ def test_the_command_writes_the_api_s_table_and_refuses_bad_usage(
                      str(tmp_path / "o3"))  # fmt: skip
     assert unknown.returncode == 1 and "unknown metric 'nope'" in unknown.stderr
     assert len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
+
+
+def test_as_known_at_reads_stream_entry_ids_and_reports_rows_it_cannot_place(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """A JSON-lines archive whose arrival column holds Redis Stream entry ids: each counts from
+    its entry's time; a row with no arrival, or one that is no time, counts nowhere and is
+    reported with its reason."""
+    import duckdb
+
+    from sluice.slices.window import slice_start
+
+    data = config_data(redis_url, tmp_path / "state", derived=[])
+    data["metrics"] = [m for m in data["metrics"] if m["name"] == "txn_count"]
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump(data))
+    slice_ms = 10_000  # txn_count's slice in the test config
+    rng = np.random.default_rng(7)
+    now, n = 1_800_000_000_000, 2000
+    ts = rng.integers(now - 3_600_000, now, n)
+    arrived = ts + np.where(rng.random(n) < 0.3, rng.integers(20_000, 600_000, n), 0)
+    cards = [f"c{i}" for i in rng.integers(0, 6, n)]
+    ids: list[str | None] = [f"{a}-{i % 3}" for i, a in enumerate(arrived)]
+    ids[5], ids[17], ids[40] = None, "soon", "12-x"
+    with (tmp_path / "events.jsonl").open("w") as f:
+        for i in range(n):
+            rec = {"ts": int(ts[i]), "card": cards[i], "merchant": "m0", "amount": 1.0,
+                   "qty": 1, "seen": ids[i]}  # fmt: skip
+            f.write(json.dumps({k: v for k, v in rec.items() if v is not None}) + "\n")
+    spine = pd.DataFrame({"card": [f"c{i}" for i in rng.integers(0, 6, 80)],
+                          "t": rng.integers(now - 1_800_000, now, 80)})  # fmt: skip
+    spine.to_parquet(tmp_path / "spine.parquet")
+    out = tmp_path / "table.parquet"
+    res = sluice("training-set", "-c", str(path), "--spine", str(tmp_path / "spine.parquet"),
+                 "--ts", "t", "--features", "txn_count:1m,20m", "--as-known-at", "seen",
+                 "--input", str(tmp_path / "events.jsonl"), "--out", str(out))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    assert summary["bad_rows"] == {"missing_field": 1, "bad_type": 2}, summary
+    assert "bad input rows: 3" in res.stderr and "e.g. seen:" in res.stderr, res.stderr
+    ev = pd.DataFrame({"ts": ts, "card": cards, "arrived": arrived})
+    ev = ev.drop(index=[5, 17, 40])
+    con = duckdb.connect()
+    con.register("ev", ev)
+    got = pd.read_parquet(out)
+    late_mattered = 0
+    for _, row in got.iterrows():
+        t = int(row.t)
+        for window, w_ms in [("1m", 60_000), ("20m", 1_200_000)]:
+            lo = slice_start(t - w_ms + 1, slice_ms)
+            sql = "SELECT count(*) FROM ev WHERE card = ? AND ts >= ? AND ts <= ?"
+            want = con.execute(sql + " AND arrived <= ?", [row.card, lo, t, t]).fetchone()
+            assert row[f"txn_count_{window}"] == want[0], (window, t, row.card)
+            every = con.execute(sql, [row.card, lo, t]).fetchone()
+            late_mattered += every[0] != want[0]
+    assert late_mattered > 5

@@ -19,10 +19,12 @@ A bad row is folded into the plan's dead-letter rows (group DEAD_G, with its rea
 offline jobs count and report; it never stops them.
 
 Time. `_ts` is the time field (epoch ms, or a Spark timestamp column, taken to ms). `_ems`, the
-event's *arrival* time, is a named column where the archive keeps one (`arrival`: epoch ms or a
-timestamp), else the event time. `_ref`, the time the plan measures retention and `max_future`
-from, is `ref_ms` (a backfill: the store's clock now), or each event's own time (training sets:
-nothing expires, nothing is in the future).
+event's *arrival* time, is a named column where the archive keeps one (`arrival`: epoch ms, a
+timestamp, ISO 8601 text or a Redis Stream entry id), else the event time. With `arrival`, a row
+whose arrival time is absent (`missing_field`) or does not convert (`bad_type`) is bad too: when
+it became known is what as-known-at values depend on. `_ref`, the time the plan measures
+retention and `max_future` from, is `ref_ms` (a backfill: the store's clock now), or each
+event's own time (training sets: nothing expires, nothing is in the future).
 """
 
 from __future__ import annotations
@@ -84,11 +86,16 @@ def guess_format(path: str) -> str:
 
 
 def read_archive(
-    spark: SparkSession, path: str | Sequence[str], fmt: str | None, schema: dict[str, str]
+    spark: SparkSession,
+    path: str | Sequence[str],
+    fmt: str | None,
+    schema: dict[str, str],
+    extra: Sequence[str] = (),
 ) -> DataFrame:
     """The archive as Spark reads it, before any cast. JSON lines are read with every value as
-    text and a column for the lines that do not parse; CSV with a header, every value as text.
-    Raises ArchiveError for a path that does not exist or a format Sluice does not read."""
+    text (the schema's fields and the `extra` columns, such as an arrival time) and a column for
+    the lines that do not parse; CSV with a header, every value as text. Raises ArchiveError for
+    a path that does not exist or a format Sluice does not read."""
     paths = [path] if isinstance(path, str) else list(path)
     fmt = fmt or guess_format(paths[0])
     if fmt not in FORMATS:
@@ -99,7 +106,7 @@ def read_archive(
         if fmt == "csv":
             return spark.read.option("header", "true").option("inferSchema", "false").csv(paths)
         text_schema = T.StructType(
-            [T.StructField(n, T.StringType()) for n in schema]
+            [T.StructField(n, T.StringType()) for n in dict.fromkeys([*schema, *extra])]
             + [T.StructField(CORRUPT, T.StringType())]
         )
         return (
@@ -122,6 +129,15 @@ def to_ms(col: Column, dtype: T.DataType) -> Column:
     if isinstance(dtype, T.StringType):  # CSV, JSON: epoch ms as text, or an ISO 8601 time
         return F.coalesce(col.try_cast("bigint"), F.unix_millis(col.try_cast("timestamp")))
     return col.try_cast("bigint")
+
+
+def arrival_ms(col: Column, dtype: T.DataType) -> Column:
+    """An arrival-time column as epoch ms: what `to_ms` reads, and a Redis Stream entry id as
+    text (`<ms>-<seq>`: the time its entry was added)."""
+    if isinstance(dtype, T.StringType):
+        entry_id = F.regexp_extract(col, r"^\s*([0-9]{1,19})-[0-9]{1,20}\s*$", 1)
+        return F.coalesce(to_ms(col, dtype), F.nullif(entry_id, F.lit("")).try_cast("bigint"))
+    return to_ms(col, dtype)
 
 
 def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: bool,
@@ -168,7 +184,7 @@ def archive_events(
             )
     if arrival is not None and arrival not in have:
         raise ArchiveError(
-            f"`--arrival` column {arrival!r} is not in the input ({', '.join(have)})"
+            f"`--as-known-at` column {arrival!r} is not in the input ({', '.join(have)})"
         )
     values: list[Column] = []
     reasons: list[Column] = []
@@ -192,9 +208,15 @@ def archive_events(
                                                                    if n != CORRUPT])))  # fmt: skip
     else:
         raw_text = F.to_json(F.struct(*[F.col(f"`{n}`") for n in have]))
+    ems = None
+    if arrival is not None:  # as known at: an event whose arrival is not known counts nowhere
+        src = F.col(f"`{arrival}`")
+        ems = arrival_ms(src, have[arrival])
+        reason = F.when(src.isNull(), F.lit("missing_field")).when(ems.isNull(), F.lit("bad_type"))
+        reasons.append(reason)
+        fields.append(F.when(reason.isNotNull(), F.lit(arrival)))
     err = F.coalesce(*reasons)
     ts = F.col(f"`{time_field}`")
-    ems = to_ms(F.col(f"`{arrival}`"), have[arrival]) if arrival else None
     out = raw.select(
         *values,
         err.alias("_err"),
@@ -220,3 +242,17 @@ def archive_events(
         "_raw",
         F.lit(0).cast("bigint").alias("_e"),
     )
+
+
+def bad_rows(events: DataFrame) -> dict[str, tuple[int, str]]:
+    """Per reason, how many rows of `events` (`archive_events`) are bad, and one of them: its
+    field and its text as read. A training set or a consistency check counts no bad row, as
+    the live fold dead-letters it; this says how many there were (one pass over the input)."""
+    sample = F.concat_ws(": ", F.col("_field"), F.col("_raw"))
+    got = (
+        events.where(F.col("_err").isNotNull())
+        .groupBy("_err")
+        .agg(F.count(F.lit(1)).alias("n"), F.first(sample).alias("e"))
+        .collect()
+    )
+    return {r["_err"]: (int(r["n"]), r["e"] or "") for r in got}
