@@ -131,7 +131,12 @@ def training_set(
     t0 = time.monotonic()
     try:
         with opened(config_path) as (cfg, handle):
-            from sluice.offline.events import archive_events, bad_rows, read_archive
+            from sluice.offline.events import (
+                archive_events,
+                bad_rows,
+                read_archive,
+                read_failures,
+            )
             from sluice.offline.features import parse_features
             from sluice.offline.store import UNANSWERED
             from sluice.offline.training import training_set as build
@@ -149,7 +154,8 @@ def training_set(
                 progress = _Stages(spark, "training-set", say)
                 progress.start()
                 try:
-                    table.write.mode("overwrite").parquet(out)
+                    with read_failures():
+                        table.write.mode("overwrite").parquet(out)
                 finally:
                     progress.stopped.set()
                 written = spark.read.parquet(out)
@@ -218,15 +224,16 @@ def consistency(
     try:
         with opened(config_path) as (cfg, handle):
             from sluice.offline.consistency import check
-            from sluice.offline.events import read_archive
+            from sluice.offline.events import read_archive, read_failures
 
             check_local_inputs(inputs)
             with spark_for(cfg, "sluice-consistency") as spark:
                 events = read_archive(
                     spark, list(inputs), fmt, cfg.source.schema_, [arrival] if arrival else []
                 )
-                report = check(spark, cfg, handle.client, events, ", ".join(inputs), sample,
-                               arrival, settle_ms)  # fmt: skip
+                with read_failures():
+                    report = check(spark, cfg, handle.client, events, ", ".join(inputs), sample,
+                                   arrival, settle_ms)  # fmt: skip
     except Interrupted as e:
         _interrupted("consistency", e)
     if not as_json:

@@ -169,6 +169,30 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -
     pd.DataFrame({"ts": [1], "merchant": ["m"]}).to_parquet(tmp_path / "narrow.parquet")
     with pytest.raises(ArchiveError, match="input has no column 'card'"):
         backfill(spark, cfg, str(tmp_path / "narrow.parquet"), until_ms=now_ms)
+    with pytest.raises(
+        ArchiveError, match=r"S3AFileSystem, is not on Spark's classpath.*hadoop-aws"
+    ):
+        backfill(spark, cfg, "s3a://lake/payments/", until_ms=now_ms)
+
+
+def test_a_file_spark_cannot_read_is_named_and_a_rerun_without_it_finishes(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
+    cfg = make_config(redis_url, tmp_path)
+    where = tmp_path / "lake"
+    where.mkdir()
+    t = now_ms - 60_000
+    pd.DataFrame({"ts": [t, t], "card": ["c1", "c2"], "merchant": ["m9", "m9"],
+                  "amount": [1.0, 2.0], "qty": [1, 1]}).to_parquet(where / "a.parquet")  # fmt: skip
+    (where / "b.parquet").write_bytes(b"PAR1" + b"\0" * 64)
+    with pytest.raises(ArchiveError, match=r"cannot read \S*b\.parquet: .*not a Parquet file.*"
+                       "Nothing was written"):  # fmt: skip
+        backfill(spark, cfg, str(where), until_ms=now_ms)
+    assert QueryEngine(cfg, r).query("merchant_txn", "m9", "10m", t)["value"] == 0
+    (where / "b.parquet").unlink()
+    report = backfill(spark, cfg, str(where), until_ms=now_ms)
+    assert report.events == 2
+    assert QueryEngine(cfg, r).query("merchant_txn", "m9", "10m", t)["value"] == 2
 
 
 def test_until_after_now_is_refused(spark: Any, redis_url: str, tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config, MetricConfig
 from sluice.errors import SluiceError
-from sluice.offline.events import TimeBounds, archive_events, read_archive
+from sluice.offline.events import TimeBounds, archive_events, read_archive, read_failures
 from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
@@ -372,7 +372,9 @@ def backfill(
     previous = spark.conf.get("spark.sql.shuffle.partitions") or str(parts)
     spark.conf.set("spark.sql.shuffle.partitions", str(parts))
     try:
-        rows = by_hash.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
+        # Every file is read before the shuffle, so before the first write.
+        with read_failures(". Nothing was written: fix or remove the file and run again"):
+            rows = by_hash.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
     finally:
         if watcher is not None:  # first: the calls below raise once the JVM is gone (Ctrl-C)
             watcher.stopped.set()

@@ -29,10 +29,14 @@ event's own time (training sets: nothing expires, nothing is in the future).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from pyspark.errors import AnalysisException
+from py4j.protocol import Py4JJavaError
+from pyspark.errors import AnalysisException, IllegalArgumentException
+from pyspark.errors.exceptions.captured import CapturedException
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -115,9 +119,51 @@ def read_archive(
             .option("columnNameOfCorruptRecord", CORRUPT)
             .json(paths)
         )
-    except AnalysisException as e:
-        reason = str(e).strip().splitlines()[0]
-        raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {reason}") from None
+    except (AnalysisException, IllegalArgumentException, Py4JJavaError) as e:
+        raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {_why(e)}") from None
+
+
+def _why(e: Exception) -> str:
+    """A failed read's reason in one line: a URL scheme with no Hadoop filesystem on Spark's
+    classpath (`s3a://` without hadoop-aws, say) says what to add, not a Java trace."""
+    text = str(e)
+    missing = re.search(r"Class (\S*FileSystem\S*) not found", text)
+    scheme = re.search(r'No FileSystem for scheme "?([\w+.-]+)', text)
+    if missing or scheme:
+        what = (
+            f"its filesystem, {missing.group(1)}, is not on Spark's classpath"
+            if missing
+            else f"Spark has no filesystem for {scheme.group(1)}://"  # type: ignore[union-attr]
+        )
+        return (
+            f"{what}; add its connector's jars with `spark.conf` in sluice.yaml (`spark.jars` or"
+            " `spark.jars.packages`, hadoop-aws for s3a://; docs/offline.md)"
+        )
+    for line in text.splitlines():
+        line = line.strip().removeprefix(": ")
+        if line and not line.startswith(("An error occurred while calling", "at ", "JVM ")):
+            for wrapper in ("java.lang.RuntimeException: ", "java.io.IOException: "):
+                line = line.removeprefix(wrapper)
+            return line
+    return type(e).__name__
+
+
+@contextlib.contextmanager
+def read_failures(then: str = "") -> Iterator[None]:
+    """A Spark job over the archive that fails on one of its files (not Parquet, truncated,
+    unreadable) raises ArchiveError naming the file and why, not the job's Java trace, and
+    `then` (what to do next). Any other failure passes unchanged."""
+    try:
+        yield
+    except (Py4JJavaError, CapturedException) as e:
+        text = str(e)
+        file = re.search(r"FAILED_READ_FILE\S*\s+Encountered error while reading file (\S+?)\.?\s",
+                         text)  # fmt: skip
+        if file is None:
+            raise
+        cause = re.search(r"Caused by: (?:\S+Exception: )?(.+)", text)
+        why = cause.group(1).strip() if cause else "Spark could not read it"
+        raise ArchiveError(f"cannot read {file.group(1)}: {why}{then}") from None
 
 
 def to_ms(col: Column, dtype: T.DataType) -> Column:
