@@ -27,6 +27,7 @@ import click
 from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
 from sluice.pipeline import jvm_stderr
+from sluice.units import iso_ms
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -74,13 +75,6 @@ class TimeParam(click.ParamType):
 
 
 TIME = TimeParam()
-
-
-def iso_ms(ms: int) -> str:
-    """Epoch ms as ISO 8601 UTC: `2026-11-01T12:00:00Z` (milliseconds shown when not 0)."""
-    when = _EPOCH + dt.timedelta(milliseconds=ms)
-    text = when.strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
 
 
 def duration_text(seconds: float) -> str:

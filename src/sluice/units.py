@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 
 _DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
@@ -66,3 +67,13 @@ def format_duration_ms(ms: int) -> str:
         if ms >= size and ms % size == 0:
             return f"{ms // size}{unit}"
     return f"{ms}ms"
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def iso_ms(ms: int) -> str:
+    """Epoch ms as ISO 8601 UTC: `2026-11-01T12:00:00Z` (milliseconds shown when not 0)."""
+    when = _EPOCH + dt.timedelta(milliseconds=ms)
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"

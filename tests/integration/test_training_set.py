@@ -420,6 +420,39 @@ def test_the_store_answers_as_online_and_offline_agree_on_it(
     assert all(len(x) == 0 for x in stored.loc[1:, UNANSWERED])
 
 
+def test_the_store_answers_only_what_a_backfill_or_the_live_fold_wrote(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """From the store, a window after a backfill's seam is refused while nothing folded live,
+    and one in the gap between the seam and a later start of the live fold; a window before the
+    seam is answered as the archive answers it."""
+    from sluice.redis.keys import FOLDING_KEY
+
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    seam = now_ms - 30 * 60_000  # txn_count's slices are 10 s: the seam is --until itself
+    backfill(spark, cfg, str(path), metrics=["txn_count"], until_ms=seam)
+    card = events["card"].value_counts().index[0]
+    before, after = seam - 20 * 60_000 - 1, now_ms - 10 * 60_000 - 1
+    spine = spark.createDataFrame(pd.DataFrame({"card": [card, card], "t": [before, after]}))
+    feats = {"txn_count": ["1m", "10m"]}
+    offline = training_set(spark, cfg, spine, feats, ts="t",
+                           events=spark.read.parquet(str(path))).toPandas()  # fmt: skip
+    stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+    assert stored.loc[0, "txn_count_10m"] == offline.loc[0, "txn_count_10m"] > 0
+    assert list(stored.loc[0, UNANSWERED]) == []
+    assert pd.isna(stored.loc[1, "txn_count_10m"]) and pd.isna(stored.loc[1, "txn_count_1m"])
+    reasons = list(stored.loc[1, UNANSWERED])
+    assert len(reasons) == 2 and all("past 'txn_count''s backfill seam" in x for x in reasons)
+    r.hset(FOLDING_KEY, "txn_count", now_ms - 15 * 60_000)  # the live fold began after the seam
+    stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+    reasons = list(stored.loc[1, UNANSWERED])
+    assert len(reasons) == 1 and "txn_count_10m: the window reaches into the gap" in reasons[0]
+    r.hset(FOLDING_KEY, "txn_count", seam - 60_000)  # ... or before it: no gap
+    stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+    assert [list(x) for x in stored[UNANSWERED]] == [[], []]
+
+
 def _same(got: Any, want: Any) -> bool:
     if isinstance(want, dict):
         return dict(got or {}) == want

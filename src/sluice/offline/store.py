@@ -7,6 +7,14 @@ only when t is the last millisecond of a slice of each metric it reads ((t + 1) 
 the metric's finest slice), and only while the window lies within the metric's retention
 measured from the store's clock now. Every other value is null, and the row's
 `sluice_unanswered` column says which feature and why, rather than answering wrongly.
+
+The store holds a metric's history only where something wrote it: a backfill the slices before
+its seam (`sluice:{backfill}:seams`), the live fold those from its first whole slice after it
+began folding the metric (`sluice:{stats}:folding`). A window is answered only where they cover
+it: before the seam, after the live fold's start, or anywhere when the live fold began at or
+before the seam. A window in the gap between a seam and a later start, or one that reaches
+past what either wrote, is refused with its reason, as is a t less than `SETTLE_MS` before the
+store's clock (its slices may still be filling).
 """
 
 from __future__ import annotations
@@ -26,10 +34,13 @@ from sluice.errors import SluiceError
 from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for
-from sluice.units import format_duration_ms
+from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY
+from sluice.slices.window import slice_start
+from sluice.units import format_duration_ms, iso_ms
 
 UNANSWERED = "sluice_unanswered"
 LOOKUPS_PER_CALL = 1000
+SETTLE_MS = 2_000  # as `sluice consistency --settle`: a slice this recent may still be filling
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,8 @@ class _StorePlan:
     features: tuple[tuple[str, str, int], ...]  # (column, name, window ms)
     keys: tuple[tuple[str, tuple[str, ...]], ...]  # per feature name: its key columns (as read)
     types: dict[str, str]
+    seams: dict[str, int]  # per metric: its newest backfill seam (ms)
+    folding: dict[str, int]  # per metric: when the live fold began folding it (ms)
 
 
 def _bases(cfg: Config, name: str) -> list[Any]:
@@ -49,18 +62,55 @@ def _bases(cfg: Config, name: str) -> list[Any]:
     return [cfg.metric(n) for n in formula.names(formula.parse(d.expr))]
 
 
-def _why_not(cfg: Config, name: str, t: int, w_ms: int, now_ms: int) -> str | None:
+def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
     """Why the store cannot answer (name, window) at t exactly, or None when it can."""
-    for m in _bases(cfg, name):
-        finest = m.slice_lengths()[0]
+    if t > plan.now_ms - SETTLE_MS:
+        return (
+            f"t is not yet {SETTLE_MS // 1000} s past by the store's clock"
+            f" ({iso_ms(plan.now_ms)}): its slices may still be filling; give --input"
+        )
+    for m in _bases(plan.cfg, name):
+        lengths = m.slice_lengths()
+        finest, coarsest = lengths[0], lengths[-1]
         if (t + 1) % finest:
             return (
                 f"t is inside a {format_duration_ms(finest)} slice of {m.name!r}: the store"
                 " cannot leave out its events after t; give --input"
             )
-        if w_ms > m.retention or t - w_ms < now_ms - m.retention:
+        if w_ms > m.retention or t - w_ms < plan.now_ms - m.retention:
             return f"the window reaches past {m.name!r}'s retention; give --input"
+        why = _uncovered(m.name, slice_start(t - w_ms + 1, finest), t + 1, coarsest,
+                         plan.seams.get(m.name), plan.folding.get(m.name))  # fmt: skip
+        if why is not None:
+            return why
     return None
+
+
+def _uncovered(name: str, lo: int, hi: int, coarsest: int, seam: int | None,
+               began: int | None) -> str | None:  # fmt: skip
+    """Why the slices [lo, hi) of `name` are not all written by a backfill (before `seam`) or
+    the live fold (from its first whole coarsest slice after `began`), or None."""
+    live_from = None if began is None else -(-began // coarsest) * coarsest
+    if seam is not None and hi <= seam:
+        return None
+    if live_from is not None and (lo >= live_from or (seam is not None and live_from <= seam)):
+        return None
+    if seam is None and live_from is None:
+        return f"the store holds nothing of {name!r}: no backfill and no live fold wrote it"
+    if live_from is None:
+        return (
+            f"the window reaches past {name!r}'s backfill seam ({iso_ms(seam or 0)}) and the"
+            " live fold has not folded it; give --input"
+        )
+    if seam is None:
+        return (
+            f"the window starts before the live fold began folding {name!r}"
+            f" ({iso_ms(live_from)}) and no backfill wrote its history; give --input"
+        )
+    return (
+        f"the window reaches into the gap between {name!r}'s backfill seam ({iso_ms(seam)})"
+        f" and the live fold's first slice of it ({iso_ms(live_from)}); give --input"
+    )
 
 
 def _answer(plan: _StorePlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -80,7 +130,7 @@ def _answer(plan: _StorePlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.
                     if t is None or any(k is None for k in key):
                         missing[i].append(f"{column}: no time or key")
                         continue
-                    why = _why_not(plan.cfg, name, t, w_ms, plan.now_ms)
+                    why = _why_not(plan, name, t, w_ms)
                     if why is not None:
                         missing[i].append(f"{column}: {why}")
                         continue
@@ -116,6 +166,10 @@ def store_values(
     client = client_for(url)
     try:
         sec, usec = client.time()
+        seams, folding = (
+            {k.decode(): int(v) for k, v in client.hgetall(key).items()}
+            for key in (SEAMS_KEY, FOLDING_KEY)
+        )
     finally:
         client.close()
     key_cols: dict[str, tuple[str, ...]] = {}
@@ -132,6 +186,8 @@ def store_values(
         features=tuple((f.column, f.name, f.window_ms) for f in feats),
         keys=tuple(key_cols.items()),
         types=types,
+        seams=seams,
+        folding=folding,
     )
     narrow = spine_in.select(ROW, t_ms, *[c.alias(n) for n, c in wanted.items()])
     ddl = ", ".join(
