@@ -149,16 +149,16 @@ def spark_for(cfg: Config, app_name: str) -> Iterator[SparkSession]:
         signal.signal(signal.SIGTERM, previous[1])
 
 
-def check_local_inputs(paths: tuple[str, ...]) -> None:
-    """Fail before Spark starts for a local input path (no URL scheme, no glob) that is not
-    there. Raises ArchiveError; other paths are Spark's to read (and to fail on)."""
+def check_local_inputs(paths: tuple[str, ...], what: str = "input") -> None:
+    """Fail before Spark starts for a local path (no URL scheme, no glob) that is not there,
+    naming it as `what`. Raises ArchiveError; other paths are Spark's to read (and to fail on)."""
     from sluice.offline.events import ArchiveError
 
     for p in paths:
         if "://" in p or p.startswith("file:") or _GLOB.search(p):
             continue
         if not Path(p).exists():
-            raise ArchiveError(f"input {p!r} does not exist (no such file or directory)")
+            raise ArchiveError(f"{what} {p!r} does not exist (no such file or directory)")
 
 
 def metric_names(values: tuple[str, ...]) -> list[str] | None:

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,10 +28,14 @@ _TABLE_FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl
                   ".ndjson": "json"}  # fmt: skip
 
 
-def read_table(spark: SparkSession, path: str, fmt: str | None) -> DataFrame:
-    """A spine: Parquet, CSV (with a header; types inferred) or JSON lines, by `fmt` or the
-    path's suffix. Raises ArchiveError for a path Spark cannot read."""
+def read_table(
+    spark: SparkSession, path: str, fmt: str | None, text: Sequence[str] = ()
+) -> DataFrame:
+    """A spine: Parquet, CSV (with a header; types inferred, but the `text` columns, its keys,
+    read as they are written: `0042` stays `0042`) or JSON lines, by `fmt` or the path's
+    suffix. Raises ArchiveError for a path Spark cannot read."""
     from pyspark.errors import AnalysisException
+    from pyspark.sql.types import StringType, StructField, StructType
 
     from sluice.offline.events import ArchiveError
 
@@ -39,9 +43,14 @@ def read_table(spark: SparkSession, path: str, fmt: str | None) -> DataFrame:
                       "parquet")  # fmt: skip
     reader = spark.read.format("json" if fmt == "jsonl" else fmt)
     if fmt == "csv":
-        reader = reader.option("header", "true").option("inferSchema", "true")
+        reader = reader.option("header", "true")
     try:
-        return reader.load(path)
+        if fmt != "csv":
+            return reader.load(path)
+        inferred = reader.option("inferSchema", "true").load(path).schema
+        schema = StructType([StructField(f.name, StringType() if f.name in text else f.dataType)
+                             for f in inferred])  # fmt: skip
+        return spark.read.format("csv").option("header", "true").schema(schema).load(path)
     except AnalysisException as e:
         reason = str(e).strip().splitlines()[0]
         raise ArchiveError(f"cannot read {fmt} spine {path}: {reason}") from None
@@ -131,20 +140,31 @@ def training_set(
     t0 = time.monotonic()
     try:
         with opened(config_path) as (cfg, handle):
+            from pyspark.sql import functions as F
+
             from sluice.offline.events import (
                 archive_events,
                 bad_rows,
                 read_archive,
                 read_failures,
+                to_ms,
             )
-            from sluice.offline.features import parse_features
+            from sluice.offline.features import key_columns, parse_features, spine_problems
             from sluice.offline.store import UNANSWERED
             from sluice.offline.training import training_set as build
 
-            parse_features(cfg, list(features))  # bad names and windows fail before Spark
-            check_local_inputs((spine, *inputs))
+            feats = parse_features(cfg, list(features))  # bad names and windows: before Spark
+            check_local_inputs((spine,), "spine")
+            check_local_inputs(inputs)
             with spark_for(cfg, "sluice-training-set") as spark:
-                rows = read_table(spark, spine, None)
+                rows = read_table(spark, spine, None, key_columns(cfg, feats, key_map))
+                spine_warnings: list[str] = []
+                if ts in rows.columns:  # else the job's own check says so
+                    t = to_ms(F.col(f"`{ts}`"), rows.schema[ts].dataType)
+                    keyed = [c for c in key_columns(cfg, feats, key_map) if c in rows.columns]
+                    spine_warnings = spine_problems(rows, t, ts, keyed)
+                for line in spine_warnings:
+                    click.echo(f"training-set: warning: {line}", err=True)
                 extra = [arrival] if arrival else []
                 events = read_archive(spark, list(inputs), fmt, cfg.source.schema_, extra) \
                     if inputs else None  # fmt: skip
@@ -170,7 +190,8 @@ def training_set(
         _interrupted("training-set", e)
     elapsed_s = round(time.monotonic() - t0, 1)
     summary = {"out": out, "rows": n, "columns": added, "unanswered_rows": unanswered,
-               "bad_rows": {r: c for r, (c, _) in bad.items()}, "elapsed_s": elapsed_s}  # fmt: skip
+               "bad_rows": {r: c for r, (c, _) in bad.items()}, "spine_warnings": spine_warnings,
+               "elapsed_s": elapsed_s}  # fmt: skip
     click.echo(f"training-set: {n:,} rows -> {out} in {duration_text(elapsed_s)};"
                f" added {', '.join(added)}", err=True)  # fmt: skip
     if bad:
@@ -214,7 +235,8 @@ def consistency(
     arrival: str | None, settle: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Recompute a sample of the answers the server gave (server.log_answers) from the archive,
-    and report matched, mismatched, missing and skipped per metric. See docs/offline.md."""
+    and report matched, mismatched, missing and skipped per metric. Exits 3 on a mismatch and 4
+    when no answer was logged to check. See docs/offline.md."""
     from sluice.units import parse_duration_ms
 
     try:
@@ -252,6 +274,14 @@ def consistency(
     click.echo(json.dumps(report.as_dict()))
     if report.mismatched:
         sys.exit(3)  # scripts and CI can act on it
+    if not report.samples:
+        click.echo(
+            "consistency: nothing was checked: the store holds no logged answers. The server"
+            " logs a sample of what it answers (server.log_answers, here"
+            f" {cfg.server.log_answers:g}); serve queries first",
+            err=True,
+        )
+        sys.exit(4)  # a check of nothing is no pass
 
 
 @click.command("demo-offline")

@@ -147,3 +147,49 @@ def test_as_known_at_reads_stream_entry_ids_and_reports_rows_it_cannot_place(
             every = con.execute(sql, [row.card, lo, t]).fetchone()
             late_mattered += every[0] != want[0]
     assert late_mattered > 5
+
+
+def test_a_csv_spine_keeps_its_keys_as_written_and_its_problems_are_reported(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Keys `0042`, `42` and `00100` stay three cards (not numbers); a row whose two-field key
+    lacks a part gets nulls, not zeros; rows with no time or an unreadable one are counted.
+    `consistency` with no logged answer exits 4: a check of nothing is no pass."""
+    data = config_data(redis_url, tmp_path / "state", derived=[])
+    data["metrics"] = [m for m in data["metrics"] if m["name"] in ("txn_count", "pair_count")]
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump(data))
+    now = 1_800_000_000_000
+    counts = {"0042": 3, "42": 5, "00100": 2}
+    cards = [c for c, n in counts.items() for _ in range(n)]
+    ev = pd.DataFrame({"ts": [now - 60_000 - i for i in range(len(cards))], "card": cards,
+                       "merchant": "m1", "amount": 1.0, "qty": 1})  # fmt: skip
+    ev.to_parquet(tmp_path / "events.parquet")
+    lines = ["card,merchant,t,label"]
+    lines += [f"{c},m1,{now - 1},1" for c in counts]
+    lines += [f"42,,{now - 1},0", "42,m1,,0", "42,m1,yesterday,0"]
+    (tmp_path / "spine.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "table.parquet"
+    res = sluice("training-set", "-c", str(path), "--spine", str(tmp_path / "spine.csv"),
+                 "--ts", "t", "--features", "txn_count:1h", "--features", "pair_count:1h",
+                 "--input", str(tmp_path / "events.parquet"), "--out", str(out))  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = pd.read_parquet(out)
+    assert got["card"].tolist() == ["0042", "42", "00100", "42", "42", "42"]
+    assert got["txn_count_1h"].tolist()[:4] == [3, 5, 2, 5]
+    assert got["pair_count_1h"].tolist()[:3] == [3, 5, 2]
+    assert got["pair_count_1h"].isna().tolist()[3:] == [True, True, True]
+    assert got["label"].tolist() == [1, 1, 1, 0, 0, 0]  # other columns keep their inferred type
+    warnings = json.loads(res.stdout)["spine_warnings"]
+    assert any(w.startswith("1 rows have no time") for w in warnings), warnings
+    assert any("1 rows have a 't' that is no time (e.g. 'yesterday'" in w for w in warnings)
+    assert any(w.startswith("1 rows lack a key") for w in warnings), warnings
+    assert "training-set: warning: 1 rows lack a key" in res.stderr
+    nothing = sluice("consistency", "-c", str(path), "--input", str(tmp_path / "events.parquet"))
+    assert nothing.returncode == 4, nothing.stderr[-2000:]
+    assert "nothing was checked: the store holds no logged answers" in nothing.stderr
+    nowhere = str(tmp_path / "nope.csv")
+    missing = sluice("training-set", "-c", str(path), "--spine", nowhere, "--ts", "t",
+                     "--features", "txn_count:1h", "--out", str(tmp_path / "o"))  # fmt: skip
+    assert missing.returncode == 1, missing.stderr
+    assert f"spine {nowhere!r} does not exist" in missing.stderr

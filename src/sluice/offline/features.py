@@ -118,6 +118,58 @@ def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
         raise BadQuery(f"the spine already has columns {', '.join(clash)}", "features")
 
 
+def key_columns(cfg: Config, feats: list[Feature], keys: Mapping[str, str]) -> list[str]:
+    """The spine columns that hold the features' key fields (`keys` renames them)."""
+    out: dict[str, None] = {}
+    for name in windows_by_metric(cfg, feats):
+        m = cfg.metric(name)
+        assert m is not None
+        out.update({keys.get(f, f): None for f in m.key})
+    return list(out)
+
+
+# A spine whose latest time is before this many ms since the epoch (1973-03-03) holds seconds.
+SECONDS_BELOW = 10**11
+
+
+def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Sequence[str]) -> list[str]:
+    """What makes spine rows' features null without any fault of the events, said in words:
+    rows with no time, with a time that is none (`t`: the `ts` column read as ms), with no
+    key, and times that look like epoch seconds. One small job over the spine."""
+    raw = F.col(f"`{ts}`")
+    no_key = F.lit(False)
+    for c in key_cols:
+        no_key = no_key | F.col(f"`{c}`").isNull()
+    got = spine.select(
+        F.count_if(raw.isNull()).alias("no_time"),
+        F.count_if(raw.isNotNull() & t.isNull()).alias("bad_time"),
+        F.count_if(no_key).alias("no_key"),
+        F.max(t).alias("latest"),
+        F.first(F.when(raw.isNotNull() & t.isNull(), raw.cast("string")), True).alias("bad"),
+    ).first()
+    if got is None:
+        return []
+    out = []
+    if got["no_time"]:
+        out.append(
+            f"{got['no_time']:,} rows have no time ({ts!r} is null): their features are null"
+        )
+    if got["bad_time"]:
+        out.append(
+            f"{got['bad_time']:,} rows have a {ts!r} that is no time (e.g. {got['bad']!r}; epoch"
+            " ms, a timestamp or ISO 8601 are read): their features are null"
+        )
+    if got["latest"] is not None and 0 < got["latest"] < SECONDS_BELOW:
+        out.append(
+            f"{ts!r} looks like epoch seconds (its latest is {got['latest']}): times are read as"
+            " epoch ms; multiply by 1000"
+        )
+    if got["no_key"]:
+        out.append(f"{got['no_key']:,} rows lack a key ({' or '.join(key_cols)} is null):"
+                   " the features of that key are null")  # fmt: skip
+    return out
+
+
 def spark_type(spec: str) -> str:
 
     return SPARK_TYPES[FieldType.parse(spec).type]

@@ -370,8 +370,11 @@ def training_set(
         ]
         s = first.slice_ms
         passed = [F.struct(*[F.col(f"`{c}`") for c in spine.columns]).alias(SPINE)] if carry else []
+        whole_key = F.lit(True)
+        for f in first.cfg.key:  # a key with a part missing is no key (its features are null)
+            whole_key = whole_key & F.col(f"`{f}`").isNotNull()
         spine_g = spine_in.select(ROW, t_ms, *fields, *passed).select(
-            ROW, SLICE_T, key_column(first.cfg.key).alias("k"),
+            ROW, SLICE_T, F.when(whole_key, key_column(first.cfg.key)).alias("k"),
             (F.col(SLICE_T) - F.pmod(F.col(SLICE_T), F.lit(s))).alias("_s"),
             *([F.col(SPINE)] if carry else []),
         )  # fmt: skip
