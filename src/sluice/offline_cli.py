@@ -222,6 +222,15 @@ def format_summary(report: BackfillReport) -> str:
         )
     if report.after_seam:
         lines.append(f"  left to the live fold: {report.after_seam:,} slices at or after a seam")
+    if report.before_start:
+        lines.append(f"  not read: {report.before_start:,} rows before --start")
+    if report.after_until:
+        lines.append(
+            f"  not read: {report.after_until:,} rows at or after the newest seam (the live"
+            f" fold's; --until was {iso_ms(report.until_ms)}, {report.until_ms})"
+        )
+    if not report.events and not report.dead and report.partitions > report.partitions_skipped:
+        lines.append("  warning: the input held no event to fold between --start and --until")
     if report.expired:
         lines.append(f"  not written: {report.expired:,} slices past their retention")
     lines += [f"  warning: {w}" for w in report.warnings]
@@ -296,10 +305,21 @@ def backfill(
     try:
         with opened(config_path) as (cfg, handle):
             from sluice.offline.backfill import backfill as run_backfill
+            from sluice.offline.backfill import store_now_ms
             from sluice.offline.fold import select_metrics
 
             select_metrics(cfg, names)  # unknown names fail before Spark starts
             check_local_inputs(inputs)
+            now_ms = store_now_ms(handle.client)
+            if until_ms is None:  # now, by the store's clock: said on Ctrl-C, to run again
+                until_ms = now_ms
+            elif until_ms > now_ms:  # before Spark starts (the backfill says so too)
+                raise click.BadParameter(
+                    f"{iso_ms(until_ms)} is after the store's clock ({iso_ms(now_ms)}): the"
+                    " slices from now on belong to the live fold; leave it out to backfill up"
+                    " to now",
+                    param_hint="'--until'",
+                )
             with spark_for(cfg, "sluice-backfill") as spark:
                 report = run_backfill(
                     spark, cfg, list(inputs), fmt, names, start_ms, until_ms,
@@ -310,8 +330,8 @@ def backfill(
         interrupted = True
         click.echo(
             f"backfill: stopped by {signal.Signals(e.signum).name} after"
-            f" {duration_text(time.monotonic() - t0)}. Run the same command again to finish:"
-            " the partitions written so far are skipped, and what was half written is"
+            f" {duration_text(time.monotonic() - t0)}. Run it again with --until {until_ms} to"
+            " finish: the partitions written so far are skipped, and what was half written is"
             " written again (a backfill's slices replace, so the result is exact)",
             err=True,
         )

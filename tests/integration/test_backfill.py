@@ -151,11 +151,13 @@ def test_bad_rows_are_counted_with_their_reasons(
         json.dumps({"card": "c2", "merchant": "m1", "amount": 1.0, "qty": 1}),
         json.dumps({"ts": t, "card": "c3", "merchant": "m1", "amount": 1.0, "qty": 2}),
     ]
+    lines += [json.dumps({"ts": t, "card": "c1", "merchant": "m1", "amount": "x", "qty": 1})] * 40
     path = tmp_path / "events.jsonl"
     path.write_text("\n".join(lines) + "\n")
     report = backfill(spark, cfg, str(path), until_ms=now_ms)
     assert report.events == 2
-    assert report.dead == {"bad_type": 1, "bad_json": 1, "missing_field": 2}
+    # 41 identical bad rows fold into one dead-letter record, and count 41
+    assert report.dead == {"bad_type": 41, "bad_json": 1, "missing_field": 2}
     assert "not json" in report.samples["bad_json"][0]
     assert QueryEngine(cfg, r).query("merchant_txn", "m1", "10m", t)["value"] == 2
 
@@ -195,9 +197,59 @@ def test_a_file_spark_cannot_read_is_named_and_a_rerun_without_it_finishes(
     assert QueryEngine(cfg, r).query("merchant_txn", "m9", "10m", t)["value"] == 2
 
 
-def test_until_after_now_is_refused(spark: Any, redis_url: str, tmp_path: Path) -> None:
+def test_until_after_now_or_before_every_retention_is_refused(
+    spark: Any, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
     from sluice.offline.backfill import BackfillError
 
     cfg = make_config(redis_url, tmp_path)
     with pytest.raises(BackfillError, match="is after the store's clock"):
         backfill(spark, cfg, str(tmp_path), until_ms=2**50)
+    with pytest.raises(BackfillError, match="older than the retention of every metric"):
+        backfill(spark, cfg, str(tmp_path), until_ms=now_ms // 1000)  # seconds, by mistake
+
+
+def test_a_file_rewritten_in_place_is_read_again_and_rows_outside_the_bounds_are_counted(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
+    """A re-run with the same --until skips the partitions it wrote only while its files are
+    the same: a file re-exported with more events is folded again. Rows before --start and
+    after --until are counted, not silently left out."""
+    cfg = make_config(redis_url, tmp_path)
+    t = now_ms - 5 * 60_000
+
+    def export(n: int) -> None:
+        pd.DataFrame({"ts": [t] * n, "card": "c1", "merchant": "m7", "amount": 1.0,
+                      "qty": 1}).to_parquet(tmp_path / "day.parquet")  # fmt: skip
+
+    export(10)
+    assert backfill(spark, cfg, str(tmp_path / "day.parquet"), until_ms=now_ms).events == 10
+    export(25)
+    again = backfill(spark, cfg, str(tmp_path / "day.parquet"), until_ms=now_ms)
+    assert again.events == 25 and again.partitions_skipped == 0
+    assert QueryEngine(cfg, r).query("merchant_txn", "m7", "10m", t)["value"] == 25
+    pd.DataFrame({"ts": [t - 3_600_000, t, t, now_ms + 1], "card": "c2", "merchant": "m8",
+                  "amount": 1.0, "qty": 1}).to_parquet(tmp_path / "wide.parquet")  # fmt: skip
+    bounded = backfill(spark, cfg, str(tmp_path / "wide.parquet"), start_ms=t - 60_000,
+                       until_ms=now_ms)  # fmt: skip
+    assert (bounded.events, bounded.before_start, bounded.after_until) == (2, 1, 1)
+
+
+def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
+    spark: Any, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
+    import gzip
+
+    cfg = make_config(redis_url, tmp_path)
+    t = now_ms - 60_000
+    row = {"ts": t, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1}
+    with gzip.open(tmp_path / "events.jsonl.gz", "wt") as f:
+        f.write(json.dumps(row) + "\n")
+    assert backfill(spark, cfg, str(tmp_path / "events.jsonl.gz"), until_ms=now_ms).events == 1
+    pd.DataFrame([row]).to_parquet(tmp_path / "more.parquet")
+    with pytest.raises(ArchiveError, match="more than one format"):
+        backfill(spark, cfg, [str(tmp_path / "events.jsonl.gz"), str(tmp_path / "more.parquet")],
+                 until_ms=now_ms)  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ArchiveError, match="no data found in it"):
+        backfill(spark, cfg, str(tmp_path / "empty"), until_ms=now_ms)

@@ -45,7 +45,14 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config, MetricConfig
 from sluice.errors import SluiceError
-from sluice.offline.events import TimeBounds, archive_events, read_archive, read_failures
+from sluice.offline.events import (
+    TimeBounds,
+    archive_events,
+    file_versions,
+    outside,
+    read_archive,
+    read_failures,
+)
 from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
@@ -61,6 +68,7 @@ from sluice.redis.keys import (
 )
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import slice_start
+from sluice.units import iso_ms
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +109,13 @@ class BackfillReport:
     metrics: list[str]
     seams: dict[str, int]
     first_slices: dict[str, int | None]
+    until_ms: int = 0  # `--until` as given, or the store's clock when it was left out
     events: int = 0
     slices: int = 0
     expired: int = 0
     after_seam: int = 0
+    before_start: int = 0  # rows not read: their time is before `--start`
+    after_until: int = 0  # ... or at or after the newest seam
     partitions: int = 0
     partitions_skipped: int = 0
     dead: dict[str, int] = field(default_factory=dict)
@@ -215,13 +226,21 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
                     " runs again (a backfill's writes replace, so a retry is exact)"
                 )
             totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
-            dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
-            by_reason: dict[str, list[str]] = {}
-            for rec in dead:
-                by_reason.setdefault(orjson.loads(rec)["reason"], []).append(rec)
+            # Identical bad rows fold into one record: its `cnt` says how many there were.
+            is_dead = pa.array(rows.g == DEAD_G)
+            dead = rows.col("k").filter(is_dead).to_pylist()
+            counts = rows.col("cnt").filter(is_dead).to_pylist()
+            by_reason: dict[str, int] = {}
+            samples: dict[str, list[str]] = {}
+            for rec, cnt in zip(dead, counts, strict=True):
+                reason = orjson.loads(rec)["reason"]
+                by_reason[reason] = by_reason.get(reason, 0) + cnt
+                kept = samples.setdefault(reason, [])
+                if len(kept) < SAMPLES_PER_REASON:
+                    kept.append(rec)
             out += [
-                {"kind": "dead", "reason": r, "rows": len(v), "samples": v[:SAMPLES_PER_REASON]}
-                for r, v in by_reason.items()
+                {"kind": "dead", "reason": r, "rows": n, "samples": samples[r]}
+                for r, n in by_reason.items()
             ]
         stats = rows.stats()
         head = {"kind": "stats", "events": stats["events"], "slices": totals[0],
@@ -239,9 +258,10 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
     yield pa.RecordBatch.from_pylist(out, RESULT_SCHEMA)
 
 
-def run_fingerprint(files: Sequence[str], parts: dict[str, Any]) -> str:
-    """A backfill's identity: what it reads and what it writes, for skipping done partitions
-    on a re-run. Any change (a new file, other bounds, another metric definition) is a new run."""
+def run_fingerprint(files: Sequence[Any], parts: dict[str, Any]) -> str:
+    """A backfill's identity: what it reads (each file with its size and modification time,
+    `file_versions`) and what it writes, for skipping done partitions on a re-run. Any change
+    (a new file, a file rewritten, other bounds, another metric definition) is a new run."""
     text = json.dumps({"files": sorted(files), **parts}, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
 
@@ -322,14 +342,21 @@ def backfill(
     if target is None:
         raise BackfillError("no Redis to write to: set `redis:` or pass `url`")
     client = client_for(target)
-    now_ms = _redis_now_ms(client)
+    now_ms = store_now_ms(client)
     until = now_ms if until_ms is None else until_ms
     if until > now_ms:
         raise BackfillError(
-            f"`--until` {until} is after the store's clock ({now_ms}): the slices from now on"
-            " belong to the live fold; leave `--until` out to backfill up to now"
+            f"`--until` {until} ({iso_ms(until)}) is after the store's clock ({iso_ms(now_ms)}):"
+            " the slices from now on belong to the live fold; leave `--until` out to backfill"
+            " up to now"
         )
     seams = {m.name: seam_of(until, m) for m in chosen}
+    if all(seams[m.name] <= now_ms - m.retention for m in chosen):
+        raise BackfillError(
+            f"`--until` {until} ({iso_ms(until)}) is older than the retention of every metric"
+            " chosen: nothing before it would be kept. Times are epoch ms or ISO 8601 (epoch"
+            " seconds would be this far back)"
+        )
     firsts = {
         m.name: None if start_ms is None else slice_start(start_ms, max(m.slice_lengths()))
         for m in chosen
@@ -343,7 +370,7 @@ def backfill(
     parts = max(cfg.spark.shuffle_partitions, 2 * spark.sparkContext.defaultParallelism)
     # Each slice hash's cells in one partition, so that one call writes all of them.
     _, by_hash = fold(events, cfg_off, specs, by_hash=parts)
-    run = run_fingerprint(raw.inputFiles(), {
+    run = run_fingerprint(file_versions(spark, raw.inputFiles()), {
         "metrics": [m.model_dump(mode="json") for m in chosen], "seams": seams,
         "firsts": firsts, "fmt": fmt, "partitions": parts, "schema": cfg.source.schema_,
     })  # fmt: skip
@@ -360,7 +387,7 @@ def backfill(
         restore_new=restore_new,
         ziplist=ziplist_limits(client),
     )
-    report = BackfillReport(run, [m.name for m in chosen], seams, firsts)
+    report = BackfillReport(run, [m.name for m in chosen], seams, firsts, until)
     report.warnings += _seam_warnings(client, seams)
     group = f"sluice-backfill-{run}"
     sc = spark.sparkContext
@@ -375,6 +402,7 @@ def backfill(
         # Every file is read before the shuffle, so before the first write.
         with read_failures(". Nothing was written: fix or remove the file and run again"):
             rows = by_hash.mapInArrow(partial(_write_partition, task), RESULT_DDL).collect()
+            report.before_start, report.after_until = outside(raw, cfg, bounds)
     finally:
         if watcher is not None:  # first: the calls below raise once the JVM is gone (Ctrl-C)
             watcher.stopped.set()
@@ -402,7 +430,7 @@ def _or(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def _redis_now_ms(client: Any) -> int:
+def store_now_ms(client: Any) -> int:
     """The store's clock: retention and expiry are measured by it (write_slices.lua)."""
     reply = client.time()
     if isinstance(reply, dict):  # a cluster client answers per node

@@ -30,7 +30,9 @@ event's own time (training sets: nothing expires, nothing is in the future).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,7 @@ from sluice.source.values import SPARK_TYPES
 
 FORMATS = ("parquet", "jsonl", "csv")
 CORRUPT = "_corrupt_record"
+_COMPRESSED = ("gz", "bz2", "xz", "zst", "lz4", "snappy", "deflate")
 _SUFFIXES = {".parquet": "parquet", ".json": "jsonl", ".jsonl": "jsonl", ".ndjson": "jsonl",
              ".csv": "csv"}  # fmt: skip
 
@@ -82,9 +85,14 @@ class TimeBounds:
 
 
 def guess_format(path: str) -> str:
-    """The format named by a path's suffix (a directory or glob of Parquet files by default)."""
+    """The format named by a path's suffix, a compression suffix aside (`events.jsonl.gz`); a
+    directory or glob of Parquet files by default."""
+    name = path.rstrip("/*").lower()
+    stem, dot, last = name.rpartition(".")
+    if dot and last in _COMPRESSED:
+        name = stem
     for suffix, fmt in _SUFFIXES.items():
-        if path.rstrip("/*").lower().endswith(suffix):
+        if name.endswith(suffix):
             return fmt
     return "parquet"
 
@@ -101,6 +109,11 @@ def read_archive(
     the lines that do not parse; CSV with a header, every value as text. Raises ArchiveError for
     a path that does not exist or a format Sluice does not read."""
     paths = [path] if isinstance(path, str) else list(path)
+    if fmt is None and len({guess_format(p) for p in paths}) > 1:
+        raise ArchiveError(
+            f"inputs of more than one format ({', '.join(paths)}): give --format, and one"
+            " backfill per format"
+        )
     fmt = fmt or guess_format(paths[0])
     if fmt not in FORMATS:
         raise ArchiveError(f"unknown input format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -139,6 +152,8 @@ def _why(e: Exception) -> str:
             f"{what}; add its connector's jars with `spark.conf` in sluice.yaml (`spark.jars` or"
             " `spark.jars.packages`, hadoop-aws for s3a://; docs/offline.md)"
         )
+    if "UNABLE_TO_INFER_SCHEMA" in text:
+        return "no data found in it (an empty directory, or files of another format: --format)"
     for line in text.splitlines():
         line = line.strip().removeprefix(": ")
         if line and not line.startswith(("An error occurred while calling", "at ", "JVM ")):
@@ -146,6 +161,41 @@ def _why(e: Exception) -> str:
                 line = line.removeprefix(wrapper)
             return line
     return type(e).__name__
+
+
+def outside(raw: DataFrame, cfg: Config, bounds: TimeBounds) -> tuple[int, int]:
+    """How many rows of `raw` (`read_archive`) have an event time before `bounds` and how many
+    at or after it: rows that are not read past the scan, counted so that none goes unsaid.
+    One job over the time column alone."""
+    time_field = cfg.source.time_field
+    have = {f.name: f.dataType for f in raw.schema.fields}
+    if time_field not in have or (bounds.start_ms is None and bounds.until_ms is None):
+        return 0, 0
+    ts = to_ms(F.col(f"`{time_field}`"), have[time_field])
+    before = F.count_if(ts < F.lit(bounds.start_ms)) if bounds.start_ms is not None else F.lit(0)
+    after = F.count_if(ts >= F.lit(bounds.until_ms)) if bounds.until_ms is not None else F.lit(0)
+    got = raw.select(before.alias("b"), after.alias("a")).first()
+    return (0, 0) if got is None else (int(got["b"]), int(got["a"]))
+
+
+def file_versions(spark: SparkSession, files: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Each input file (`DataFrame.inputFiles()`) with its size and modification time (ms): what
+    tells a file rewritten in place (a re-export, an appended file) from the one read before.
+    Local files are stat'ed here; others through their Hadoop filesystem."""
+    out = []
+    conf = None
+    for f in files:
+        if f.startswith("file:"):
+            st = os.stat(urllib.parse.unquote(urllib.parse.urlparse(f).path))
+            out.append((f, st.st_size, st.st_mtime_ns // 1_000_000))
+            continue
+        jvm = spark.sparkContext._jvm
+        assert jvm is not None
+        conf = conf or spark.sparkContext._jsc.hadoopConfiguration()
+        path = jvm.org.apache.hadoop.fs.Path(f)
+        status = path.getFileSystem(conf).getFileStatus(path)
+        out.append((f, int(status.getLen()), int(status.getModificationTime())))
+    return out
 
 
 @contextlib.contextmanager
@@ -163,6 +213,8 @@ def read_failures(then: str = "") -> Iterator[None]:
             raise
         cause = re.search(r"Caused by: (?:\S+Exception: )?(.+)", text)
         why = cause.group(1).strip() if cause else "Spark could not read it"
+        if "is not a Parquet file" in why:
+            why += " (if the input is JSON lines or CSV, say so with --format)"
         raise ArchiveError(f"cannot read {file.group(1)}: {why}{then}") from None
 
 
