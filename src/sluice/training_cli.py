@@ -165,9 +165,8 @@ def training_set(
                     spine_warnings = spine_problems(rows, t, ts, keyed)
                 for line in spine_warnings:
                     click.echo(f"training-set: warning: {line}", err=True)
-                extra = [arrival] if arrival else []
-                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_, extra) \
-                    if inputs else None  # fmt: skip
+                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_) if inputs \
+                    else None  # fmt: skip
                 table = build(spark, cfg, rows, list(features), ts=ts, keys=key_map,
                               events=events, arrival=arrival, url=handle.url)  # fmt: skip
                 say = lambda line: click.echo(line, err=True)  # noqa: E731
@@ -250,9 +249,7 @@ def consistency(
 
             check_local_inputs(inputs)
             with spark_for(cfg, "sluice-consistency") as spark:
-                events = read_archive(
-                    spark, list(inputs), fmt, cfg.source.schema_, [arrival] if arrival else []
-                )
+                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_)
                 with read_failures():
                     report = check(spark, cfg, handle.client, events, ", ".join(inputs), sample,
                                    arrival, settle_ms)  # fmt: skip

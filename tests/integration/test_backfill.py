@@ -152,12 +152,23 @@ def test_bad_rows_are_counted_with_their_reasons(
         json.dumps({"ts": t, "card": "c3", "merchant": "m1", "amount": 1.0, "qty": 2}),
     ]
     lines += [json.dumps({"ts": t, "card": "c1", "merchant": "m1", "amount": "x", "qty": 1})] * 40
+    # As the live decoder judges them: a number as text, a card as a number, not an object, a
+    # long past its range; blank lines are no rows
+    lines += [
+        json.dumps({"ts": t, "card": "c4", "merchant": "m1", "amount": "12.5", "qty": 1}),
+        json.dumps({"ts": t, "card": 4, "merchant": "m1", "amount": 1.0, "qty": 1}),
+        "[1, 2, 3]",
+        f'{{"ts": {t}, "card": "c5", "merchant": "m1", "amount": 1.0, "qty": 1{"0" * 20}}}',
+        "",
+        "   ",
+    ]
     path = tmp_path / "events.jsonl"
     path.write_text("\n".join(lines) + "\n")
     report = backfill(spark, cfg, str(path), until_ms=now_ms)
     assert report.events == 2
     # 41 identical bad rows fold into one dead-letter record, and count 41
-    assert report.dead == {"bad_type": 41, "bad_json": 1, "missing_field": 2}
+    assert report.dead == {"bad_type": 44, "bad_json": 1, "missing_field": 2, "not_object": 1}
+    assert any("events.jsonl" in x for x in report.samples["bad_type"])
     assert "not json" in report.samples["bad_json"][0]
     assert QueryEngine(cfg, r).query("merchant_txn", "m1", "10m", t)["value"] == 2
 

@@ -6,14 +6,15 @@ An archive is read by Spark instead (Parquet, JSON lines or CSV: a file, a direc
 any URL Spark reads), and `archive_events` gives it the same columns, so that
 `plan.explode_updates` and `plan.fold_updates` fold it exactly as they fold a micro-batch.
 
-Each schema field is cast to its type (`try_cast`: a value that does not convert is null). A row
-is bad, with the decoder's reasons, when:
+JSON lines are decoded by the live decoder itself (`offline.lines`): a line counts offline
+exactly when it would count read from the log, with the same dead-letter reason. Parquet and
+CSV columns are cast to each schema field's type (`try_cast`: a value that does not convert is
+null), and a row is bad, with the decoder's reasons, when:
 
     missing_field   a non-nullable field is null or absent (the time field always is non-null)
     bad_type        a value that is there but does not convert to the field's type
     non_finite      NaN or ±infinity in a double or float field
     too_long        a string over `source.max_string_bytes` (in UTF-8 bytes)
-    bad_json        a JSON line that Spark could not parse (its `_corrupt_record`)
 
 A bad row is folded into the plan's dead-letter rows (group DEAD_G, with its reason), which the
 offline jobs count and report; it never stops them.
@@ -45,10 +46,10 @@ from pyspark.sql import types as T
 
 from sluice.config import Config, FieldType
 from sluice.errors import ConfigError, SluiceError
+from sluice.offline.lines import KNOWN, LINE, decoded, json_value, read_lines, sample_keys
 from sluice.source.values import SPARK_TYPES
 
 FORMATS = ("parquet", "jsonl", "csv")
-CORRUPT = "_corrupt_record"
 _COMPRESSED = ("gz", "bz2", "xz", "zst", "lz4", "snappy", "deflate")
 _SUFFIXES = {".parquet": "parquet", ".json": "jsonl", ".jsonl": "jsonl", ".ndjson": "jsonl",
              ".csv": "csv"}  # fmt: skip
@@ -102,12 +103,11 @@ def read_archive(
     path: str | Sequence[str],
     fmt: str | None,
     schema: dict[str, str],
-    extra: Sequence[str] = (),
 ) -> DataFrame:
-    """The archive as Spark reads it, before any cast. JSON lines are read with every value as
-    text (the schema's fields and the `extra` columns, such as an arrival time) and a column for
-    the lines that do not parse; CSV with a header, every value as text. Raises ArchiveError for
-    a path that does not exist or a format Sluice does not read."""
+    """The archive as Spark reads it, before any cast: JSON lines as their lines (decoded by
+    the live decoder in `archive_events`, `offline.lines`), CSV with a header and every value
+    as text, Parquet as it is typed. Raises ArchiveError for a path that does not exist or a
+    format Sluice does not read."""
     paths = [path] if isinstance(path, str) else list(path)
     if fmt is None and len({guess_format(p) for p in paths}) > 1:
         raise ArchiveError(
@@ -122,16 +122,7 @@ def read_archive(
             return spark.read.parquet(*paths)
         if fmt == "csv":
             return spark.read.option("header", "true").option("inferSchema", "false").csv(paths)
-        text_schema = T.StructType(
-            [T.StructField(n, T.StringType()) for n in dict.fromkeys([*schema, *extra])]
-            + [T.StructField(CORRUPT, T.StringType())]
-        )
-        return (
-            spark.read.schema(text_schema)
-            .option("mode", "PERMISSIVE")
-            .option("columnNameOfCorruptRecord", CORRUPT)
-            .json(paths)
-        )
+        return read_lines(spark, paths)
     except (AnalysisException, IllegalArgumentException, Py4JJavaError) as e:
         raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {_why(e)}") from None
 
@@ -169,9 +160,14 @@ def outside(raw: DataFrame, cfg: Config, bounds: TimeBounds) -> tuple[int, int]:
     One job over the time column alone."""
     time_field = cfg.source.time_field
     have = {f.name: f.dataType for f in raw.schema.fields}
+    if LINE in have and time_field is not None:  # JSON lines: the time key's text
+        have = {time_field: T.StringType()}
+        src = json_value(time_field)
+    else:
+        src = F.col(f"`{time_field}`")
     if time_field not in have or (bounds.start_ms is None and bounds.until_ms is None):
         return 0, 0
-    ts = to_ms(F.col(f"`{time_field}`"), have[time_field])
+    ts = to_ms(src, have[time_field])
     before = F.count_if(ts < F.lit(bounds.start_ms)) if bounds.start_ms is not None else F.lit(0)
     after = F.count_if(ts >= F.lit(bounds.until_ms)) if bounds.until_ms is not None else F.lit(0)
     got = raw.select(before.alias("b"), after.alias("a")).first()
@@ -273,17 +269,26 @@ def archive_events(
     if time_field is None:
         raise ConfigError("offline input needs `source.time_field`: events carry their time",
                           "source.time_field")  # fmt: skip
+    lines = LINE in raw.columns
     have = {f.name: f.dataType for f in raw.schema.fields}
+    keys = sample_keys(raw) if lines else set(have)
+    what = "its first lines have the keys" if lines else "its columns are"
     for name, spec in schema.items():
-        if name not in have and (not FieldType.parse(spec).nullable or name == time_field):
+        required = not FieldType.parse(spec).nullable or name == time_field
+        if keys is not None and name not in keys and required:
             raise ArchiveError(
-                f"input has no column {name!r} (source.schema: {name}: {spec}); its columns"
-                f" are {', '.join(n for n in have if n != CORRUPT)}"
+                f"input has no column {name!r} (source.schema: {name}: {spec}); {what}"
+                f" {', '.join(sorted(keys) if lines else keys)}"
             )
-    if arrival is not None and arrival not in have:
+    if arrival is not None and keys is not None and arrival not in keys:
         raise ArchiveError(
-            f"`--as-known-at` column {arrival!r} is not in the input ({', '.join(have)})"
+            f"`--as-known-at` column {arrival!r} is not in the input ({what}"
+            f" {', '.join(sorted(keys) if lines else keys)})"
         )
+    if lines:
+        out = decoded(raw, cfg, schema, arrival)
+        as_text: tuple[Column, T.DataType] | None = (F.col(KNOWN), T.StringType())
+        return _bounded(out, cfg, bounds, as_text if arrival else None, arrival, ref_ms, schema)
     values: list[Column] = []
     reasons: list[Column] = []
     fields: list[Column] = []
@@ -298,31 +303,46 @@ def archive_events(
         values.append(value.cast(SPARK_TYPES[ftype.type]).alias(name))
         reasons.append(reason)
         fields.append(F.when(reason.isNotNull(), F.lit(name)))
-    if CORRUPT in have:
-        corrupt = F.col(CORRUPT).isNotNull()
-        reasons.insert(0, F.when(corrupt, F.lit("bad_json")))
-        fields.insert(0, F.when(corrupt, F.lit(None).cast("string")))
-        raw_text = F.coalesce(F.col(CORRUPT), F.to_json(F.struct(*[F.col(f"`{n}`") for n in have
-                                                                   if n != CORRUPT])))  # fmt: skip
-    else:
-        raw_text = F.to_json(F.struct(*[F.col(f"`{n}`") for n in have]))
-    ems = None
-    if arrival is not None:  # as known at: an event whose arrival is not known counts nowhere
-        src = F.col(f"`{arrival}`")
-        ems = arrival_ms(src, have[arrival])
-        reason = F.when(src.isNull(), F.lit("missing_field")).when(ems.isNull(), F.lit("bad_type"))
-        reasons.append(reason)
-        fields.append(F.when(reason.isNotNull(), F.lit(arrival)))
+    raw_text = F.to_json(F.struct(*[F.col(f"`{n}`") for n in have]))
     err = F.coalesce(*reasons)
-    ts = F.col(f"`{time_field}`")
     out = raw.select(
         *values,
         err.alias("_err"),
         F.coalesce(*fields).alias("_field"),
         F.when(err.isNotNull(), F.substring(raw_text, 1, 1024)).alias("_raw"),
         F.when(err.isNotNull(), F.input_file_name()).alias("_eid"),
-        *([ems.alias("_arrival")] if ems is not None else []),
+        *([F.col(f"`{arrival}`").alias(KNOWN)] if arrival is not None else []),
     )
+    known = (F.col(KNOWN), have[arrival]) if arrival is not None else None
+    return _bounded(out, cfg, bounds, known, arrival, ref_ms, schema)
+
+
+def _bounded(out: DataFrame, cfg: Config, bounds: TimeBounds,
+             known: tuple[Column, T.DataType] | None, arrival: str | None, ref_ms: int | None,
+             schema: dict[str, str]) -> DataFrame:  # fmt: skip
+    """The events (the schema's fields, `_err`, `_field`, `_raw`, `_eid` and, as known at, the
+    arrival column as `KNOWN`) within `bounds`, with the plan's meta columns. As known at, a row
+    whose arrival is absent or no time is bad."""
+    time_field = cfg.source.time_field
+    ems = None
+    if known is not None:  # as known at: an event whose arrival is not known counts nowhere
+        src, dtype = known
+        ems = arrival_ms(src, dtype)
+        reason = F.when(src.isNull(), F.lit("missing_field")).when(ems.isNull(), F.lit("bad_type"))
+        err = F.coalesce(F.col("_err"), reason)
+        out = out.select(
+            *[F.col(f"`{n}`") for n in schema],
+            err.alias("_err"),
+            F.when(F.col("_err").isNull() & reason.isNotNull(), F.lit(arrival))
+            .otherwise(F.col("_field"))
+            .alias("_field"),
+            F.when(err.isNotNull(), F.coalesce(F.col("_raw"), src.cast("string"), F.lit(""))).alias(
+                "_raw"
+            ),
+            "_eid",
+            ems.alias("_arrival"),
+        )
+    ts = F.col(f"`{time_field}`")
     # A bad row's time is the event time when it converted; else it is bounded by nothing.
     out = out.withColumn("_ts", ts.cast("bigint"))
     out = out.where(F.col("_ts").isNull() | bounds.condition(F.col("_ts")))
