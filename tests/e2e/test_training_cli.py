@@ -150,11 +150,12 @@ def test_as_known_at_reads_stream_entry_ids_and_reports_rows_it_cannot_place(
 
 
 def test_a_csv_spine_keeps_its_keys_as_written_and_its_problems_are_reported(
-    redis_url: str, tmp_path: Path
+    r: Any, redis_url: str, tmp_path: Path
 ) -> None:
     """Keys `0042`, `42` and `00100` stay three cards (not numbers); a row whose two-field key
     lacks a part gets nulls, not zeros; rows with no time or an unreadable one are counted.
-    `consistency` with no logged answer exits 4: a check of nothing is no pass."""
+    `consistency` with no logged answer (`r` empties the store) exits 4: a check of nothing is
+    no pass."""
     data = config_data(redis_url, tmp_path / "state", derived=[])
     data["metrics"] = [m for m in data["metrics"] if m["name"] in ("txn_count", "pair_count")]
     path = tmp_path / "sluice.yaml"
