@@ -115,6 +115,28 @@ QUERY_ENDED = (
 )
 
 
+# What `sluice backfill` printed on Ctrl-C: its tasks refused and its Python workers killed.
+TASKS_CUT_OFF = [
+    "ts=2026-11-30T15:48:54.879Z level=ERROR logger=org.apache.spark.scheduler.TaskSchedulerImpl"
+    ' msg="Exception in statusUpdate" exc="java.util.concurrent.RejectedExecutionException: Task'
+    " org.apache.spark.scheduler.TaskResultGetter$$anon$3@5798b137 rejected from"
+    ' java.util.concurrent.ThreadPoolExecutor@57041685[Terminated, pool size = 0]"',
+    "ts=2026-11-30T15:48:54.975Z level=ERROR logger=org.apache.spark.executor.Executor"
+    ' msg="Exception in task 1.0 in stage 2.0 (TID 3): Python worker exited unexpectedly'
+    ' (crashed)."',
+]
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_a_batch_job_s_tasks_cut_off_by_a_stop_are_dropped_only_when_stopping(
+    stop_first: bool,
+) -> None:
+    text = "\n".join([*TASKS_CUT_OFF, LOG]) + "\n"
+    err = _run_child(f"import sys; sys.stderr.write({text!r})", stop_first=stop_first)
+    assert all((line in err) is not stop_first for line in TASKS_CUT_OFF), err
+    assert LOG in err
+
+
 @pytest.mark.parametrize("stop_first", [True, False])
 def test_spark_reporting_a_query_ended_is_dropped_only_when_stopping(stop_first: bool) -> None:
     code = f"import sys; sys.stderr.write({QUERY_ENDED + chr(10) + LOG + chr(10)!r})"

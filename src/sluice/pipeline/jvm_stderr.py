@@ -18,6 +18,8 @@ to this process's stderr except:
 - Spark's ERROR lines about a query that ended, once this process was asked to stop
   (`stopping`): a SIGTERM to the whole process group (systemd, `timeout`, `kill -- -PGID`)
   kills the planner in the middle of a call, and Spark reports that as an error of the query.
+  So too a batch job's (an offline command's) tasks refused by pools already shut and its
+  Python workers killed by the same signal.
   Such lines are held for `HOLD_S` before they pass, so that the signal that caused them is
   seen first;
 - likewise once stopping, a Java exception that escaped a query's stream thread (`Exception in
@@ -57,8 +59,15 @@ JAVA_STACK = ("\t", " ", "Caused by: ", "Suppressed: ")
 STOP_MADE = ('Exception in thread "stream execution thread', "RpcEnvStoppedException")
 # A traceback with no line after its error for this long is complete.
 QUIET_S = 0.2
-# Spark's report of a query that ended, which a stop makes (see `stopping`).
-QUERY_ENDED = (" level=ERROR logger=org.apache.spark", "terminated with error")
+# Spark's report of a query that ended, or of a batch job's tasks cut off (their thread pools
+# shut, their Python workers killed), which a stop makes (see `stopping`).
+SPARK_ERROR = " level=ERROR logger=org.apache.spark"
+STOP_REPORTS = (
+    "terminated with error",
+    "RejectedExecutionException",
+    "rejected from java.util.concurrent",
+    "Python worker exited unexpectedly",
+)
 HOLD_S = 0.5
 
 _stop_requested: list[float] = []  # monotonic time of the stop request, once made
@@ -80,7 +89,7 @@ def query_ended(line: str) -> bool:
     Spark print: dropped once this process is stopping."""
     if line.startswith(JAVA_HEADER):
         return any(marker in line for marker in STOP_MADE)
-    return all(part in line for part in QUERY_ENDED)
+    return SPARK_ERROR in line and any(report in line for report in STOP_REPORTS)
 
 
 def _exception_lines(block: list[str]) -> list[str]:
