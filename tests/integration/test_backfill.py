@@ -264,3 +264,15 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
     (tmp_path / "empty").mkdir()
     with pytest.raises(ArchiveError, match="no data found in it"):
         backfill(spark, cfg, str(tmp_path / "empty"), until_ms=now_ms)
+    # Parquet's own types: a fraction where an integer is due is no integer (a cast would drop
+    # it), a boolean is no number; whole doubles convert
+    typed = pd.DataFrame({"ts": [t + 0.5, float(t), float(t), float(t)],
+                          "card": "c9", "merchant": "m1", "amount": [1.0, 1.0, 1.0, 1.0],
+                          "qty": [1.0, 2.5, 3.0, 1.0]})  # fmt: skip
+    typed.to_parquet(tmp_path / "typed.parquet")
+    report = backfill(spark, cfg, str(tmp_path / "typed.parquet"), until_ms=now_ms)
+    assert (report.events, report.dead) == (2, {"bad_type": 2})
+    pd.DataFrame({"ts": [t], "card": "c9", "merchant": "m1", "amount": [True],
+                  "qty": [1]}).to_parquet(tmp_path / "flag.parquet")  # fmt: skip
+    flagged = backfill(spark, cfg, str(tmp_path / "flag.parquet"), until_ms=now_ms)
+    assert (flagged.events, flagged.dead) == (0, {"bad_type": 1})

@@ -242,6 +242,12 @@ def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: 
     if not ftype.nullable or time:
         reasons.append(F.when(src.isNull(), F.lit("missing_field")))
     reasons.append(F.when(src.isNotNull() & value.isNull(), F.lit("bad_type")))
+    integral = time or ftype.type in ("long", "int")
+    if integral and isinstance(dtype, T.FloatType | T.DoubleType | T.DecimalType):
+        # a cast would drop the fraction: 1.5 is no long, as the live decoder says too
+        reasons.append(F.when(src != F.floor(src), F.lit("bad_type")))
+    if ftype.type != "boolean" and isinstance(dtype, T.BooleanType):
+        reasons.append(F.lit("bad_type"))  # true is no number and no text, online either
     if ftype.type in ("double", "float"):
         reasons.append(F.when(F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
                               F.lit("non_finite")))  # fmt: skip
