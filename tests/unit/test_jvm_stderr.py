@@ -76,9 +76,11 @@ def test_other_tracebacks_and_lines_pass_unchanged() -> None:
     assert _through(cut) == cut
 
 
-def test_the_jvm_incubator_notice_is_dropped() -> None:
+def test_the_jvm_incubator_and_sketch_memory_notices_are_dropped() -> None:
     notice = "WARNING: Using incubator modules: jdk.incubator.vector"
-    assert _through([notice, LOG]) == [LOG]
+    sketches = ("Warning: Java versions > Java 11 can only operate in restricted mode where no"
+                " off-heap operations are allowed!")  # fmt: skip
+    assert _through([notice, LOG, sketches]) == [LOG]
 
 
 def _run_child(code: str, stop_first: bool) -> str:

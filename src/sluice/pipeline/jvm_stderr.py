@@ -26,7 +26,8 @@ to this process's stderr except:
   thread "stream execution thread for ..."`, printed by the JVM with its stack) or that says
   Spark's RPC was already shut down: the JVM's shutdown hook stops the SparkContext while the
   stream thread is still winding down, and the thread's last call finds the RPC gone;
-- the JVM's start-up notice about incubator modules.
+- the JVM's start-up notice about incubator modules, and DataSketches' notice that on Java 17
+  it works on the heap only.
 
 Any other line, tracebacks included, passes unchanged. A worker that fails for a real reason
 reaches the query as an error, which Sluice reports itself; a batch cut short by a stop runs
@@ -46,7 +47,13 @@ from contextlib import contextmanager
 SPARK_PYTHON = ("pyspark/sql/streaming/python_streaming_source_runner", "pyspark/worker_util")
 # What it must end in: the other end went away.
 PEER_GONE = ("EOFError", "BrokenPipeError", "ConnectionResetError")
-DROPPED_LINES = ("WARNING: Using incubator modules: jdk.incubator.vector",)
+DROPPED_LINES = (
+    "WARNING: Using incubator modules: jdk.incubator.vector",
+    # DataSketches' memory library (Spark's KLL sketches, for `quantile`) on Java 17: it runs
+    # on the heap, which is all Spark asks of it
+    "Warning: Java versions > Java 11 can only operate in restricted mode where no off-heap"
+    " operations are allowed!",
+)
 HEADER = "Traceback (most recent call last):"
 CHAINS = (
     "During handling of the above exception, another exception occurred:",
