@@ -186,6 +186,11 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -
         ArchiveError, match=r"S3AFileSystem, is not on Spark's classpath.*hadoop-aws"
     ):
         backfill(spark, cfg, "s3a://lake/payments/", until_ms=now_ms)
+    nanos = pd.DataFrame({"ts": pd.to_datetime([now_ms - 1000], unit="ms"), "card": ["c"],
+                          "merchant": ["m"], "amount": [1.0], "qty": [1]})  # fmt: skip
+    nanos.to_parquet(tmp_path / "nanos.parquet")  # pandas writes its timestamps in ns
+    with pytest.raises(ArchiveError, match=r"timestamp column in nanoseconds.*coerce_timestamps"):
+        backfill(spark, cfg, str(tmp_path / "nanos.parquet"), until_ms=now_ms)
 
 
 def test_a_file_spark_cannot_read_is_named_and_a_rerun_without_it_finishes(

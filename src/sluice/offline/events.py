@@ -143,6 +143,12 @@ def _why(e: Exception) -> str:
             f"{what}; add its connector's jars with `spark.conf` in sluice.yaml (`spark.jars` or"
             " `spark.jars.packages`, hadoop-aws for s3a://; docs/offline.md)"
         )
+    if "TIMESTAMP(NANOS" in text:
+        return (
+            "a timestamp column in nanoseconds, which Spark does not read: write it in ms or µs"
+            ' (pandas: `to_parquet(..., coerce_timestamps="ms", allow_truncated_timestamps=True)`)'
+            " or as epoch ms"
+        )
     if "UNABLE_TO_INFER_SCHEMA" in text:
         return "no data found in it (an empty directory, or files of another format: --format)"
     for line in text.splitlines():
