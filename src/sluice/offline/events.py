@@ -283,19 +283,19 @@ def archive_events(
                           "source.time_field")  # fmt: skip
     lines = LINE in raw.columns
     have = {f.name: f.dataType for f in raw.schema.fields}
-    keys = sample_keys(raw) if lines else set(have)
+    sampled = sample_keys(raw) if lines else None
+    keys = (sorted(sampled) if sampled is not None else None) if lines else list(have)
     what = "its first lines have the keys" if lines else "its columns are"
     for name, spec in schema.items():
         required = not FieldType.parse(spec).nullable or name == time_field
         if keys is not None and name not in keys and required:
             raise ArchiveError(
                 f"input has no column {name!r} (source.schema: {name}: {spec}); {what}"
-                f" {', '.join(sorted(keys) if lines else keys)}"
+                f" {', '.join(keys)}"
             )
     if arrival is not None and keys is not None and arrival not in keys:
         raise ArchiveError(
-            f"`--as-known-at` column {arrival!r} is not in the input ({what}"
-            f" {', '.join(sorted(keys) if lines else keys)})"
+            f"`--as-known-at` column {arrival!r} is not in the input ({what} {', '.join(keys)})"
         )
     if lines:
         out = decoded(raw, cfg, schema, arrival)
