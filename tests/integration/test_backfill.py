@@ -186,6 +186,11 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -
         ArchiveError, match=r"S3AFileSystem, is not on Spark's classpath.*hadoop-aws"
     ):
         backfill(spark, cfg, "s3a://lake/payments/", until_ms=now_ms)
+    (tmp_path / "narrow.jsonl").write_text(json.dumps({"ts": 1, "merchant": "m"}) + "\n")
+    with pytest.raises(
+        ArchiveError, match=r"no column 'card'.*first lines have the keys merchant, ts"
+    ):
+        backfill(spark, cfg, str(tmp_path / "narrow.jsonl"), until_ms=now_ms)
     nanos = pd.DataFrame({"ts": pd.to_datetime([now_ms - 1000], unit="ms"), "card": ["c"],
                           "merchant": ["m"], "amount": [1.0], "qty": [1]})  # fmt: skip
     nanos.to_parquet(tmp_path / "nanos.parquet")  # pandas writes its timestamps in ns
