@@ -128,6 +128,7 @@ def spark_for(cfg: Config, app_name: str) -> Iterator[SparkSession]:
     raised becomes `Interrupted`. Blocks while Spark starts (seconds)."""
     from sluice.pipeline.spark import build_spark
 
+    jvm_stderr.batch_jobs()  # their failures end in one line of ours, not Spark's traces first
     previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     interrupts = _Interrupts()
     interrupts.install()

@@ -129,6 +129,33 @@ TASKS_CUT_OFF = [
 ]
 
 
+TASK_FAILED = [
+    "ts=2026-11-30T15:43:33.002Z level=ERROR logger=org.apache.spark.executor.Executor"
+    ' msg="Exception in task 1.0 in stage 1.0 (TID 2)" exc="org.apache.spark.SparkException:'
+    " [FAILED_READ_FILE.NO_HINT] Encountered error while reading file file:///a/b.parquet.\\n"
+    '\\tat org.apache.spark.sql.errors.QueryExecutionErrors$.cannotReadFilesError"',
+    "ts=2026-11-30T15:43:33.113Z level=ERROR logger=org.apache.spark.scheduler.TaskSetManager"
+    ' msg="Task 1 in stage 1.0 failed 1 times; aborting job"',
+]
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_failed_task_s_trace_is_left_to_a_batch_command_s_own_error(batch: bool) -> None:
+    code = f"import sys; sys.stderr.write({chr(10).join([*TASK_FAILED, LOG]) + chr(10)!r})"
+    script = textwrap.dedent(f"""
+        import subprocess, sys
+        from sluice.pipeline import jvm_stderr
+        if {batch}:
+            jvm_stderr.batch_jobs()
+        with jvm_stderr.forward_jvm_stderr():
+            subprocess.run([sys.executable, "-c", {code!r}])
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert all((line in done.stderr) is not batch for line in TASK_FAILED), done.stderr
+    assert LOG in done.stderr
+
+
 @pytest.mark.parametrize("stop_first", [True, False])
 def test_a_batch_job_s_tasks_cut_off_by_a_stop_are_dropped_only_when_stopping(
     stop_first: bool,

@@ -27,7 +27,10 @@ to this process's stderr except:
   Spark's RPC was already shut down: the JVM's shutdown hook stops the SparkContext while the
   stream thread is still winding down, and the thread's last call finds the RPC gone;
 - the JVM's start-up notice about incubator modules, and DataSketches' notice that on Java 17
-  it works on the heap only.
+  it works on the heap only;
+- in a process that reports its batch jobs' failures itself (`batch_jobs`: the offline
+  commands), Spark's ERROR lines about a failed task and the job it aborts, each a whole Java
+  trace on one line, printed before the command's own one-line error.
 
 Any other line, tracebacks included, passes unchanged. A worker that fails for a real reason
 reaches the query as an error, which Sluice reports itself; a batch cut short by a stop runs
@@ -77,7 +80,27 @@ STOP_REPORTS = (
 )
 HOLD_S = 0.5
 
+# A failed task's report: the executor's error with its whole trace, and the job's abort.
+TASK_FAILED = (
+    ("logger=org.apache.spark.executor.Executor", "Exception in task"),
+    ("logger=org.apache.spark.scheduler.TaskSetManager", "aborting job"),
+)
+
 _stop_requested: list[float] = []  # monotonic time of the stop request, once made
+_batch: list[bool] = []  # set once: this process reports its batch jobs' failures itself
+
+
+def batch_jobs() -> None:
+    """This process runs batch jobs and reports their failures itself, in a line of its own (the
+    offline commands: the file Spark could not read, the write the store refused): a failed
+    task's ERROR lines, its Java trace on one line, are not printed before it."""
+    if not _batch:
+        _batch.append(True)
+
+
+def task_failed(line: str) -> bool:
+    """Whether a line is Spark's report of a failed task or the job it aborts."""
+    return SPARK_ERROR in line and any(a in line and b in line for a, b in TASK_FAILED)
 
 
 def stopping() -> None:
@@ -145,7 +168,8 @@ class TracebackFilter:
             if line.startswith(JAVA_HEADER):
                 self._java = [line]
                 return []
-            return [] if line.strip() in DROPPED_LINES else [line]
+            dropped = line.strip() in DROPPED_LINES or (bool(_batch) and task_failed(line))
+            return [] if dropped else [line]
         ends = self._after_error and line.strip() and line not in CHAINS and line != HEADER
         if ends:  # an error line followed by anything but a chained traceback
             return self.flush() + self.feed(line)
