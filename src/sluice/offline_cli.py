@@ -27,7 +27,7 @@ import click
 from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
 from sluice.pipeline import jvm_stderr
-from sluice.units import iso_ms
+from sluice.units import EPOCH, iso_ms
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 _EPOCH_MS = re.compile(r"-?\d+")
 _GLOB = re.compile(r"[*?\[{]")
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 def parse_time_ms(text: str) -> int:
@@ -56,7 +55,7 @@ def parse_time_ms(text: str) -> int:
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
-    delta = when - _EPOCH  # exact: no float on the way, so no time is off by a millisecond
+    delta = when - EPOCH  # exact: no float on the way, so no time is off by a millisecond
     return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
 
 

@@ -157,11 +157,12 @@ def training_set(
             check_local_inputs((spine,), "spine")
             check_local_inputs(inputs)
             with spark_for(cfg, "sluice-training-set") as spark:
-                rows = read_table(spark, spine, None, key_columns(cfg, feats, key_map))
+                key_cols = key_columns(cfg, feats, key_map)
+                rows = read_table(spark, spine, None, key_cols)
                 spine_warnings: list[str] = []
                 if ts in rows.columns:  # else the job's own check says so
                     t = to_ms(F.col(f"`{ts}`"), rows.schema[ts].dataType)
-                    keyed = [c for c in key_columns(cfg, feats, key_map) if c in rows.columns]
+                    keyed = [c for c in key_cols if c in rows.columns]
                     spine_warnings = spine_problems(rows, t, ts, keyed)
                 for line in spine_warnings:
                     click.echo(f"training-set: warning: {line}", err=True)

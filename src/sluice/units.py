@@ -69,13 +69,13 @@ def format_duration_ms(ms: int) -> str:
     return f"{ms}ms"
 
 
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 def iso_ms(ms: int) -> str:
     """Epoch ms as ISO 8601 UTC: `2026-11-01T12:00:00Z` (milliseconds shown when not 0)."""
     try:
-        when = _EPOCH + dt.timedelta(milliseconds=ms)
+        when = EPOCH + dt.timedelta(milliseconds=ms)
     except OverflowError:  # past year 9999: no calendar date to show
         return f"{ms} ms since the epoch"
     text = when.strftime("%Y-%m-%dT%H:%M:%S")

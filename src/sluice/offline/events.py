@@ -166,14 +166,14 @@ def outside(raw: DataFrame, cfg: Config, bounds: TimeBounds) -> tuple[int, int]:
     One job over the time column alone."""
     time_field = cfg.source.time_field
     have = {f.name: f.dataType for f in raw.schema.fields}
-    if LINE in have and time_field is not None:  # JSON lines: the time key's text
-        have = {time_field: T.StringType()}
-        src = json_value(time_field)
-    else:
-        src = F.col(f"`{time_field}`")
-    if time_field not in have or (bounds.start_ms is None and bounds.until_ms is None):
+    if time_field is None or (bounds.start_ms is None and bounds.until_ms is None):
         return 0, 0
-    ts = to_ms(src, have[time_field])
+    if LINE in have:  # JSON lines: the time key's text
+        ts = to_ms(json_value(time_field), T.StringType())
+    elif time_field in have:
+        ts = to_ms(F.col(f"`{time_field}`"), have[time_field])
+    else:
+        return 0, 0
     before = F.count_if(ts < F.lit(bounds.start_ms)) if bounds.start_ms is not None else F.lit(0)
     after = F.count_if(ts >= F.lit(bounds.until_ms)) if bounds.until_ms is not None else F.lit(0)
     got = raw.select(before.alias("b"), after.alias("a")).first()
