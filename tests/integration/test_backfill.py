@@ -10,6 +10,8 @@ from typing import Any
 
 import duckdb
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import redis
 
@@ -286,3 +288,11 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
                   "qty": [1]}).to_parquet(tmp_path / "flag.parquet")  # fmt: skip
     flagged = backfill(spark, cfg, str(tmp_path / "flag.parquet"), until_ms=now_ms)
     assert (flagged.events, flagged.dead) == (0, {"bad_type": 1})
+    # a boolean column's null, in a nullable field, is only a missing value
+    nulls = pa.table({"ts": [t], "card": ["c9"], "merchant": ["m1"], "amount": [1.0],
+                      "qty": [1], "note": pa.array([None], pa.bool_())})  # fmt: skip
+    pq.write_table(nulls, tmp_path / "nulls.parquet")
+    cfg_note = cfg.model_copy(update={"source": cfg.source.model_copy(
+        update={"schema_": {**cfg.source.schema_, "note": "string?"}})})  # fmt: skip
+    kept = backfill(spark, cfg_note, str(tmp_path / "nulls.parquet"), until_ms=now_ms)
+    assert (kept.events, kept.dead) == (1, {})

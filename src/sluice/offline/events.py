@@ -253,7 +253,8 @@ def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: 
         # a cast would drop the fraction: 1.5 is no long, as the live decoder says too
         reasons.append(F.when(src != F.floor(src), F.lit("bad_type")))
     if ftype.type != "boolean" and isinstance(dtype, T.BooleanType):
-        reasons.append(F.lit("bad_type"))  # true is no number and no text, online either
+        # true is no number and no text, online either (a null is only missing)
+        reasons.append(F.when(src.isNotNull(), F.lit("bad_type")))
     if ftype.type in ("double", "float"):
         reasons.append(F.when(F.isnan(value) | (F.abs(value) == F.lit(float("inf"))),
                               F.lit("non_finite")))  # fmt: skip
