@@ -83,13 +83,16 @@ def test_the_jvm_incubator_and_sketch_memory_notices_are_dropped() -> None:
     assert _through([notice, LOG, sketches]) == [LOG]
 
 
-def _run_child(code: str, stop_first: bool) -> str:
-    """A child process stands in for the JVM: it inherits the pipe as its stderr."""
+def _run_child(code: str, stop_first: bool, batch: bool = False) -> str:
+    """A child process stands in for the JVM: it inherits the pipe as its stderr. `batch`: this
+    process reports its batch jobs' failures itself (`batch_jobs`)."""
     script = textwrap.dedent(f"""
         import subprocess, sys, time
         from sluice.pipeline import jvm_stderr
         if {stop_first}:
             jvm_stderr.stopping()
+        if {batch}:
+            jvm_stderr.batch_jobs()
         with jvm_stderr.forward_jvm_stderr():
             child = subprocess.Popen([sys.executable, "-c", {code!r}])
         child.wait()
@@ -142,18 +145,9 @@ TASK_FAILED = [
 @pytest.mark.parametrize("batch", [True, False])
 def test_a_failed_task_s_trace_is_left_to_a_batch_command_s_own_error(batch: bool) -> None:
     code = f"import sys; sys.stderr.write({chr(10).join([*TASK_FAILED, LOG]) + chr(10)!r})"
-    script = textwrap.dedent(f"""
-        import subprocess, sys
-        from sluice.pipeline import jvm_stderr
-        if {batch}:
-            jvm_stderr.batch_jobs()
-        with jvm_stderr.forward_jvm_stderr():
-            subprocess.run([sys.executable, "-c", {code!r}])
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
-    assert all((line in done.stderr) is not batch for line in TASK_FAILED), done.stderr
-    assert LOG in done.stderr
+    err = _run_child(code, stop_first=False, batch=batch)
+    assert all((line in err) is not batch for line in TASK_FAILED), err
+    assert LOG in err
 
 
 @pytest.mark.parametrize("stop_first", [True, False])
