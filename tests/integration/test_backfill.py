@@ -284,6 +284,9 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
     typed.to_parquet(tmp_path / "typed.parquet")
     report = backfill(spark, cfg, str(tmp_path / "typed.parquet"), until_ms=now_ms)
     assert (report.events, report.dead) == (2, {"bad_type": 2})
+    # each bad row is named by its file and its place in it (Parquet's row index, from 0)
+    ids = {json.loads(x)["id"].rsplit("/", 1)[-1] for x in report.samples["bad_type"]}
+    assert ids == {"typed.parquet#0", "typed.parquet#1"}
     pd.DataFrame({"ts": [t], "card": "c9", "merchant": "m1", "amount": [True],
                   "qty": [1]}).to_parquet(tmp_path / "flag.parquet")  # fmt: skip
     flagged = backfill(spark, cfg, str(tmp_path / "flag.parquet"), until_ms=now_ms)

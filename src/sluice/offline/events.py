@@ -9,7 +9,7 @@ any URL Spark reads), and `archive_events` gives it the same columns, so that
 JSON lines are decoded by the live decoder itself (`offline.lines`): a line counts offline
 exactly when it would count read from the log, with the same dead-letter reason. Parquet and
 CSV columns are cast to each schema field's type (`try_cast`: a value that does not convert is
-null), and a row is bad, with the decoder's reasons, when:
+null), and a row is bad, with the decoder's reasons (its id: `row_name`), when:
 
     missing_field   a non-nullable field is null or absent (the time field always is non-null)
     bad_type        a value that is there but does not convert to the field's type
@@ -323,11 +323,23 @@ def archive_events(
         err.alias("_err"),
         F.coalesce(*fields).alias("_field"),
         F.when(err.isNotNull(), F.substring(raw_text, 1, 1024)).alias("_raw"),
-        F.when(err.isNotNull(), F.input_file_name()).alias("_eid"),
+        F.when(err.isNotNull(), row_name(raw)).alias("_eid"),
         *([F.col(f"`{arrival}`").alias(KNOWN)] if arrival is not None else []),
     )
     known = (F.col(KNOWN), have[arrival]) if arrival is not None else None
     return _bounded(out, cfg, bounds, known, arrival, ref_ms, schema)
+
+
+def row_name(raw: DataFrame) -> Column:
+    """Where a row of `raw` is: its file and, for Parquet, `#<index>`, the row's place in the
+    file from 0 (pandas' `iloc`, pyarrow's `take`). Spark keeps no row number for CSV."""
+    try:
+        known = raw.select("_metadata").schema[0].dataType
+    except AnalysisException:  # not a file source
+        return F.input_file_name()
+    if not isinstance(known, T.StructType) or "row_index" not in known.fieldNames():
+        return F.input_file_name()
+    return F.concat(F.input_file_name(), F.lit("#"), F.col("_metadata.row_index").cast("string"))
 
 
 def _bounded(out: DataFrame, cfg: Config, bounds: TimeBounds,
