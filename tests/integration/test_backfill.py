@@ -148,6 +148,7 @@ def test_bad_rows_are_counted_with_their_reasons(
     lines = [
         json.dumps({"ts": t, "card": "c1", "merchant": "m1", "amount": 2.5, "qty": 1}),
         json.dumps({"ts": t, "card": "c1", "merchant": "m1", "amount": "x", "qty": 1}),
+        "",
         "not json",
         json.dumps({"ts": t, "merchant": "m1", "amount": 1.0, "qty": 1}),
         json.dumps({"card": "c2", "merchant": "m1", "amount": 1.0, "qty": 1}),
@@ -172,6 +173,8 @@ def test_bad_rows_are_counted_with_their_reasons(
     assert report.dead == {"bad_type": 44, "bad_json": 1, "missing_field": 2, "not_object": 1}
     assert any("events.jsonl" in x for x in report.samples["bad_type"])
     assert "not json" in report.samples["bad_json"][0]
+    # a bad line is named by its file and its line number (blank lines counted, from 1)
+    assert json.loads(report.samples["bad_json"][0])["id"].endswith("events.jsonl:0@4")
     assert QueryEngine(cfg, r).query("merchant_txn", "m1", "10m", t)["value"] == 2
 
 

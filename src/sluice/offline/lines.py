@@ -7,7 +7,11 @@ each non-blank line is one record of the `json` format, decoded by `source.decod
 the executors, so a line counts offline exactly when it counts online, with the same
 dead-letter reason (`bad_json`, `not_object`, `bad_type`, `out_of_range`, ...). The time field
 is required offline, where there is no log time to fall back on: a line without one is
-`missing_field`. A bad line's `_eid` is `<file>:<task>@<line in the task>`.
+`missing_field`. Blank lines are no records. A bad line's `_eid` is `<file>:<block>@<line>`:
+the byte where the task's part of the file starts (0 for a file read whole, as Spark reads any
+file under `spark.sql.files.maxPartitionBytes` or compressed) and the line's number among the
+lines that begin in that part, from 1, blank lines counted: for a file read whole, its line
+number in the file.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from functools import partial
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark import TaskContext
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -30,16 +33,19 @@ from sluice.source.options import SourceOptions
 
 LINE = "_sluice_line"
 FILE = "_sluice_file"
+BLOCK = "_sluice_block"  # the byte where the task's part of the file starts
 KNOWN = "_sluice_known"  # the arrival column's text, carried past the decoder
 SAMPLE_LINES = 64
 
 
 def read_lines(spark: SparkSession, paths: list[str]) -> DataFrame:
-    """The archive's non-blank lines and the file each comes from."""
-    lines = spark.read.text(paths).select(
-        F.col("value").alias(LINE), F.input_file_name().alias(FILE)
+    """The archive's lines, blank ones too (they keep the line numbers right), with the file
+    each comes from and where its task's part of that file starts."""
+    return spark.read.text(paths).select(
+        F.col("value").alias(LINE),
+        F.input_file_name().alias(FILE),
+        F.col("_metadata.file_block_start").alias(BLOCK),
     )
-    return lines.where(F.trim(F.col(LINE)) != F.lit(""))
 
 
 def json_value(name: str) -> Column:
@@ -52,7 +58,9 @@ def sample_keys(lines: DataFrame) -> set[str] | None:
     schema mismatch before any work."""
     keys: set[str] = set()
     seen = False
-    for row in lines.select(LINE).limit(SAMPLE_LINES).collect():
+    for row in (
+        lines.where(F.trim(F.col(LINE)) != F.lit("")).select(LINE).limit(SAMPLE_LINES).collect()
+    ):
         try:
             obj = json.loads(row[0])
         except ValueError:
@@ -75,7 +83,8 @@ def decoded(
             (n, FieldType.parse(s).type, FieldType.parse(s).nullable) for n, s in schema.items()
         ),
     )
-    src = lines.select(LINE, FILE, (json_value(arrival) if arrival else F.lit(None)).alias(KNOWN))
+    arrives = (json_value(arrival) if arrival else F.lit(None)).alias(KNOWN)
+    src = lines.select(LINE, FILE, BLOCK, arrives)
     ddl = f"{spark_schema_ddl(opts)}, {KNOWN} string"
     out = src.mapInArrow(partial(_decode, opts), ddl)
     time_field = cfg.source.time_field
@@ -91,27 +100,34 @@ def decoded(
 
 
 def _decode(opts: SourceOptions, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """mapInArrow body: each run of one file's lines decoded as records of the `json` format
-    (one event per line, in order), the arrival text passed along."""
-    ctx = TaskContext.get()
-    part = ctx.partitionId() if ctx is not None else 0
+    """mapInArrow body: each run of one file part's lines decoded as records of the `json`
+    format (one event per non-blank line, in order), named by their line numbers, the arrival
+    text passed along."""
     decoder = Decoder(opts, ref_ms=0, stream="archive")
-    row = 0
+    part: tuple[str, int] | None = None  # the (file, block) whose lines are being read
+    read = 0  # its lines read so far
     for batch in batches:
-        values = batch.column(0).cast(pa.binary()).to_pylist()
-        files = batch.column(1)
-        n = len(values)
+        n = batch.num_rows
         if not n:
             continue
-        edges = np.flatnonzero(pc.not_equal(files[1:], files[:-1]).to_numpy(zero_copy_only=False))
-        starts = [0, *(edges + 1).tolist()]
-        known = batch.column(2)
+        text, files, blocks, known = (batch.column(j) for j in range(4))
+        values = text.cast(pa.binary()).to_pylist()
+        blank = pc.equal(pc.utf8_trim_whitespace(text), "").to_numpy(zero_copy_only=False)
+        moved = pc.or_(pc.not_equal(files[1:], files[:-1]), pc.not_equal(blocks[1:], blocks[:-1]))
+        starts = [0, *(np.flatnonzero(moved.to_numpy(zero_copy_only=False)) + 1).tolist()]
         for a, b in zip(starts, [*starts[1:], n], strict=True):
-            offsets = range(row + a, row + b)
-            at = a  # one row per record, in order: each chunk's rows follow the last one's
-            for rb in decoder.decode_records(values[a:b], offsets, [0] * (b - a), str(files[a]),
-                                             part):  # fmt: skip
-                yield rb.append_column(KNOWN, known.slice(at, len(rb)))
+            here = (str(files[a]), int(blocks[a].as_py()))
+            if here != part:
+                part, read = here, 0
+            rows = a + np.flatnonzero(~blank[a:b])
+            numbers = (read + 1 - a + rows).tolist()  # each row's line number in its part
+            read += b - a
+            if not len(rows):
+                continue
+            kept = known.take(pa.array(rows))
+            at = 0  # one row per record, in order
+            for rb in decoder.decode_records([values[i] for i in rows], numbers,
+                                             [0] * len(rows), *here):  # fmt: skip
+                yield rb.append_column(KNOWN, kept.slice(at, len(rb)))
                 at += len(rb)
-            assert at == b, f"the decoder gave {at - a} rows for {b - a} json records"
-        row += n
+            assert at == len(rows), f"the decoder gave {at} rows for {len(rows)} json records"
