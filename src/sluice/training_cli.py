@@ -158,11 +158,11 @@ def training_set(
             check_local_inputs(inputs)
             with spark_for(cfg, "sluice-training-set") as spark:
                 key_cols = key_columns(cfg, feats, key_map)
-                rows = read_table(spark, spine, None, key_cols)
+                rows = read_table(spark, spine, None, list(key_cols))
                 spine_warnings: list[str] = []
                 if ts in rows.columns:  # else the job's own check says so
                     t = to_ms(F.col(f"`{ts}`"), rows.schema[ts].dataType)
-                    keyed = [c for c in key_cols if c in rows.columns]
+                    keyed = {c: spec for c, spec in key_cols.items() if c in rows.columns}
                     spine_warnings = spine_problems(rows, t, ts, keyed)
                 for line in spine_warnings:
                     click.echo(f"training-set: warning: {line}", err=True)

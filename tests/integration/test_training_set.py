@@ -453,6 +453,45 @@ def test_the_store_answers_only_what_a_backfill_or_the_live_fold_wrote(
     assert [list(x) for x in stored[UNANSWERED]] == [[], []]
 
 
+def test_a_spine_key_of_another_type_is_read_as_its_field(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """A key field typed `long` and a spine whose column pandas made float64 (it has a gap):
+    42.0 is the key 42, from the archive and from the store alike, and the gap is no key (its
+    features null, said so). A key that is no long at all is warned about before the job."""
+    from pyspark.sql import functions as F
+
+    from sluice.config import config_from_dict
+    from sluice.offline.features import spine_problems
+    from tests.conftest import config_data
+
+    path, events = archive
+    data = config_data(redis_url, tmp_path)
+    data["metrics"].append({"name": "qty_txn", "key": ["qty"], "agg": "count", "slice": "10s",
+                            "retention": "1d"})  # fmt: skip
+    cfg = config_from_dict(data)
+    backfill(spark, cfg, str(path), metrics=["qty_txn"], until_ms=now_ms)
+    t = slice_start(now_ms - 5 * 60_000, 10_000) - 1  # a slice's end: the store answers it
+    qtys = events["qty"].value_counts().index[:3].tolist()
+    spine = pd.DataFrame({"qty": [float(q) for q in qtys] + [np.nan], "t": [t] * 4})
+    assert spine["qty"].dtype == np.float64
+    feats = {"qty_txn": ["10m"]}
+    offline = training_set(spark, cfg, spark.createDataFrame(spine), feats, ts="t",
+                           events=spark.read.parquet(str(path))).toPandas()  # fmt: skip
+    stored = training_set(spark, cfg, spark.createDataFrame(spine), feats, ts="t").toPandas()
+    lo = t - 10 * 60_000 + 1
+    for i, q in enumerate(qtys):
+        want = int(((events["qty"] == q) & (events["ts"] >= lo) & (events["ts"] <= t)).sum())
+        assert want > 0 and offline.loc[i, "qty_txn_10m"] == stored.loc[i, "qty_txn_10m"] == want
+    assert pd.isna(offline.loc[3, "qty_txn_10m"]) and pd.isna(stored.loc[3, "qty_txn_10m"])
+    assert list(stored.loc[3, UNANSWERED]) == ["qty_txn_10m: no time or key"]
+    odd = spark.createDataFrame(pd.DataFrame({"qty": ["7", "N/A", None], "t": [t] * 3}))
+    said = spine_problems(odd, F.col("t"), "t", {"qty": "long"})
+    assert "1 rows have a key that is not of its field's type (e.g. N/A in 'qty' (not a" \
+        " long))" in " ".join(said)  # fmt: skip
+    assert any("1 rows lack a key" in x for x in said)
+
+
 def _same(got: Any, want: Any) -> bool:
     if isinstance(want, dict):
         return dict(got or {}) == want

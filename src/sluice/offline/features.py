@@ -118,32 +118,54 @@ def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
         raise BadQuery(f"the spine already has columns {', '.join(clash)}", "features")
 
 
-def key_columns(cfg: Config, feats: list[Feature], keys: Mapping[str, str]) -> list[str]:
-    """The spine columns that hold the features' key fields (`keys` renames them)."""
-    out: dict[str, None] = {}
+def key_columns(cfg: Config, feats: list[Feature], keys: Mapping[str, str]) -> dict[str, str]:
+    """The spine columns that hold the features' key fields (`keys` renames them), each with
+    its field's type in `source.schema`."""
+    out: dict[str, str] = {}
     for name in windows_by_metric(cfg, feats):
         m = cfg.metric(name)
         assert m is not None
-        out.update({keys.get(f, f): None for f in m.key})
-    return list(out)
+        for f in m.key:
+            out.setdefault(keys.get(f, f), cfg.source.schema_[f])
+    return out
+
+
+def key_value(col: Column, spec: str) -> Column:
+    """A spine's key column as its field's type (`spec`, from `source.schema`), as the live
+    decoder types the field: the key the live writer built from it. A value that does not
+    convert is null (that row has no key)."""
+    return col.try_cast(spark_type(spec))
+
+
+def key_text(col: Column, spec: str) -> Column:
+    """`key_value` as text: the key part the store's hashes are named by."""
+    return key_value(col, spec).cast("string")
 
 
 # A spine whose latest time is before this many ms since the epoch (1973-03-03) holds seconds.
 SECONDS_BELOW = 10**11
 
 
-def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Sequence[str]) -> list[str]:
+def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, str]) -> list[str]:
     """What makes spine rows' features null without any fault of the events, said in words:
     rows with no time, with a time that is none (`t`: the `ts` column read as ms), with no
-    key, and times that look like epoch seconds. One small job over the spine."""
+    key, with a key that is not of its field's type (`key_cols`: column -> type), and times
+    that look like epoch seconds. One small job over the spine."""
     raw = F.col(f"`{ts}`")
-    no_key = F.lit(False)
-    for c in key_cols:
-        no_key = no_key | F.col(f"`{c}`").isNull()
+    no_key, bad_key = F.lit(False), F.lit(False)
+    bad_keys: list[Column] = []
+    for c, spec in key_cols.items():
+        col = F.col(f"`{c}`")
+        no_key = no_key | col.isNull()
+        wrong = col.isNotNull() & key_value(col, spec).isNull()
+        bad_key = bad_key | wrong
+        bad_keys.append(F.when(wrong, F.format_string(f"%s in {c!r} (not a {spec})", col)))
     got = spine.select(
         F.count_if(raw.isNull()).alias("no_time"),
         F.count_if(raw.isNotNull() & t.isNull()).alias("bad_time"),
         F.count_if(no_key).alias("no_key"),
+        F.count_if(~no_key & bad_key).alias("bad_key"),
+        F.first(F.coalesce(*bad_keys, F.lit(None)), True).alias("bad_key_e"),
         F.max(t).alias("latest"),
         F.first(F.when(raw.isNotNull() & t.isNull(), raw.cast("string")), True).alias("bad"),
     ).first()
@@ -167,6 +189,9 @@ def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Sequence[str]
     if got["no_key"]:
         out.append(f"{got['no_key']:,} rows lack a key ({' or '.join(key_cols)} is null):"
                    " the features of that key are null")  # fmt: skip
+    if got["bad_key"]:
+        out.append(f"{got['bad_key']:,} rows have a key that is not of its field's type (e.g."
+                   f" {got['bad_key_e']}): the features of that key are null")  # fmt: skip
     return out
 
 

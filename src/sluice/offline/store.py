@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from sluice import formula
 from sluice.config import Config
 from sluice.errors import SluiceError
-from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column
+from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_text
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for
 from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY
@@ -178,7 +178,8 @@ def store_values(
         fields = _bases(cfg, f.name)[0].key
         key_cols[f.name] = tuple(f"_k_{field}" for field in fields)
         for field in fields:
-            wanted[f"_k_{field}"] = F.col(f"`{keys.get(field, field)}`").cast("string")
+            wanted[f"_k_{field}"] = key_text(F.col(f"`{keys.get(field, field)}`"),
+                                             cfg.source.schema_[field])  # fmt: skip
     plan = _StorePlan(
         cfg=cfg,
         url=url,

@@ -55,9 +55,9 @@ from sluice.offline.features import (
     check_spine,
     feature_types,
     fold_aggs,
+    key_value,
     parse_features,
     part_column,
-    spark_type,
     windows_by_metric,
 )
 from sluice.offline.fold import offline_config, plan_specs, select_metrics
@@ -366,7 +366,7 @@ def training_set(
     for members in groups.values():
         first = members[0][1]
         fields = [
-            F.col(f"`{keys.get(f, f)}`").cast(spark_type(schema[f])).alias(f) for f in first.cfg.key
+            key_value(F.col(f"`{keys.get(f, f)}`"), schema[f]).alias(f) for f in first.cfg.key
         ]
         s = first.slice_ms
         passed = [F.struct(*[F.col(f"`{c}`") for c in spine.columns]).alias(SPINE)] if carry else []
