@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from sluice.clock import ManualClock
 from sluice.offline.backfill import backfill
 from sluice.offline.consistency import check
+from sluice.offline.events import read_archive
 from sluice.redis.keys import ANSWERS_KEY, CONSISTENCY_KEY, encode_key, slice_hash_key
 from sluice.server.app import create_app
 from sluice.slices.window import slice_start
@@ -105,3 +106,9 @@ def test_answers_match_the_archive_and_a_changed_slice_does_not(
     assert bad["online"] == bad["offline"] + 5 and bad["key"] == key
     assert orjson.loads(r.get(CONSISTENCY_KEY))["mismatched"] == 1
     assert isinstance(pd.Timestamp(report.at_ms, unit="ms"), pd.Timestamp)
+    # The same archive as JSON lines, its time field read from each line: the same verdict.
+    lines = tmp_path / "events.jsonl"
+    events.to_json(lines, orient="records", lines=True)
+    as_lines = read_archive(spark, str(lines), None, cfg.source.schema_)
+    report = check(spark, cfg, r, as_lines, str(lines), sample=1)
+    assert (report.mismatched, report.matched) == (1, 0), report.examples

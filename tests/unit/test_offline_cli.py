@@ -167,3 +167,26 @@ def test_the_summary_of_a_rerun_that_had_nothing_to_do() -> None:
         "  partitions: 0 written, 4 skipped (written by an earlier run of it)",
         "  nothing to do: an earlier run of it wrote every partition (--fresh writes again)",
     ]
+
+
+def test_by_default_the_offline_commands_fold_the_metrics_an_archive_holds() -> None:
+    """An archive holds events of `source.schema`: without names, a metric that folds a stage's
+    output is left out (not refused); named, it is refused with the reason."""
+    from sluice.config import config_from_dict
+    from sluice.errors import ConfigError
+    from sluice.offline.fold import select_metrics
+
+    cfg = config_from_dict({
+        "source": {"stream": "events", "schema": {"ts": "long", "card": "string"},
+                   "time_field": "ts"},
+        "stages": [{"name": "big", "from": "events", "sql": "SELECT * FROM input",
+                    "to": {"stream": "big"}}],
+        "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"},
+                    {"name": "big_count", "key": ["card"], "agg": "count", "from": "big"}],
+    })  # fmt: skip
+    assert [m.name for m in select_metrics(cfg, None)] == ["txn_count"]
+    with pytest.raises(ConfigError, match="folds the stage output 'big'"):
+        select_metrics(cfg, ["big_count"])
+    only_stage = cfg.model_copy(update={"metrics": cfg.metrics[1:]})
+    with pytest.raises(ConfigError, match="no metric folds the source's events"):
+        select_metrics(only_stage, None)

@@ -39,8 +39,8 @@ from pyspark.sql import functions as F
 from sluice import formula
 from sluice.config import Config
 from sluice.offline.answers import cell_states
-from sluice.offline.events import TimeBounds, archive_events
-from sluice.offline.fold import offline_config, plan_specs, select_metrics
+from sluice.offline.events import TimeBounds, archive_events, event_time
+from sluice.offline.fold import folds_source, offline_config, plan_specs, select_metrics
 from sluice.pipeline.plan import explode_updates
 from sluice.query.engine import integral_value
 from sluice.redis.keys import ANSWERS_KEY, CONSISTENCY_KEY, encode_key
@@ -211,6 +211,13 @@ def _inputs(cfg: Config, name: str) -> list[str]:
     return [name] if d is None else formula.names(formula.parse(d.expr))
 
 
+def _recomputable(cfg: Config, name: str) -> bool:
+    """Whether an archive of source events gives the metric `name` (a derived one: all of its
+    inputs): not where it folds a stage's output stream."""
+    bases = [cfg.metric(n) for n in _inputs(cfg, name)]
+    return all(b is not None and folds_source(cfg, b) for b in bases)
+
+
 def check(
     spark: SparkSession, cfg: Config, client: Any, events: DataFrame, input_name: str,
     sample: int = 1000, arrival: str | None = None, settle_ms: int = SETTLE_MS,
@@ -220,8 +227,10 @@ def check(
     report = Report(at_ms=int(time.time() * 1000), input=input_name)
     samples = read_samples(client, sample)
     report.samples = len(samples)
-    known = {m.name for m in cfg.metrics} | {d.name for d in cfg.derived}
-    lo = events.select(F.min(F.col(f"`{cfg.source.time_field}`"))).first()
+    names = [m.name for m in cfg.metrics] + [d.name for d in cfg.derived]
+    known = {n for n in names if _recomputable(cfg, n)}
+    ts = event_time(events, cfg)
+    lo = None if ts is None else events.select(F.min(ts)).first()
     first_ms = None if lo is None or lo[0] is None else int(lo[0])
     due: list[Sample] = []
     for s in samples:

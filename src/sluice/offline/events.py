@@ -160,19 +160,26 @@ def _why(e: Exception) -> str:
     return type(e).__name__
 
 
+def event_time(raw: DataFrame, cfg: Config) -> Column | None:
+    """A row of `raw` (`read_archive`)'s event time in epoch ms, null where it is none; None
+    when the input has no time column at all."""
+    time_field = cfg.source.time_field
+    have = {f.name: f.dataType for f in raw.schema.fields}
+    if time_field is None:
+        return None
+    if LINE in have:  # JSON lines: the time key's text
+        return to_ms(json_value(time_field), T.StringType())
+    if time_field in have:
+        return to_ms(F.col(f"`{time_field}`"), have[time_field])
+    return None
+
+
 def outside(raw: DataFrame, cfg: Config, bounds: TimeBounds) -> tuple[int, int]:
     """How many rows of `raw` (`read_archive`) have an event time before `bounds` and how many
     at or after it: rows that are not read past the scan, counted so that none goes unsaid.
     One job over the time column alone."""
-    time_field = cfg.source.time_field
-    have = {f.name: f.dataType for f in raw.schema.fields}
-    if time_field is None or (bounds.start_ms is None and bounds.until_ms is None):
-        return 0, 0
-    if LINE in have:  # JSON lines: the time key's text
-        ts = to_ms(json_value(time_field), T.StringType())
-    elif time_field in have:
-        ts = to_ms(F.col(f"`{time_field}`"), have[time_field])
-    else:
+    ts = event_time(raw, cfg)
+    if ts is None or (bounds.start_ms is None and bounds.until_ms is None):
         return 0, 0
     before = F.count_if(ts < F.lit(bounds.start_ms)) if bounds.start_ms is not None else F.lit(0)
     after = F.count_if(ts >= F.lit(bounds.until_ms)) if bounds.until_ms is not None else F.lit(0)

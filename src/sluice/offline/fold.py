@@ -24,10 +24,16 @@ from sluice.pipeline.plan import (
 )
 
 
+def folds_source(cfg: Config, m: MetricConfig) -> bool:
+    """Whether `m` folds the source's events (not a stage's output stream): what an archive of
+    events of `source.schema` can be folded into."""
+    return m.from_ in (None, cfg.source.stream)
+
+
 def select_metrics(cfg: Config, names: Sequence[str] | None) -> list[MetricConfig]:
-    """The metrics named (all of them for None), in the config's order. Raises ConfigError for
-    a name the config does not define, and for a metric that folds a stage's output stream
-    (an archive holds events of the source's schema)."""
+    """The metrics named (for None, all that fold the source's events), in the config's order.
+    Raises ConfigError for a name the config does not define, and for a named metric that folds
+    a stage's output stream (an archive holds events of the source's schema)."""
     known = {m.name: m for m in cfg.metrics}
     derived = {d.name for d in cfg.derived}
     for name in names or ():
@@ -37,9 +43,16 @@ def select_metrics(cfg: Config, names: Sequence[str] | None) -> list[MetricConfi
                 f"metric {name!r} is {what}; the config's metrics are {', '.join(known)}",
                 "metrics",
             )
-    chosen = [m for m in cfg.metrics if names is None or m.name in names]
+    if names is None:
+        chosen = [m for m in cfg.metrics if folds_source(cfg, m)]
+        if not chosen:
+            raise ConfigError("no metric folds the source's events: each folds a stage's"
+                              " output, which an archive of source events does not hold",
+                              "metrics")  # fmt: skip
+        return chosen
+    chosen = [m for m in cfg.metrics if m.name in names]
     for m in chosen:
-        if m.from_ not in (None, cfg.source.stream):
+        if not folds_source(cfg, m):
             raise ConfigError(
                 f"metric {m.name!r} folds the stage output {m.from_!r}; offline input holds"
                 f" events of source.schema, so fold it from its own archive",
