@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from sluice.pipeline import slice_restore
-from sluice.pipeline.slice_restore import plan_restores
+from sluice.pipeline.slice_restore import mostly_stored, plan_restores
 from sluice.pipeline.slice_writes import build_calls, send_calls
 from sluice.redis.dump import ZIPLIST_LIMITS, ziplist_limits
 from sluice.redis.keys import slice_hash_key
@@ -116,15 +116,18 @@ def test_restored_hashes_are_the_scripts_byte_for_byte(
     rng = np.random.default_rng(7)
     rows = _rows(agg, "via-script", rng, seam)
     twin = [(k.replace("via-script", "via-restore"), s, v) for k, s, v in rows]
-    # A live fold wrote keys 0-9 first, at the seam and before it (replaced by the archive).
+    # A live fold wrote every sixth key first, at the seam and before it (replaced by the
+    # archive): fewer than half of them, so the RESTOREs go on past them.
     a = AGGS[agg]
     live = [(slice_hash_key(m, f"k{i}"), s, [1] * a.width)
-            for m in ("via-script", "via-restore") for i in range(10)
+            for m in ("via-script", "via-restore") for i in range(0, 60, 6)
             for s in (seam, seam - SLICE_MS)]  # fmt: skip
     head, keys, starts, states = _columns(live, agg)
     assert send_calls(client, build_calls(3, head, keys, starts, states, cluster))[0][0] == 40
     calls_before = _restore_calls(client, cluster)
     want = _scripted(client, rows, agg, cluster, seam)
+    twin_keys = _columns(twin, agg)[1]
+    assert not mostly_stored(client, twin_keys)  # a sixth of them: RESTOREs are built
     got = _restored(client, twin, agg, cluster, seam)
     assert got == want and want[0] + want[2] == len(rows) and want[2] > 0
     assert _restore_calls(client, cluster) - calls_before == 59  # every key but the long one tried
@@ -136,7 +139,12 @@ def test_restored_hashes_are_the_scripts_byte_for_byte(
         assert ttl > 0 and abs(restored[k][1] - ttl) < 5_000
     assert scripted["k0"][0][str(seam).encode()] == f"3:{':'.join(['1'] * a.width)}".encode()
     # A second run (a task run again) meets every hash: the script replaces with the same texts.
+    # Half of the first round existed, so the RESTOREs stop there (on one Redis, the round sent
+    # ahead of those replies is read too).
+    assert mostly_stored(client, twin_keys)  # a writer asks first and sends none (writer.py)
+    calls_before = _restore_calls(client, cluster)
     assert _restored(client, twin, agg, cluster, seam) == want
+    assert _restore_calls(client, cluster) - calls_before == (7 if cluster else 14)
     again = _stored(client, "via-restore")
     assert all(again[k][0] == restored[k][0] for k in restored)
 

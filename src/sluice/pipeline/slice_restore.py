@@ -13,7 +13,10 @@ plain hash type, from which Redis builds the same hash.
 
 `RESTORE` without `REPLACE` refuses a key that exists (`BUSYKEY`): such a hash (the live fold
 or an earlier run wrote it) goes through the script, which merges with what is stored, and so
-does a key with more slices than one script run takes (SLICES_PER_RUN). Both commands are
+does a key with more slices than one script run takes (SLICES_PER_RUN). Once half the hashes
+sent so far existed (a re-run over the same archive, a store the live fold has filled), the
+rest go to the script without a `RESTORE` first; and where half of a few hashes asked about
+first exist (`mostly_stored`), no `RESTORE` is built at all. Both commands are
 atomic, so a live fold writing at the same time sees the hash either before (and the script
 path merges) or after (and keeps off the slices before `_b`). A Redis that refuses the command
 itself (an ACL without `@dangerous`, a renamed command, a future DUMP format) sends the rest of
@@ -60,6 +63,7 @@ except ImportError:  # pragma: no cover - a build without a C compiler
     _items_in_c = None
 
 COMMANDS_PER_ROUND_TRIP = 1024
+PROBES = 64  # slice hashes asked about before a task's RESTOREs are built (`mostly_stored`)
 
 
 @dataclass
@@ -111,12 +115,20 @@ class Restores:
         created = np.zeros(n, dtype=bool)
         if not n:
             return created
-        if self.cluster:
-            pipe = client.pipeline(transaction=False)
-            for key, (expiry, payload) in zip(self.key_names, self.args, strict=True):
-                pipe.execute_command("RESTORE", key, expiry, payload, "ABSTTL")
-            replies = pipe.execute(raise_on_error=False)
-            return np.array([not isinstance(r, Exception) for r in replies], dtype=bool)
+        if self.cluster:  # a round at a time, each split over the masters by the client
+            existing = 0
+            for a in range(0, n, COMMANDS_PER_ROUND_TRIP):
+                b = min(n, a + COMMANDS_PER_ROUND_TRIP)
+                pipe = client.pipeline(transaction=False)
+                for key, (expiry, payload) in zip(self.key_names[a:b], self.args[a:b],
+                                                  strict=True):  # fmt: skip
+                    pipe.execute_command("RESTORE", key, expiry, payload, "ABSTTL")
+                replies = pipe.execute(raise_on_error=False)
+                created[a:b] = [not isinstance(r, Exception) for r in replies]
+                existing += sum(isinstance(r, Exception) and _busy(r) for r in replies)
+                if existing + int(created[:b].sum()) < b or existing * 2 >= b:
+                    break  # refused for another reason than an existing key, or half existed
+            return created
         commands = self.commands
         assert commands is not None
         pool = client.connection_pool
@@ -131,23 +143,39 @@ class Restores:
         try:
             # Each round leaves before the last one's replies are read, so that Redis has
             # the next round to run while this side reads.
-            read, sent, refused = 0, send(0), False
+            read, sent, refused, existing = 0, send(0), False, 0
             while read < sent:
                 ahead = send(sent) if sent < n and not refused else sent
                 for i, reply in enumerate(read_replies(conn, reader, sent - read), read):
                     if isinstance(reply, ResponseError):
                         refused = refused or not _busy(reply)
+                        existing += 1
                     else:
                         created[i] = True
                 read, sent = sent, ahead
-            # Once Redis refuses the command itself, nothing more is sent: the script takes
-            # the rest (the round already on its way is read, and what it created counts).
+                refused = refused or existing * 2 >= read
+            # Once Redis refuses the command itself, or half the hashes so far existed (a
+            # re-run, a store the live fold filled: a refused RESTORE costs more than the
+            # script alone), nothing more is sent: the script takes the rest (the round
+            # already on its way is read, and what it created counts).
         except BaseException:
             conn.disconnect()
             raise
         finally:
             pool.release(conn)
         return created
+
+
+def mostly_stored(client: Any, keys: pa.Array, probes: int = PROBES) -> bool:
+    """Whether at least half of `probes` of the slice hashes `keys` (spread over them) exist
+    already: then `RESTORE`s would mostly be refused, and the script takes them all."""
+    if not len(keys):
+        return False
+    at = np.unique(np.linspace(0, len(keys) - 1, min(probes, len(keys))).astype(np.int64))
+    pipe = client.pipeline(transaction=False)
+    for name in keys.take(pa.array(at)).to_pylist():
+        pipe.exists(name)
+    return sum(pipe.execute()) * 2 >= len(at)
 
 
 def _busy(e: Exception) -> bool:

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 
 from sluice import collector
 from sluice.pipeline.plan import DEAD_G, MetricSpec
-from sluice.pipeline.slice_restore import plan_restores
+from sluice.pipeline.slice_restore import mostly_stored, plan_restores
 from sluice.pipeline.slice_writes import (
     REPLY_COUNTS,
     build_calls,
@@ -233,7 +233,7 @@ def apply_lua(
     starts = rows.col("s").take(take).to_numpy(zero_copy_only=False)
     head = (agg.state, sp.slice_ms, sp.retention_ms, agg.width)
     token = ctx.token if ctx.script_token is None else ctx.script_token
-    if ctx.script_token is not None and ctx.restore_new:
+    if ctx.script_token is not None and ctx.restore_new and not mostly_stored(client, keys):
         plan = plan_restores(ctx.script_token, head, keys, starts, states, ctx.cluster,
                              ctx.ziplist)  # fmt: skip
         restored = sender.submit(plan.run, client)
