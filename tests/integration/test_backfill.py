@@ -254,6 +254,13 @@ def test_a_file_rewritten_in_place_is_read_again_and_rows_outside_the_bounds_are
     again = backfill(spark, cfg, str(tmp_path / "day.parquet"), until_ms=now_ms)
     assert again.events == 25 and again.partitions_skipped == 0
     assert QueryEngine(cfg, r).query("merchant_txn", "m7", "10m", t)["value"] == 25
+    same = backfill(spark, cfg, str(tmp_path / "day.parquet"), until_ms=now_ms)
+    assert same.run == again.run and same.partitions_skipped == same.partitions
+    # what decides which rows count is part of the run: changed, every partition is written
+    strict = cfg.model_copy(update={"source": cfg.source.model_copy(
+        update={"max_string_bytes": 64})})  # fmt: skip
+    other = backfill(spark, strict, str(tmp_path / "day.parquet"), until_ms=now_ms)
+    assert other.run != again.run and other.partitions_skipped == 0 and other.events == 25
     pd.DataFrame({"ts": [t - 3_600_000, t, t, now_ms + 1], "card": "c2", "merchant": "m8",
                   "amount": 1.0, "qty": 1}).to_parquet(tmp_path / "wide.parquet")  # fmt: skip
     bounded = backfill(spark, cfg, str(tmp_path / "wide.parquet"), start_ms=t - 60_000,

@@ -373,6 +373,8 @@ def backfill(
     run = run_fingerprint(file_versions(spark, raw.inputFiles()), {
         "metrics": [m.model_dump(mode="json") for m in chosen], "seams": seams,
         "firsts": firsts, "fmt": fmt, "partitions": parts, "schema": cfg.source.schema_,
+        "source": cfg.source.model_dump(mode="json", include={"time_field", "max_future",
+                                                              "max_string_bytes"}),
     })  # fmt: skip
     run_key = f"{BACKFILL_PREFIX}:{run}"
     if fresh:

@@ -31,6 +31,7 @@ from pyspark.sql import functions as F
 from sluice import formula
 from sluice.config import Config
 from sluice.errors import SluiceError
+from sluice.offline.backfill import store_now_ms
 from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_text
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for
@@ -165,7 +166,7 @@ def store_values(
         raise SluiceError("no store to read: set `redis:` or give the archive with --input")
     client = client_for(url)
     try:
-        sec, usec = client.time()
+        now_ms = store_now_ms(client)
         seams, folding = (
             {k.decode(): int(v) for k, v in client.hgetall(key).items()}
             for key in (SEAMS_KEY, FOLDING_KEY)
@@ -183,7 +184,7 @@ def store_values(
     plan = _StorePlan(
         cfg=cfg,
         url=url,
-        now_ms=int(sec) * 1000 + int(usec) // 1000,
+        now_ms=now_ms,
         features=tuple((f.column, f.name, f.window_ms) for f in feats),
         keys=tuple(key_cols.items()),
         types=types,
