@@ -451,6 +451,20 @@ def test_the_store_answers_only_what_a_backfill_or_the_live_fold_wrote(
     r.hset(FOLDING_KEY, "txn_count", seam - 60_000)  # ... or before it: no gap
     stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
     assert [list(x) for x in stored[UNANSWERED]] == [[], []]
+    # A backfill from --start wrote nothing before it: a window reaching back past it is
+    # refused, one within it answered as the archive answers it.
+    start = before - 5 * 60_000 + 1
+    backfill(spark, cfg, str(path), metrics=["merchant_txn"], start_ms=start, until_ms=seam)
+    merchant = events["merchant"].value_counts().index[0]
+    spine = spark.createDataFrame(pd.DataFrame({"merchant": [merchant], "t": [before]}))
+    feats = {"merchant_txn": ["5m", "10m"]}
+    offline = training_set(spark, cfg, spine, feats, ts="t",
+                           events=spark.read.parquet(str(path))).toPandas()  # fmt: skip
+    stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+    assert stored.loc[0, "merchant_txn_5m"] == offline.loc[0, "merchant_txn_5m"] > 0
+    assert pd.isna(stored.loc[0, "merchant_txn_10m"]) and offline.loc[0, "merchant_txn_10m"] > 0
+    reasons = list(stored.loc[0, UNANSWERED])
+    assert len(reasons) == 1 and "before the history a backfill wrote" in reasons[0]
 
 
 def test_a_spine_key_of_another_type_is_read_as_its_field(

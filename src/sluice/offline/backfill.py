@@ -64,6 +64,7 @@ from sluice.redis.keys import (
     BACKFILL_RUNS_KEY,
     FOLDING_KEY,
     SEAMS_KEY,
+    STARTS_KEY,
     slice_hash_key,
 )
 from sluice.slices.aggs import AGGS, BLOB, HLL
@@ -457,12 +458,18 @@ def _seam_warnings(client: Any, seams: dict[str, int]) -> list[str]:
 
 
 def _record(client: Any, report: BackfillReport) -> None:
-    """Raise each metric's recorded seam (it never moves back) and keep the summary."""
+    """Raise each metric's recorded seam (it never moves back), lower its recorded start (the
+    earliest slice a backfill wrote from: 0 for a run without `--start`, which wrote the whole
+    archive) and keep the summary."""
     pipe = client.pipeline(transaction=False)
     old = client.hmget(SEAMS_KEY, list(report.seams))
     for (name, seam), prev in zip(report.seams.items(), old, strict=True):
         if prev is None or int(prev) < seam:
             pipe.hset(SEAMS_KEY, name, seam)
+    old = client.hmget(STARTS_KEY, list(report.first_slices))
+    for (name, first), prev in zip(report.first_slices.items(), old, strict=True):
+        if prev is None or int(prev) > (first or 0):
+            pipe.hset(STARTS_KEY, name, first or 0)
     pipe.lpush(BACKFILL_RUNS_KEY, orjson.dumps(report.as_dict()))
     pipe.ltrim(BACKFILL_RUNS_KEY, 0, RUNS_KEPT - 1)
     pipe.execute()

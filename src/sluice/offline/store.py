@@ -8,13 +8,15 @@ the metric's finest slice), and only while the window lies within the metric's r
 measured from the store's clock now. Every other value is null, and the row's
 `sluice_unanswered` column says which feature and why, rather than answering wrongly.
 
-The store holds a metric's history only where something wrote it: a backfill the slices before
-its seam (`sluice:{backfill}:seams`), the live fold those from its first whole slice after it
-began folding the metric (`sluice:{stats}:folding`). A window is answered only where they cover
-it: before the seam, after the live fold's start, or anywhere when the live fold began at or
-before the seam. A window in the gap between a seam and a later start, or one that reaches
-past what either wrote, is refused with its reason, as is a t less than `SETTLE_MS` before the
-store's clock (its slices may still be filling).
+The store holds a metric's history only where something wrote it: a backfill the slices from
+its start (`--start`; `sluice:{backfill}:starts`, the earliest over the runs, 0 for a run over
+the whole archive) to its seam (`sluice:{backfill}:seams`), the live fold those from its first
+whole slice after it began folding the metric (`sluice:{stats}:folding`). A window is answered
+only where they cover it: within the backfill's, after the live fold's start, or from the
+earlier of the two starts on when the live fold began at or before the seam. A window in the
+gap between a seam and a later start, or one that reaches before or past what either wrote,
+is refused with its reason, as is a t less than `SETTLE_MS` before the store's clock (its
+slices may still be filling).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from sluice.offline.backfill import store_now_ms
 from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_text
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for
-from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY
+from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY, STARTS_KEY
 from sluice.slices.window import slice_start
 from sluice.units import format_duration_ms, iso_ms
 
@@ -53,6 +55,7 @@ class _StorePlan:
     keys: tuple[tuple[str, tuple[str, ...]], ...]  # per feature name: its key columns (as read)
     types: dict[str, str]
     seams: dict[str, int]  # per metric: its newest backfill seam (ms)
+    starts: dict[str, int]  # per metric: the earliest slice a backfill wrote from (ms)
     folding: dict[str, int]  # per metric: when the live fold began folding it (ms)
 
 
@@ -81,21 +84,29 @@ def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
         if w_ms > m.retention or t - w_ms < plan.now_ms - m.retention:
             return f"the window reaches past {m.name!r}'s retention; give --input"
         why = _uncovered(m.name, slice_start(t - w_ms + 1, finest), t + 1, coarsest,
-                         plan.seams.get(m.name), plan.folding.get(m.name))  # fmt: skip
+                         plan.seams.get(m.name), plan.folding.get(m.name),
+                         plan.starts.get(m.name, 0))  # fmt: skip
         if why is not None:
             return why
     return None
 
 
 def _uncovered(name: str, lo: int, hi: int, coarsest: int, seam: int | None,
-               began: int | None) -> str | None:  # fmt: skip
-    """Why the slices [lo, hi) of `name` are not all written by a backfill (before `seam`) or
-    the live fold (from its first whole coarsest slice after `began`), or None."""
+               began: int | None, start: int = 0) -> str | None:  # fmt: skip
+    """Why the slices [lo, hi) of `name` are not all written by a backfill (from `start` to
+    `seam`) or the live fold (from its first whole coarsest slice after `began`), or None."""
     live_from = None if began is None else -(-began // coarsest) * coarsest
-    if seam is not None and hi <= seam:
+    if seam is not None and start <= lo and hi <= seam:
         return None
-    if live_from is not None and (lo >= live_from or (seam is not None and live_from <= seam)):
+    if live_from is not None and lo >= live_from:
         return None
+    if live_from is not None and seam is not None and live_from <= seam and start <= lo:
+        return None  # the backfill's slices, then the live fold's, with no gap between
+    if seam is not None and lo < start and (live_from is None or lo < live_from):
+        return (
+            f"the window starts before the history a backfill wrote of {name!r} (from"
+            f" {iso_ms(start)}: it ran with --start); give --input"
+        )
     if seam is None and live_from is None:
         return f"the store holds nothing of {name!r}: no backfill and no live fold wrote it"
     if live_from is None:
@@ -167,9 +178,9 @@ def store_values(
     client = client_for(url)
     try:
         now_ms = store_now_ms(client)
-        seams, folding = (
+        seams, folding, starts = (
             {k.decode(): int(v) for k, v in client.hgetall(key).items()}
-            for key in (SEAMS_KEY, FOLDING_KEY)
+            for key in (SEAMS_KEY, FOLDING_KEY, STARTS_KEY)
         )
     finally:
         client.close()
@@ -189,6 +200,7 @@ def store_values(
         keys=tuple(key_cols.items()),
         types=types,
         seams=seams,
+        starts=starts,
         folding=folding,
     )
     narrow = spine_in.select(ROW, t_ms, *[c.alias(n) for n, c in wanted.items()])

@@ -77,6 +77,7 @@ KEY_SEP = "|"
 FOLDING_KEY = f"{PREFIX}:{{stats}}:folding"
 BACKFILL_PREFIX = f"{PREFIX}:{{backfill}}"
 SEAMS_KEY = f"{BACKFILL_PREFIX}:seams"
+STARTS_KEY = f"{BACKFILL_PREFIX}:starts"  # per metric: the earliest slice a backfill wrote from
 BACKFILL_RUNS_KEY = f"{BACKFILL_PREFIX}:runs"
 ANSWERS_KEY = f"{PREFIX}:{{consistency}}:answers"
 CONSISTENCY_KEY = f"{PREFIX}:{{consistency}}:last"

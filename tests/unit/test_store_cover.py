@@ -1,0 +1,34 @@
+"""Which windows the slice store can answer for a training set (`offline.store._uncovered`):
+those within what a backfill (from its start to its seam) or the live fold (from its first
+whole slice) wrote, and nothing in a gap or before or past them."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.offline.store import _uncovered
+
+M = 60_000  # the coarsest slice here
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "seam", "began", "start", "why"),
+    [
+        (10 * M, 20 * M, 30 * M, None, 0, None),  # within a backfill over the whole archive
+        (10 * M, 20 * M, 30 * M, None, 10 * M, None),  # ... one that began at the window
+        (5 * M, 20 * M, 30 * M, None, 10 * M, "before the history a backfill wrote"),
+        (10 * M, 40 * M, 30 * M, None, 0, "past 'm''s backfill seam"),
+        (10 * M, 40 * M, 30 * M, 25 * M, 10 * M, None),  # backfill, then live: no gap
+        (5 * M, 40 * M, 30 * M, 25 * M, 10 * M, "before the history a backfill wrote"),
+        (5 * M, 40 * M, 30 * M, 4 * M, 10 * M, None),  # the live fold began even earlier
+        (10 * M, 40 * M, 30 * M, 35 * M, 0, "into the gap"),
+        (36 * M, 40 * M, 30 * M, 35 * M, 10 * M, None),  # the live fold's own
+        (10 * M, 20 * M, None, None, 0, "holds nothing"),
+        (10 * M, 20 * M, None, 15 * M, 0, "before the live fold began"),
+    ],
+)
+def test_a_window_is_answered_only_where_something_wrote_it(
+    lo: int, hi: int, seam: int | None, began: int | None, start: int, why: str | None
+) -> None:
+    got = _uncovered("m", lo, hi, M, seam, began, start)
+    assert (got is None) if why is None else (got is not None and why in got), got
