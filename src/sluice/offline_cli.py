@@ -121,10 +121,12 @@ class _Interrupts:
 
 
 @contextlib.contextmanager
-def spark_for(cfg: Config, app_name: str) -> Iterator[SparkSession]:
+def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSession]:
     """A Spark session for `cfg` (`build_spark`), stopped quietly when the block ends. The first
     Ctrl-C or SIGTERM while the block runs (Spark's start included) interrupts it: whatever it
-    raised becomes `Interrupted`. Blocks while Spark starts (seconds)."""
+    raised becomes `Interrupted`. A job that failed in a Python task (a Redis that refused a
+    write, a lost connection) becomes one line with the task's error, and `then` (what to do
+    next). Blocks while Spark starts (seconds)."""
     from sluice.pipeline.spark import build_spark
 
     jvm_stderr.batch_jobs()  # their failures end in one line of ours, not Spark's traces first
@@ -136,17 +138,45 @@ def spark_for(cfg: Config, app_name: str) -> Iterator[SparkSession]:
         spark = build_spark(cfg, app_name=app_name)
         interrupts.install()
         yield spark
-    except BaseException:
+    except BaseException as e:
         interrupts.armed = False
-        if interrupts.signum is None:
+        if interrupts.signum is not None:
+            raise Interrupted(interrupts.signum) from None
+        why = task_error(e)
+        if why is None:
             raise
-        raise Interrupted(interrupts.signum) from None
+        raise click.ClickException(f"a Spark task failed: {why}{then}") from None
     finally:
         interrupts.armed = False
         if spark is not None:
             stop_spark(spark)
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+
+
+def task_error(e: BaseException) -> str | None:
+    """The Python error a Spark job failed with, as its traceback's last line (`Type: message`,
+    the type without its module), or None when `e` is not a failed Python task of Spark's."""
+    if not type(e).__module__.startswith(("pyspark", "py4j")):
+        return None
+    lines = str(e).splitlines()
+    try:
+        at = next(i for i, x in enumerate(lines) if x.startswith("Traceback (most recent call"))
+    except StopIteration:
+        return None
+    last = None  # the last error line: an error raised while handling another comes after it
+    for line in lines[at + 1 :]:
+        if line.startswith("JVM stacktrace"):
+            break
+        if line and not line[0].isspace() and not line.startswith(_NOT_ERRORS):
+            last = line
+    if last is None:
+        return None
+    kind, sep, message = last.partition(": ")
+    return f"{kind.rsplit('.', 1)[-1]}: {message}" if sep else last
+
+
+_NOT_ERRORS = ("Traceback (most recent call", "During handling of", "The above exception")
 
 
 def check_local_inputs(paths: tuple[str, ...], what: str = "input") -> None:
@@ -320,7 +350,9 @@ def backfill(
                     " to now",
                     param_hint="'--until'",
                 )
-            with spark_for(cfg, "sluice-backfill") as spark:
+            again = (". What the store took stays: the same backfill run again skips the"
+                     " partitions it wrote and writes the rest (exact)")  # fmt: skip
+            with spark_for(cfg, "sluice-backfill", again) as spark:
                 report = run_backfill(
                     spark, cfg, list(inputs), fmt, names, start_ms, until_ms,
                     url=handle.url, fresh=fresh, progress_every_s=progress_every_s,

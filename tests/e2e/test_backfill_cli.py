@@ -169,3 +169,27 @@ def test_a_backfill_stopped_halfway_and_run_again_is_exact(
     assert f"{written} skipped (written by an earlier run of it)" in again.stderr
     assert 0 < report["events"] < len(events)  # only the partitions not written before
     assert check_below_seams(cfg, r, events, until, n=800) >= 50
+
+
+def test_a_store_that_refuses_the_writes_is_one_line_naming_its_error(tmp_path: Path) -> None:
+    """A Redis out of memory (`maxmemory`, no eviction) fails a write task: the command ends
+    with the task's error in one line and what to do, not Spark's and Python's traces."""
+    from sluice.redis.embedded import EmbeddedRedis
+
+    limits = ["maxmemory 3mb", "maxmemory-policy noeviction"]
+    full = EmbeddedRedis(tmp_path / "full", extra_config=limits)
+    full.start()
+    try:
+        path, _ = write_config(full.url, tmp_path)
+        now = time.time_ns() // 1_000_000
+        n = 60_000
+        pd.DataFrame({"ts": [now - 1_000 - 40 * i for i in range(n)],
+                      "card": [f"card-{i % 20_000}" for i in range(n)], "merchant": "m",
+                      "amount": 1.0, "qty": 1}).to_parquet(tmp_path / "big.parquet")  # fmt: skip
+        res = sluice("backfill", "-c", str(path), "--input", str(tmp_path / "big.parquet"))
+        line = one_error_line(res, spark=True)
+        assert line.startswith("Error: a Spark task failed: ResponseError: "), line
+        assert "OOM command not allowed" in line, line
+        assert line.endswith("skips the partitions it wrote and writes the rest (exact)"), line
+    finally:
+        full.stop()
