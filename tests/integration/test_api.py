@@ -96,6 +96,18 @@ def test_error_statuses_name_the_parameter(api: TestClient) -> None:
     )
     _error(api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "2d"}), 422, "retention")
     _error(api.get("/v1/metrics/pair_count", params={"key": "c1", "window": "1m"}), 400, "key")
+    # A window within the retention's length that starts before it (an old `end`): its older
+    # slices are removed, so it is refused, not answered short; one that starts within is not.
+    day = 86_400_000
+    old = time.time_ns() // 1_000_000 - day // 2
+    resp = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "23h", "end": old})
+    err = _error(resp, 422, "`end`")
+    assert "before the retention of 'txn_count' (1d back from now)" in err["message"], err
+    batch = api.post("/v1/query", json={"queries": [
+        {"metric": "txn_count", "key": ["c1"], "window": "23h", "end": old}]})  # fmt: skip
+    _error(batch, 422, "retention")
+    ok = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "11h", "end": old})
+    assert ok.status_code == 200, ok.text
 
 
 def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -> None:

@@ -163,8 +163,10 @@ class QueryEngine:
             keys = (key,) if type(key) is str else tuple(key) if type(key) is list else ()
             if len(keys) == plain[0] and all(type(k) is str and len(k) <= 4096 for k in keys):
                 window_ms = _parse_window_text(window, "window")
-                if window_ms <= plain[1]:
-                    return Lookup(metric, keys, window_ms, parse_end(end, self.clock.now_ms()))
+                now_ms = self.clock.now_ms()
+                end_ms = parse_end(end, now_ms)
+                if window_ms <= plain[1] and end_ms - window_ms >= now_ms - plain[1]:
+                    return Lookup(metric, keys, window_ms, end_ms)
         return self._lookup(metric, key, window, end)
 
     def _lookup(self, metric: Any, key: Sequence[Any] | Any, window: Any, end: Any) -> Lookup:
@@ -187,6 +189,8 @@ class QueryEngine:
         if any(len(k) > 4096 for k in keys):
             raise BadQuery("`key` value is longer than 4096 characters", "key")
         window_ms = parse_window(window)
+        now_ms = self.clock.now_ms()
+        end_ms = parse_end(end, now_ms)
         for m in base:
             if window_ms > m.retention:
                 raise BadQuery(
@@ -195,7 +199,16 @@ class QueryEngine:
                     "window",
                     status=422,
                 )
-        return Lookup(metric, tuple(keys), window_ms, parse_end(end, self.clock.now_ms()))
+            if end_ms - window_ms < now_ms - m.retention:  # its older slices are removed
+                raise BadQuery(
+                    f"the {format_duration_ms(window_ms)} window ending at `end` {end_ms} starts"
+                    f" {format_duration_ms(now_ms - m.retention - end_ms + window_ms)} before"
+                    f" the retention of {m.name!r} ({format_duration_ms(m.retention)} back from"
+                    " now): the slices there are removed",
+                    "end",
+                    status=422,
+                )
+        return Lookup(metric, tuple(keys), window_ms, end_ms)
 
     def _base_metrics(self, name: str) -> list[MetricConfig]:
         base = self._bases.get(name)
