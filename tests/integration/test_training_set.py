@@ -499,8 +499,10 @@ def test_a_spine_key_of_another_type_is_read_as_its_field(
         assert want > 0 and offline.loc[i, "qty_txn_10m"] == stored.loc[i, "qty_txn_10m"] == want
     assert pd.isna(offline.loc[3, "qty_txn_10m"]) and pd.isna(stored.loc[3, "qty_txn_10m"])
     assert list(stored.loc[3, UNANSWERED]) == ["qty_txn_10m: no time or key"]
-    odd = spark.createDataFrame(pd.DataFrame({"qty": ["7", "N/A", None], "t": [t] * 3}))
+    odd = spark.createDataFrame(pd.DataFrame({"qty": ["7", "N/A", None, "8"],
+                                              "t": [t, t, t, t // 1000]}))  # fmt: skip
     said = spine_problems(odd, F.col("t"), "t", {"qty": "long"})
+    assert f"1 rows have a 't' that looks like epoch seconds (e.g. {t // 1000})" in " ".join(said)
     assert "1 rows have a key that is not of its field's type (e.g. N/A in 'qty' (not a" \
         " long))" in " ".join(said)  # fmt: skip
     assert any("1 rows lack a key" in x for x in said)

@@ -142,7 +142,7 @@ def key_text(col: Column, spec: str) -> Column:
     return key_value(col, spec).cast("string")
 
 
-# A spine whose latest time is before this many ms since the epoch (1973-03-03) holds seconds.
+# A spine time before this many ms since the epoch (1973-03-03) is likely in seconds.
 SECONDS_BELOW = 10**11
 
 
@@ -166,7 +166,8 @@ def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, 
         F.count_if(no_key).alias("no_key"),
         F.count_if(~no_key & bad_key).alias("bad_key"),
         F.first(F.coalesce(*bad_keys, F.lit(None)), True).alias("bad_key_e"),
-        F.max(t).alias("latest"),
+        F.count_if((t > 0) & (t < SECONDS_BELOW)).alias("seconds"),
+        F.first(F.when((t > 0) & (t < SECONDS_BELOW), t), True).alias("a_second"),
         F.first(F.when(raw.isNotNull() & t.isNull(), raw.cast("string")), True).alias("bad"),
     ).first()
     if got is None:
@@ -181,10 +182,10 @@ def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, 
             f"{got['bad_time']:,} rows have a {ts!r} that is no time (e.g. {got['bad']!r}; epoch"
             " ms, a timestamp or ISO 8601 are read): their features are null"
         )
-    if got["latest"] is not None and 0 < got["latest"] < SECONDS_BELOW:
+    if got["seconds"]:
         out.append(
-            f"{ts!r} looks like epoch seconds (its latest is {got['latest']}): times are read as"
-            " epoch ms; multiply by 1000"
+            f"{got['seconds']:,} rows have a {ts!r} that looks like epoch seconds (e.g."
+            f" {got['a_second']}): times are read as epoch ms; multiply by 1000"
         )
     if got["no_key"]:
         out.append(f"{got['no_key']:,} rows lack a key ({' or '.join(key_cols)} is null):"
