@@ -94,6 +94,7 @@ def test_a_backfill_answers_as_the_reference_and_a_rerun_changes_nothing(
     # The same run again: every partition was written, so none is written again.
     again = backfill(spark, cfg, str(where), until_ms=now_ms)
     assert again.partitions_skipped == again.partitions > 0 and again.run == report.run
+    assert any("nothing was read" in w for w in again.warnings), again.warnings
     assert slice_snapshot(r) == stored
     # Written again from scratch: the slices replace themselves with the same states.
     fresh = backfill(spark, cfg, str(where), until_ms=now_ms, fresh=True)
@@ -279,6 +280,11 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
     with gzip.open(tmp_path / "events.jsonl.gz", "wt") as f:
         f.write(json.dumps(row) + "\n")
     assert backfill(spark, cfg, str(tmp_path / "events.jsonl.gz"), until_ms=now_ms).events == 1
+    # a directory's format is the one its files' suffixes name
+    (tmp_path / "lines").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / "lines" / name).write_text(json.dumps(row) + "\n")
+    assert backfill(spark, cfg, str(tmp_path / "lines"), until_ms=now_ms).events == 2
     pd.DataFrame([row]).to_parquet(tmp_path / "more.parquet")
     with pytest.raises(ArchiveError, match="more than one format"):
         backfill(spark, cfg, [str(tmp_path / "events.jsonl.gz"), str(tmp_path / "more.parquet")],

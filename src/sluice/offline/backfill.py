@@ -392,6 +392,14 @@ def backfill(
     )
     report = BackfillReport(run, [m.name for m in chosen], seams, firsts, until)
     report.warnings += _seam_warnings(client, seams)
+    if not fresh and client.scard(f"{run_key}:done") >= parts:  # nothing to read or write
+        report.partitions = report.partitions_skipped = parts
+        report.warnings.append("this run wrote every partition already: nothing was read"
+                               " (--fresh writes them all again)")  # fmt: skip
+        report.elapsed_s = round(time.monotonic() - t0, 2)
+        _record(client, report)
+        client.close()
+        return report
     group = f"sluice-backfill-{run}"
     sc = spark.sparkContext
     sc.setJobGroup(group, f"sluice backfill {run}", interruptOnCancel=True)

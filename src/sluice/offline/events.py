@@ -86,8 +86,15 @@ class TimeBounds:
 
 
 def guess_format(path: str) -> str:
-    """The format named by a path's suffix, a compression suffix aside (`events.jsonl.gz`); a
-    directory or glob of Parquet files by default."""
+    """The format named by a path's suffix, a compression suffix aside (`events.jsonl.gz`); for
+    a local directory, the one its files' suffixes name when they all name one; else Parquet."""
+    local = path.removeprefix("file://")
+    if "://" not in local and os.path.isdir(local):
+        with os.scandir(local) as entries:
+            kinds = {guess_format(e.name) for e in entries
+                     if e.is_file() and not e.name.startswith(("_", "."))}  # fmt: skip
+        if len(kinds) == 1:
+            return kinds.pop()
     name = path.rstrip("/*").lower()
     stem, dot, last = name.rpartition(".")
     if dot and last in _COMPRESSED:
