@@ -262,6 +262,10 @@ def consistency(
             f" {report.missing:,} missing, {report.skipped:,} skipped of {report.samples:,}"
             " logged answers", err=True,
         )  # fmt: skip
+        if 0 < report.samples < sample:
+            click.echo(f"  (--sample {sample:,}: the store held {report.samples:,} logged"
+                       " answers; it keeps the newest server.log_answers_max)",
+                       err=True)  # fmt: skip
         for name, counts in sorted(report.metrics.items()):
             click.echo(f"  {name:<24} " + ", ".join(f"{v:,} {k}" for k, v in counts.items()),
                        err=True)  # fmt: skip

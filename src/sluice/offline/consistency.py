@@ -13,9 +13,10 @@ Each answer is then:
     matched      the same value (exactly; sums and averages of doubles to 1e-9 relative, the
                  README's stated exactness for IEEE sums in another order)
     mismatched   another value: the store does not hold what the archive says
-    missing      the metric is no longer configured, the archive holds nothing of the
-                 interval the answer covered, or it differs and the archive begins inside
-                 that interval (it may lack the events before its first)
+    missing      the metric is no longer configured or folds a stage's output, the archive
+                 holds nothing of the interval the answer covered, or it differs and the
+                 archive begins or ends inside that interval (it may lack the events before
+                 its first or after its last)
     skipped      the answer's last slice was still filling when it was served (its covered end
                  is less than `settle_ms` before the answer): events folded after it would
                  show as differences that are not errors
@@ -230,8 +231,8 @@ def check(
     names = [m.name for m in cfg.metrics] + [d.name for d in cfg.derived]
     known = {n for n in names if _recomputable(cfg, n)}
     ts = event_time(events, cfg)
-    lo = None if ts is None else events.select(F.min(ts)).first()
-    first_ms = None if lo is None or lo[0] is None else int(lo[0])
+    got = None if ts is None else events.select(F.min(ts), F.max(ts)).first()
+    first_ms, last_ms = (None, None) if got is None or got[0] is None else map(int, got)
     due: list[Sample] = []
     for s in samples:
         if s.metric not in known:
@@ -256,6 +257,8 @@ def check(
             report.count(s.metric, "matched")
         elif first_ms is not None and first_ms > s.covered_start:
             report.count(s.metric, "missing")  # the archive may begin after events it lacks
+        elif last_ms is not None and last_ms < s.covered_end - 1:
+            report.count(s.metric, "missing")  # ... or end before them
         else:
             report.count(s.metric, "mismatched")
             if len(report.examples) < EXAMPLES:
