@@ -135,11 +135,13 @@ def test_backfill_then_live_fold_then_a_late_event(
         # (a) the stream's events before the seam were skipped: the archive counted them.
         assert before_seam(r) > 0
         check_spanning(cfg, r, s.events, s.until)
-        # (c) a late event for a slice before the seam, after the backfill ran: the live fold
-        # skips it; the answers stay those of the archive.
+        # (c) late events for a slice before the seam, after the backfill ran: the live fold
+        # skips them, for a key the backfill wrote and for one it did not (its hash holds no
+        # seam yet), a count and a distinct alike; the answers stay those of the archive.
         card, merchant = s.events.card.mode()[0], s.events.merchant.mode()[0]
-        late = pd.DataFrame({"ts": [s.until - 30_000 + 123], "card": [card],
-                             "merchant": [merchant], "amount": [77.7], "qty": [5]})  # fmt: skip
+        late = pd.DataFrame({"ts": [s.until - 30_000 + 123, s.until - 30_000 + 456],
+                             "card": [card, "late-card"], "merchant": [merchant, merchant],
+                             "amount": [77.7, 1.5], "qty": [5, 1]})  # fmt: skip
         skipped = before_seam(r)
         produce(cfg, r, late)
         drain(fold)
@@ -149,12 +151,16 @@ def test_backfill_then_live_fold_then_a_late_event(
     engine = QueryEngine(cfg, r)
     window = {"window": "10m", "end": s.until + 60_000}
     n_before = engine.query("txn_count", [card], **window)["value"]
+    for metric in ("txn_count", "card_merchants"):
+        assert engine.query(metric, ["late-card"], **window)["value"] == 0, metric
     check_spanning(cfg, r, s.events, s.until)
     # A backfill re-run from an archive that has it: counted once.
     late.to_parquet(s.archive / "late.parquet")
     again = backfill(spark, cfg, str(s.archive), until_ms=s.until)
     assert again.run != report.run and again.partitions_skipped == 0
     assert engine.query("txn_count", [card], **window)["value"] == n_before + 1
+    for metric in ("txn_count", "card_merchants"):
+        assert engine.query(metric, ["late-card"], **window)["value"] == 1, metric
     check_spanning(cfg, r, pd.concat([s.events, late], ignore_index=True), s.until)
 
 

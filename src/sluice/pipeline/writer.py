@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +41,7 @@ from sluice.pipeline.slice_writes import (
 from sluice.redis.connection import client_for
 from sluice.redis.dump import ZIPLIST_LIMITS
 from sluice.redis.keys import (
+    SEAMS_KEY,
     dead_letter_marker_key,
     dead_letter_stream_key,
     slice_hash_key,
@@ -99,11 +100,23 @@ class WriterContext:
     ziplist: tuple[int, int] = ZIPLIST_LIMITS
 
 
+def backfill_seams(client: Any, specs: Sequence[MetricSpec]) -> dict[str, int]:
+    """The seams a backfill recorded for `specs`' metrics (`sluice:{backfill}:seams`). Before
+    a seam the archive is the truth: the live fold skips its updates of slices before it
+    (counted as before seam), whether or not the key's hash holds the seam (`_b`) yet, and for
+    every state alike (a distinct's HyperLogLogs as a count's slices)."""
+    names = sorted({sp.name for sp in specs})
+    got = client.hmget(SEAMS_KEY, names) if names else []
+    return {n: int(v) for n, v in zip(names, got, strict=True) if v is not None}
+
+
 class PartitionRows:
     """One writer partition's folded rows, as columns (see `plan.fold_updates`), and which of
     them the store failed to take (`failed`, for the audit's applied side)."""
 
     def __init__(self, batches: Iterator[pa.RecordBatch]) -> None:
+        self.seams: dict[str, int] = {}  # per metric, the live fold's (`backfill_seams`)
+        self.before_seam = 0  # updates of slices before their metric's seam, skipped
         got = [b for b in batches if b.num_rows]
         self.table = pa.Table.from_batches(got).combine_chunks() if got else None
         self.n = 0 if self.table is None else self.table.num_rows
@@ -120,9 +133,16 @@ class PartitionRows:
         return self.table.column(name).chunk(0) if self.table.column(name).num_chunks else None
 
     def rows_of(self, sp: MetricSpec) -> np.ndarray:
-        """The rows that carry an update of `sp`: its group's, with a key and a value."""
+        """The rows that carry an update of `sp`: its group's, with a key and a value, and not
+        of a slice before the metric's seam (those are counted in `before_seam`)."""
         n = np.nan_to_num(self.col(sp.column("n")).to_numpy(zero_copy_only=False))
-        return np.flatnonzero((self.g == sp.group) & self.k_valid & (n > 0))
+        idx = np.flatnonzero((self.g == sp.group) & self.k_valid & (n > 0))
+        seam = self.seams.get(sp.name)
+        if seam is None or not len(idx):
+            return idx
+        after = self.col("s").to_numpy(zero_copy_only=False)[idx] >= seam
+        self.before_seam += int(len(idx) - after.sum())
+        return idx[after]
 
     def stats(self) -> dict[str, Any]:
         """Good events, the exploded rows folded and the cells (rows here) they folded into,
@@ -183,6 +203,8 @@ def _write_rows(
     """One attempt at writing the partition: the [applied, duplicate, expired, before seam]
     totals and the dead letters by reason. Safe to repeat (see the module docstring)."""
     rows.failed[:] = False
+    rows.before_seam = 0
+    rows.seams = backfill_seams(client, ctx.specs) if rows.table is not None else {}
     totals = [0] * REPLY_COUNTS
     dead: list[str] = []
     if rows.table is not None:
@@ -203,6 +225,7 @@ def _write_rows(
             else:
                 parts.append(_apply_blob(client, ctx, rows, sp))
         totals = [sum(p[j] for p in parts) for j in range(REPLY_COUNTS)]
+        totals[3] += rows.before_seam
         dead = rows.col("k").filter(pa.array(rows.g == DEAD_G)).to_pylist()
     reasons = write_dead_letters(client, ctx, dead) if dead else {}
     return totals, reasons
