@@ -45,12 +45,13 @@ from sluice.offline.fold import folds_source, offline_config, plan_specs, select
 from sluice.pipeline.plan import explode_updates
 from sluice.query.engine import integral_value
 from sluice.redis.keys import ANSWERS_KEY, CONSISTENCY_KEY, encode_key
-from sluice.slices.aggs import AGGS, HLL
+from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import cover
 
 SETTLE_MS = 2_000
 EXAMPLES = 20
 INEXACT = ("avg", "stddev", "variance")  # and sums of doubles: see `_same`
+KLL_K = 200  # Spark's kll_sketch_agg_double: a slice's sketch keeps every value up to this many
 
 
 @dataclass
@@ -123,10 +124,11 @@ def _same(online: Any, offline: Any, inexact: bool) -> bool:
 
 def recompute(
     spark: SparkSession, cfg: Config, events: DataFrame, samples: Sequence[Sample],
-    arrival: str | None = None,
+    arrival: str | None = None, kept: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per sample id, per base metric it reads: the value the archive gives for the sample's
-    own cover (module docstring)."""
+    own cover (module docstring). `kept`, if given, gets the merged sketch sample of each
+    quantile answer (`_quantiles_agree`)."""
     names = sorted({n for s in samples for n in _inputs(cfg, s.metric)})
     chosen = select_metrics(cfg, names)
     cfg_off = offline_config(cfg, chosen)
@@ -187,7 +189,13 @@ def recompute(
         got = [c.asDict(recursive=True) for c in row["cells"]]
         cells_ = [{k[len(f"m{i}_"):]: v for k, v in c.items() if k.startswith(f"m{i}_")}
                   for c in got]  # fmt: skip
-        out.setdefault(row["sid"], {})[m.name] = _answer(agg, m, integral_value(cfg, m), cells_)
+        if agg.state == BLOB and kept is not None:  # the sample, kept for `_quantiles_agree`
+            merged = agg.merge(cell_states(agg, cells_))
+            kept.setdefault(row["sid"], {})[m.name] = merged
+            value = agg.finalize(merged, m, integral_value(cfg, m))
+        else:
+            value = _answer(agg, m, integral_value(cfg, m), cells_)
+        out.setdefault(row["sid"], {})[m.name] = value
     for sample in samples:  # no event in the cover: the empty answer
         for name in _inputs(cfg, sample.metric):
             if name not in out.get(sample.id, {}):
@@ -205,6 +213,38 @@ def _answer(agg: Any, m: Any, integral: bool, cells: list[dict[str, Any]]) -> An
 
         return agg.finalize(estimate({x for c in cells for x in (c["set"] or [])}), m, integral)
     return agg.finalize(agg.merge(cell_states(agg, cells)), m, integral)
+
+
+def _quantiles_agree(online: Any, merged: Any, m: Any) -> bool:
+    """Whether quantiles answered online are within the sketches' rank error of the archive's
+    sample (`aggs._kll_sample`: items, cumulative weights), where that sample was compacted (a
+    slice of more than KLL's k values): each side then compacted with random choices of its
+    own (online, each batch's sketch merged into the stored one), so the two differ within
+    that error. Without compaction both hold every value and must be equal."""
+    if merged is None or online is None:
+        return False
+    import numpy as np
+    from datasketches import kll_doubles_sketch
+
+    items, cum = merged
+    total = float(cum[-1])
+    if total <= len(items):  # every value kept, with weight 1: no room for a difference
+        return False
+    # Each side's error is within the sketch's (99 % bound) on its own; three times it bounds
+    # their difference but for a few in a million.
+    error = 3 * kll_doubles_sketch.get_normalized_rank_error(KLL_K, False)
+    values = online if isinstance(online, dict) else {str(m.quantiles()[0]): online}
+    for q in m.quantiles():
+        v = values.get(str(q))
+        if v is None:
+            return False
+        below = np.searchsorted(items, v, side="left")
+        upto = np.searchsorted(items, v, side="right")
+        lo = (float(cum[below - 1]) if below else 0.0) / total
+        hi = (float(cum[upto - 1]) if upto else 0.0) / total
+        if not lo - error <= q <= hi + error:
+            return False
+    return True
 
 
 def _inputs(cfg: Config, name: str) -> list[str]:
@@ -243,7 +283,8 @@ def check(
             report.count(s.metric, "missing")
         else:
             due.append(s)
-    values = recompute(spark, cfg, events, due, arrival) if due else {}
+    kept: dict[str, dict[str, Any]] = {}
+    values = recompute(spark, cfg, events, due, arrival, kept) if due else {}
     for s in due:
         parts = values.get(s.id, {})
         d = cfg.derived_metric(s.metric)
@@ -253,7 +294,10 @@ def check(
         else:
             offline = formula.evaluate(formula.parse(d.expr), parts)
             inexact = True
-        if _same(s.value, offline, inexact):
+        if _same(s.value, offline, inexact) or (
+            d is None
+            and _quantiles_agree(s.value, kept.get(s.id, {}).get(s.metric), cfg.metric(s.metric))
+        ):
             report.count(s.metric, "matched")
         elif first_ms is not None and first_ms > s.covered_start:
             report.count(s.metric, "missing")  # the archive may begin after events it lacks
