@@ -11,7 +11,8 @@ merges their states with `Agg.merge` in the order the query server reads them an
 Each answer is then:
 
     matched      the same value (exactly; sums and averages of doubles to 1e-9 relative, the
-                 README's stated exactness for IEEE sums in another order)
+                 README's stated exactness for IEEE sums in another order; quantiles over
+                 compacted sketches within their rank error, `_quantiles_agree`)
     mismatched   another value: the store does not hold what the archive says
     missing      the metric is no longer configured or folds a stage's output, the archive
                  holds nothing of the interval the answer covered, or it differs and the
