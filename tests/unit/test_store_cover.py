@@ -32,3 +32,23 @@ def test_a_window_is_answered_only_where_something_wrote_it(
 ) -> None:
     got = _uncovered("m", lo, hi, M, seam, began, start)
     assert (got is None) if why is None else (got is not None and why in got), got
+
+
+def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it() -> None:
+    """The oldest slice every key holds now is a retention back from the newest slice's end;
+    the live fold may move that on while the job reads, so a window starting within
+    TRIM_MARGIN_MS of it is refused, and one starting after that answered."""
+    from sluice.config import config_from_dict
+    from sluice.offline.store import TRIM_MARGIN_MS, _StorePlan, _why_not
+
+    cfg = config_from_dict({"metrics": [{"name": "m", "key": ["key"], "agg": "count",
+                                         "slice": "1m", "retention": "2h"}]})  # fmt: skip
+    now = 1_000 * 3_600_000 + 30_000  # mid-slice
+    plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
+                      types={}, seams={"m": now}, starts={}, folding={})  # fmt: skip
+    held_from = now - 30_000 - 2 * 3_600_000 + M  # the oldest slice's start every key holds
+    t = now - 30_000 - 10 * M - 1  # a slice's last millisecond, before the store's clock
+    edge = t + 1 - (held_from + TRIM_MARGIN_MS)  # the longest window that is answered
+    assert _why_not(plan, "m", t, edge) is None
+    why = _why_not(plan, "m", t, edge + M)
+    assert why is not None and "within 15m of it" in why, why

@@ -15,8 +15,9 @@ whole slice after it began folding the metric (`sluice:{stats}:folding`). A wind
 only where they cover it: within the backfill's, after the live fold's start, or from the
 earlier of the two starts on when the live fold began at or before the seam. A window in the
 gap between a seam and a later start, or one that reaches before or past what either wrote,
-is refused with its reason, as is a t less than `SETTLE_MS` before the store's clock (its
-slices may still be filling).
+is refused with its reason, as is a window that starts less than `TRIM_MARGIN_MS` after the
+oldest slice every key still holds (the live fold may trim it while the job reads), and a t
+less than `SETTLE_MS` before the store's clock (its slices may still be filling).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ from sluice.units import format_duration_ms, iso_ms
 UNANSWERED = "sluice_unanswered"
 LOOKUPS_PER_CALL = 1000
 SETTLE_MS = 2_000  # as `sluice consistency --settle`: a slice this recent may still be filling
+# A key keeps its slices of `retention` up to its newest one's end, and the live fold may move
+# that on while the job reads: windows must start this much after the oldest slice every key
+# holds now.
+TRIM_MARGIN_MS = 15 * 60_000
 
 
 @dataclass(frozen=True)
@@ -81,9 +86,15 @@ def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
                 f"t is inside a {format_duration_ms(finest)} slice of {m.name!r}: the store"
                 " cannot leave out its events after t; give --input"
             )
-        if w_ms > m.retention or t - w_ms < plan.now_ms - m.retention:
-            return f"the window reaches past {m.name!r}'s retention; give --input"
-        why = _uncovered(m.name, slice_start(t - w_ms + 1, finest), t + 1, coarsest,
+        lo = slice_start(t - w_ms + 1, finest)
+        held_from = slice_start(plan.now_ms, coarsest) - m.retention + coarsest
+        if w_ms > m.retention or lo < held_from + TRIM_MARGIN_MS:
+            return (
+                f"the window reaches past {m.name!r}'s retention, or within"
+                f" {format_duration_ms(TRIM_MARGIN_MS)} of it (slices from"
+                f" {iso_ms(held_from + TRIM_MARGIN_MS)} on stay while this runs); give --input"
+            )
+        why = _uncovered(m.name, lo, t + 1, coarsest,
                          plan.seams.get(m.name), plan.folding.get(m.name),
                          plan.starts.get(m.name, 0))  # fmt: skip
         if why is not None:
