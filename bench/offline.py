@@ -146,6 +146,12 @@ def backfill_workload(spark: Any, ws: Workspace, workload: str, a: Any) -> dict[
                 f" events/s, Redis {conf['cores']['redis']:.2f} cores, exact {conf['exact']}"
             )
             rnd_out |= {"conf": conf, "conf_ratio": conf["per_s"] / fill["per_s"]}
+        if a.rerun:  # the same backfill again over the store it filled, two ways
+            rerun = rerun_pair(spark, ws, cfg, str(where), until, a, f"{workload}-{rnd}", rnd)
+            log(f"{workload} round {rnd}: re-run {rerun['probe']['per_s']:,.0f} events/s,"
+                f" through the script only {rerun['script']['per_s']:,.0f}, exact"
+                f" {rerun['exact']}")  # fmt: skip
+            rnd_out |= {"rerun": rerun}
         if a.script_after:  # the same backfill with every hash through the slice script
             script = run_fill((), restore_new=False)
             log(f"{workload} round {rnd}: backfill through the script only:"
@@ -184,6 +190,51 @@ def backfill_run(spark: Any, ws: Workspace, cfg: Any, where: str, until: int, a:
     fill["exact"] = (stored == a.events == r["events"] and not r["dead"] and not r["expired"]
                      and not r["after_seam"])  # fmt: skip
     return fill
+
+
+def rerun_pair(spark: Any, ws: Workspace, cfg: Any, where: str, until: int, a: Any,
+               name: str, rnd: int) -> dict[str, Any]:  # fmt: skip
+    """A nightly re-run: one backfill into a fresh embedded Redis, then the same backfill again
+    into the store it filled (`fresh`: every partition written again), twice, in alternating
+    order per round: as users run it (each task asks whether its hashes exist before building
+    RESTOREs) and with every hash through the slice script. Rates of the re-runs; exact when
+    each left the store's `txn_count` summing to the events."""
+    srv = EmbeddedRedis(ws.state_dir(f"redis-{name}-rerun")).start()
+    try:
+        backfill(spark, cfg, where, until_ms=until, url=srv.url)
+        out: dict[str, Any] = {}
+        for side in ("probe", "script") if rnd % 2 else ("script", "probe"):
+            job = partial(backfill, spark, cfg, where, until_ms=until, url=srv.url, fresh=True,
+                          restore_new=side == "probe")  # fmt: skip
+            report, wall, cores, _ = timed(spark, job, srv.pid)
+            with redis.Redis.from_url(srv.url) as c:
+                stored = stored_count(c, "txn_count")
+            out[side] = {
+                "wall_s": wall,
+                "per_s": a.events / wall,
+                "cores": cores,
+                "slices": report.slices,
+                "exact": stored == a.events == report.events,
+            }
+    finally:
+        srv.stop()
+    out["ratio"] = out["probe"]["per_s"] / out["script"]["per_s"]
+    out["exact"] = out["probe"]["exact"] and out["script"]["exact"]
+    return out
+
+
+def summarize_rerun(warm: list[dict[str, Any]], bare: float) -> dict[str, Any]:
+    """The re-runs (`rerun_pair`) over the rounds: medians, and per round side by side."""
+    probe = statistics.median(r["rerun"]["probe"]["per_s"] for r in warm)
+    return {
+        "probe_per_s": probe,
+        "script_per_s": statistics.median(r["rerun"]["script"]["per_s"] for r in warm),
+        "ratio": statistics.median(r["rerun"]["ratio"] for r in warm),
+        "ratio_each": [r["rerun"]["ratio"] for r in warm],
+        "probe_bare_ratio": probe / bare,
+        "redis_cores": statistics.median(r["rerun"]["probe"]["cores"]["redis"] for r in warm),
+        "exact": all(r["rerun"]["exact"] for r in warm),
+    }
 
 
 def summarize_backfill(workload: str, a: Any, size: int, parts: int,
@@ -230,6 +281,7 @@ def summarize_backfill(workload: str, a: Any, size: int, parts: int,
         "exact": all(r["backfill"]["exact"] for r in rounds),
         **({"conf": summarize_conf(warm)} if "conf" in warm[0] else {}),
         **({"script": summarize_script(warm, bare)} if "script" in warm[0] else {}),
+        **({"rerun": summarize_rerun(warm, bare)} if "rerun" in warm[0] else {}),
         "cold": {"bare_per_s": rounds[0]["bare"]["per_s"],
                  "backfill_per_s": rounds[0]["backfill"]["per_s"], "ratio": rounds[0]["ratio"]},
         "rounds": rounds,
@@ -306,7 +358,7 @@ def backfill_part(spark: Any, ws: Workspace, a: Any) -> dict[str, Any]:
             "params": {"events": a.events, "rounds": a.rounds, "span_h": a.span_h,
                        "retention": RETENTION, "files": ARCHIVE_FILES,
                        "driver_memory": a.driver_memory, "conf_after": a.conf_after,
-                       "script_after": a.script_after}}  # fmt: skip
+                       "script_after": a.script_after, "rerun": a.rerun}}  # fmt: skip
 
 
 # -- training sets ---------------------------------------------------------------------------
@@ -521,12 +573,16 @@ def main() -> None:
                    help="backfill: per round, the backfill again into a Redis with this"
                         " redis.conf line added (repeatable; -> offline-backfill-conf.json)",
                    )  # fmt: skip
+    p.add_argument("--rerun", action="store_true",
+                   help="backfill: per round, the backfill again over the store it filled, as"
+                        " users run it and through the slice script only, side by side"
+                        " (-> offline-backfill-rerun.json)")  # fmt: skip
     p.add_argument("--script-after", action="store_true",
                    help="backfill: per round, the backfill again with every hash through the"
                         " slice script (no RESTORE), side by side")  # fmt: skip
     a = p.parse_args()
-    if (a.conf_after or a.script_after) and a.part != "backfill":
-        p.error("--conf-after and --script-after need --part backfill")
+    if (a.conf_after or a.script_after or a.rerun) and a.part != "backfill":
+        p.error("--conf-after, --script-after and --rerun need --part backfill")
     events, train_events, spines, cards = SIZES[a.quick]
     a.rounds = a.rounds or (1 if a.quick else 3)
     a.events, a.train_events = a.events or events, a.train_events or train_events
@@ -535,7 +591,7 @@ def main() -> None:
     if a.part != "all" and a.out is None:
         suffix = ".quick.json" if a.quick else ".json"
         keys = "-zipf" if a.part in ("training", "stages", "minmax") and a.keys == "zipf" else ""
-        keys += "-conf" if a.conf_after else ""
+        keys += "-conf" if a.conf_after else "-rerun" if a.rerun else ""
         a.out = Path(__file__).parent / "results" / f"offline-{a.part}{keys}{suffix}"
     run = Run("offline", a)
     from sluice.pipeline.spark import build_spark
@@ -546,7 +602,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for part in PARTS if a.part == "all" else (a.part,):
-            key = "backfill_conf" if a.conf_after else part  # not the backfill section's run
+            # a side run (a config line, re-runs) is not the backfill section's run
+            key = "backfill_conf" if a.conf_after else "backfill_rerun" if a.rerun else part
             fn = {"backfill": backfill_part, "training": training_part, "stages": stages,
                   "minmax": minmax}[part]  # fmt: skip
             results[key] = fn(spark, ws, a)

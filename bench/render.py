@@ -40,7 +40,8 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
             ["failover", "failover-six", "failover-highcard"],
             ["freshness", "freshness-highcard"],
-            ["offline", "offline-backfill", "offline-backfill-conf", "offline-training",
+            ["offline", "offline-backfill", "offline-backfill-conf", "offline-backfill-rerun",
+             "offline-training",
              "offline-training-zipf", "offline-stages", "offline-minmax"],
             ["soak"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
