@@ -27,6 +27,7 @@ import click
 from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
 from sluice.pipeline import jvm_stderr
+from sluice.redis.connection import server_now_ms
 from sluice.units import EPOCH, iso_ms
 
 if TYPE_CHECKING:
@@ -335,12 +336,11 @@ def backfill(
     try:
         with opened(config_path) as (cfg, handle):
             from sluice.offline.backfill import backfill as run_backfill
-            from sluice.offline.backfill import store_now_ms
             from sluice.offline.fold import select_metrics
 
             select_metrics(cfg, names)  # unknown names fail before Spark starts
             check_local_inputs(inputs)
-            now_ms = store_now_ms(handle.client)
+            now_ms = server_now_ms(handle.client)
             if until_ms is None:  # now, by the store's clock: said on Ctrl-C, to run again
                 until_ms = now_ms
             elif until_ms > now_ms:  # before Spark starts (the backfill says so too)

@@ -57,7 +57,7 @@ from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
 from sluice.pipeline.writer import PartitionRows, WriterContext, apply_hll, apply_lua
-from sluice.redis.connection import client_for
+from sluice.redis.connection import client_for, server_now_ms
 from sluice.redis.dump import ZIPLIST_LIMITS, ziplist_limits
 from sluice.redis.keys import (
     BACKFILL_PREFIX,
@@ -343,7 +343,7 @@ def backfill(
     if target is None:
         raise BackfillError("no Redis to write to: set `redis:` or pass `url`")
     client = client_for(target)
-    now_ms = store_now_ms(client)
+    now_ms = server_now_ms(client)
     until = now_ms if until_ms is None else until_ms
     if until > now_ms:
         raise BackfillError(
@@ -439,15 +439,6 @@ def backfill(
 
 def _or(value: int | None, default: int) -> int:
     return default if value is None else value
-
-
-def store_now_ms(client: Any) -> int:
-    """The store's clock: retention and expiry are measured by it (write_slices.lua)."""
-    reply = client.time()
-    if isinstance(reply, dict):  # a cluster client answers per node
-        reply = next(iter(reply.values()))
-    sec, usec = reply
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 def _seam_warnings(client: Any, seams: dict[str, int]) -> list[str]:

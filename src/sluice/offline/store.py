@@ -34,10 +34,9 @@ from pyspark.sql import functions as F
 from sluice import formula
 from sluice.config import Config
 from sluice.errors import SluiceError
-from sluice.offline.backfill import store_now_ms
 from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_text
 from sluice.query.engine import Lookup, QueryEngine
-from sluice.redis.connection import client_for
+from sluice.redis.connection import client_for, server_now_ms
 from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY, STARTS_KEY
 from sluice.slices.window import slice_start
 from sluice.units import format_duration_ms, iso_ms
@@ -188,7 +187,7 @@ def store_values(
         raise SluiceError("no store to read: set `redis:` or give the archive with --input")
     client = client_for(url)
     try:
-        now_ms = store_now_ms(client)
+        now_ms = server_now_ms(client)
         seams, folding, starts = (
             {k.decode(): int(v) for k, v in client.hgetall(key).items()}
             for key in (SEAMS_KEY, FOLDING_KEY, STARTS_KEY)

@@ -66,6 +66,16 @@ def is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
 
 
+def server_now_ms(client: Any) -> int:
+    """Redis's own clock in epoch ms (on a cluster, the first master's): the clock retention
+    and expiry are measured by (write_slices.lua)."""
+    reply = client.time()
+    if isinstance(reply, dict):  # a cluster client answers per node
+        reply = next(iter(reply.values()))
+    sec, usec = reply
+    return int(sec) * 1000 + int(usec) // 1000
+
+
 def check_reachable(url: str, timeout_s: float = 3.0) -> None:
     """PING the server (every master of a cluster); raise RedisUnavailable with a readable
     reason if it does not answer."""
