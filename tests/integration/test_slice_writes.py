@@ -103,9 +103,15 @@ def test_retention_drops_what_fell_behind(r: redis.Redis) -> None:
     key = slice_hash_key("m", "ret")
     old = NOW - RETENTION_MS
     assert _write(r, 1, "count", [(key, old, [1]), (key, old + SLICE_MS, [1])])[0] == [2, 0, 0, 0]
-    # The newest slice moves on by a retention: the two old ones go, an older update expires.
+    # The newest slice moves on by a retention and a slice: `old` goes and an update of it
+    # expires. `old + SLICE_MS` stays: a window as long as the retention, ending inside the newest
+    # slice, still starts in it.
     assert _write(r, 2, "count", [(key, NOW + SLICE_MS, [1]), (key, old, [4])])[0] == [1, 0, 1, 0]
-    assert set(r.hkeys(key)) == {str(NOW + SLICE_MS).encode(), b"_m"}
+    assert set(r.hkeys(key)) == {str(old + SLICE_MS).encode(), str(NOW + SLICE_MS).encode(), b"_m"}
+    # One slice more, and that one goes too.
+    assert _write(r, 3, "count", [(key, NOW + 2 * SLICE_MS, [1])])[0] == [1, 0, 0, 0]
+    assert set(r.hkeys(key)) == {str(NOW + SLICE_MS).encode(), str(NOW + 2 * SLICE_MS).encode(),
+                                 b"_m"}  # fmt: skip
 
 
 def test_a_reply_that_does_not_add_up_fails_its_call(r: redis.Redis) -> None:
@@ -163,7 +169,7 @@ def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis)
             starts = sorted(set(rng.choice(span, size=int(rng.integers(1, 4))).tolist()))
             hi, lo, counts = model.get(key, (None, None, {}))
             hi = max(starts) if hi is None else max(hi, *starts)
-            keep_from = hi - RETENTION_MS + SLICE_MS
+            keep_from = hi - RETENTION_MS
             lo = float("inf") if lo is None else lo
             for s in starts:
                 rows.append((key, s, [1]))

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 
+from sluice.clock import ManualClock
 from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.plan import explode_updates
 from sluice.pipeline.writer import write_partition
@@ -210,6 +211,23 @@ def test_retention_removes_expired_slices(
     # Redis 6.2 has no PEXPIRETIME: check the TTL against the expected expiry instead.
     expected_ttl = later + 10_000 + 60_000 - time.time_ns() // 1_000_000
     assert abs(r.pttl(key) - expected_ttl) < 5_000
+
+
+def test_a_window_as_long_as_the_retention_keeps_its_first_slice(
+    spark: Any, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """At t inside a key's newest slice, a window of the whole retention starts inside the slice
+    a retention before it: the store keeps that slice, so the answer has every slice it claims."""
+    two_h = {"name": "recent", "key": ["card"], "agg": "count", "slice": "10s", "retention": "2h"}
+    p = _pipeline(spark, redis_url, tmp_path, metrics=[two_h], derived=[])
+    edge = T0 - 2 * HOUR_MS
+    # The newest slice first: the hash expires by Redis's clock a retention after it, and T0 is
+    # up to two hours back.
+    _apply(p, spark, [_ev(T0 + 1_000)], 0, ref_ms=T0 + 1_000)
+    _apply(p, spark, [_ev(edge + 5_000)], 1, ref_ms=T0 + 1_000)
+    assert r.hexists("sluice:s:{recent|c1}", str(edge))
+    answer = QueryEngine(p.cfg, r, clock=ManualClock(T0 + 5_000)).query("recent", "c1", "2h")
+    assert answer["value"] == 2 and answer["covered_start"] == edge
 
 
 def test_bad_expired_and_future_events_are_dead_lettered_once(

@@ -86,7 +86,7 @@ def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
                 " cannot leave out its events after t; give --input"
             )
         lo = slice_start(t - w_ms + 1, finest)
-        held_from = slice_start(plan.now_ms, coarsest) - m.retention + coarsest
+        held_from = slice_start(plan.now_ms, coarsest) - m.retention
         if w_ms > m.retention or lo < held_from + TRIM_MARGIN_MS:
             return (
                 f"the window reaches past {m.name!r}'s retention, or within"

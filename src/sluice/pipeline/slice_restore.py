@@ -212,7 +212,7 @@ def plan_restores(
     first = np.flatnonzero(np.diff(codes_s, prepend=-1))  # each key's first row (sorted)
     count = np.diff(np.append(first, n))
     hi = starts_s[first + count - 1]
-    keep_from = hi - retention_ms + slice_ms
+    keep_from = hi - retention_ms
     key_of = np.repeat(np.arange(len(first)), count)
     keep = starts_s >= keep_from[key_of]
     kept = np.bincount(key_of, weights=keep, minlength=len(first)).astype(np.int64)

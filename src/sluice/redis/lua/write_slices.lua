@@ -23,6 +23,8 @@
 --   blob: an opaque value (a sketch merged by the caller), replaced, never parsed
 -- (Merging and number formatting come from _merge.lua, prepended.)
 -- Field `_m` holds "hi:lo": the newest slice start and a lower bound of the oldest, for retention.
+-- A key keeps its slices from hi - retention_ms on: a window as long as the retention that ends
+-- inside the newest slice starts in the oldest of them. Older updates count as expired.
 -- The hash expires once its newest slice is past retention: at hi + slice_ms + retention_ms,
 -- rounded up to a multiple of the expiry step, so that a key whose newest slice moves on needs a
 -- new PEXPIREAT only once per step. The writer sends that time for its own newest slice.
@@ -114,7 +116,7 @@ local function backfill_run(key, base, n, expire_at)
     old_hi, old_lo = tonumber(old_hi_s), tonumber(old_lo_s)
     if old_hi >= hi then hi, hi_s = old_hi, old_hi_s end
   end
-  local keep_from = hi - retention_ms + slice_ms
+  local keep_from = hi - retention_ms
   local first = 0  -- slices of the run below retention
   while first < n and tonumber(ARGV[base + 2 * first]) < keep_from do first = first + 1 end
   expired = expired + first
@@ -192,7 +194,7 @@ local function live_run(key, base, n, expire_at)
       if old_hi >= hi then hi, hi_s = old_hi, old_hi_s end
     end
     local lo = old_lo or 1e300
-    local keep_from = hi - retention_ms + slice_ms
+    local keep_from = hi - retention_ms
     local out, o = {}, 0
     for i = 1, n do
       local at = base + stride * (i - 1)
