@@ -35,7 +35,7 @@ def test_a_window_is_answered_only_where_something_wrote_it(
 
 
 def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it() -> None:
-    """The oldest slice every key holds now is a retention back from the newest slice's end;
+    """The oldest slice every key holds now is a retention back from the newest slice's start;
     the live fold may move that on while the job reads, so a window starting within
     TRIM_MARGIN_MS of it is refused, and one starting after that answered."""
     from sluice.config import config_from_dict
@@ -46,7 +46,7 @@ def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it(
     now = 1_000 * 3_600_000 + 30_000  # mid-slice
     plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
                       types={}, seams={"m": now}, starts={}, folding={})  # fmt: skip
-    held_from = now - 30_000 - 2 * 3_600_000 + M  # the oldest slice's start every key holds
+    held_from = now - 30_000 - 2 * 3_600_000  # the oldest slice's start every key holds
     t = now - 30_000 - 10 * M - 1  # a slice's last millisecond, before the store's clock
     edge = t + 1 - (held_from + TRIM_MARGIN_MS)  # the longest window that is answered
     assert _why_not(plan, "m", t, edge) is None
