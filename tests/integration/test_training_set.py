@@ -327,6 +327,40 @@ def test_no_event_after_t_counts(
     assert out.loc[t - 1, "txn_count_1h"] == 2 and out.loc[t - 1, "card_last_1h"] == 2.0
 
 
+def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
+    spark: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """As the live fold (tests/integration/test_store.py): a division by zero in `value` does
+    not count for that metric, a computed NaN or infinity leaves the event out, on a session
+    whose caller runs Spark's ANSI mode, which is theirs again after the call."""
+    by_card = {"key": ["card"], "slice": "10s", "retention": "1d"}
+    metrics = [
+        {"name": "txn_count", "agg": "count", **by_card},
+        {"name": "per_unit", "agg": "sum", "value": "amount / qty", **by_card},
+        {"name": "root", "agg": "sum", "value": "sqrt(amount)", **by_card},
+        {"name": "big", "agg": "max", "value": "amount * 1e307", **by_card},
+    ]
+    cfg = make_config(redis_url, tmp_path, metrics=metrics, derived=[])
+    t = 1_700_000_010_000
+    ev = pd.DataFrame({
+        "ts": [t - 4_000, t - 3_000, t - 2_000, t - 1_000], "card": ["c"] * 4,
+        "merchant": ["m"] * 4, "amount": [9.0, -1.0, 100.0, 4.0], "qty": [0, 1, 1, 2],
+    })  # fmt: skip
+    spine = spark.createDataFrame(pd.DataFrame({"card": ["c"], "t": [t]}))
+    spark.conf.set("spark.sql.ansi.enabled", "true")
+    try:
+        out = training_set(
+            spark, cfg, spine, ["txn_count:1m", "per_unit:1m", "root:1m", "big:1m"], ts="t",
+            events=spark.createDataFrame(ev),
+        ).toPandas()  # fmt: skip
+        assert spark.conf.get("spark.sql.ansi.enabled") == "true"
+    finally:
+        spark.conf.set("spark.sql.ansi.enabled", "false")
+    row = out.iloc[0]
+    assert row["txn_count_1m"] == 2 and row["per_unit_1m"] == 2.0
+    assert row["root_1m"] == 5.0 and row["big_1m"] == 9.0e307
+
+
 def test_as_known_at_counts_only_what_had_arrived(
     spark: Any, redis_url: str, tmp_path: Path, now_ms: int
 ) -> None:

@@ -56,6 +56,7 @@ from sluice.offline.events import (
 from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
+from sluice.pipeline.spark import expression_semantics
 from sluice.pipeline.writer import PartitionRows, WriterContext, apply_hll, apply_lua
 from sluice.redis.connection import client_for, server_now_ms
 from sluice.redis.dump import ZIPLIST_LIMITS, ziplist_limits
@@ -314,6 +315,7 @@ class _Watcher(threading.Thread):
                 log.debug("backfill progress", extra={"error": str(e)})
 
 
+@expression_semantics
 def backfill(
     spark: SparkSession,
     cfg: Config,

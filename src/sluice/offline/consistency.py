@@ -44,6 +44,7 @@ from sluice.offline.answers import cell_states
 from sluice.offline.events import TimeBounds, archive_events, event_time
 from sluice.offline.fold import folds_source, offline_config, plan_specs, select_metrics
 from sluice.pipeline.plan import explode_updates
+from sluice.pipeline.spark import expression_semantics
 from sluice.query.engine import integral_value
 from sluice.redis.keys import ANSWERS_KEY, CONSISTENCY_KEY, encode_key
 from sluice.slices.aggs import AGGS, BLOB, HLL
@@ -123,6 +124,7 @@ def _same(online: Any, offline: Any, inexact: bool) -> bool:
     return bool(online == offline)
 
 
+@expression_semantics
 def recompute(
     spark: SparkSession, cfg: Config, events: DataFrame, samples: Sequence[Sample],
     arrival: str | None = None, kept: dict[str, dict[str, Any]] | None = None,

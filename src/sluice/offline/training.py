@@ -64,6 +64,7 @@ from sluice.offline.fold import offline_config, plan_specs, select_metrics
 from sluice.offline.prefix import prefix_part
 from sluice.offline.store import store_values
 from sluice.pipeline.plan import MetricSpec, explode_updates, key_column
+from sluice.pipeline.spark import expression_semantics
 from sluice.query.engine import integral_value
 from sluice.slices.aggs import AGGS, Agg
 from sluice.slices.window import slice_start
@@ -283,6 +284,7 @@ def _reaches_less(members: list[tuple[int, _Metric]], spine: _Spine) -> bool:
 # -- the job ---------------------------------------------------------------------------------
 
 
+@expression_semantics
 def training_set(
     spark: SparkSession,
     cfg: Config,

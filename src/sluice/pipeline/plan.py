@@ -39,7 +39,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType, IntegralType, NumericType
 
-from sluice.config import Config
+from sluice.config import Config, MetricConfig
 from sluice.config.runtime import BYPASS_PARTIAL_AGGREGATION
 from sluice.errors import ConfigError
 from sluice.files import read_text, replace_text
@@ -187,12 +187,32 @@ def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
     ts = F.col("_ts")
     s = ts - F.pmod(ts, F.lit(spec.slice_ms))
     cond = good & (s + F.lit(spec.slice_ms) > F.col("_ref") - F.lit(m.retention))
+    value = F.expr(m.value) if m.value else F.lit(1)
+    return F.when(cond & _counted(m), value.cast(value_type(spec)))
+
+
+def _counted(m: MetricConfig) -> Column:
+    """Whether an event counts for metric `m` by its key fields and its filter."""
+    cond = F.lit(True)
     for k in m.key:
         cond = cond & F.col(f"`{k}`").isNotNull()
     if m.filter:
         cond = cond & F.coalesce(F.expr(m.filter), F.lit(False))
-    value = F.expr(m.value) if m.value else F.lit(1)
-    return F.when(cond, value.cast(value_type(spec)))
+    return cond
+
+
+def _non_finite(cfg: Config, specs: list[MetricSpec]) -> list[Column]:
+    """Per metric whose value is a computed double (an expression, not a field: a field's value
+    is checked when it is decoded): whether an event it counts gets NaN or ±infinity from it
+    (`sqrt(-1)`, `amount * 1e300`). Such an event is dead-lettered as `non_finite`, as such a
+    field is: a sum, an average or a maximum holding it would answer NaN from then on."""
+    out = []
+    for i in sorted({sp.metric for sp in specs if value_type(sp) == "double"}):
+        m = cfg.metrics[i]
+        if m.value and m.value not in cfg.source.schema_:
+            v = F.expr(m.value).cast("double")
+            out.append(_counted(m) & (F.isnan(v) | (F.abs(v) == F.lit(float("inf")))))
+    return out
 
 
 def dead_letter_json(reason: Column, fields: Iterable[str]) -> Column:
@@ -296,11 +316,14 @@ def _per_event(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> tuple
     and the next one reads it (names starting with `_` are reserved: no event field has one)."""
     ts, ref = F.col("_ts"), F.col("_ref")
     max_ret = max(m.retention for m in cfg.metrics)
-    reason = F.coalesce(
+    reasons = [
         F.col("_err"),
         F.when(ts > ref + F.lit(cfg.source.max_future), F.lit("future")),
         F.when(ts <= ref - F.lit(max_ret), F.lit("expired")),
-    )
+    ]
+    if bad_value := _non_finite(cfg, specs):
+        reasons.append(F.when(functools.reduce(Column.__or__, bad_value), F.lit("non_finite")))
+    reason = F.coalesce(*reasons)
     good = F.col("_reason").isNull()
     out = events.withColumn("_reason", reason)
     out = out.select("*", *[_value_column(cfg, sp, good).alias(f"_v{sp.index}") for sp in specs])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 from pyspark import SparkContext
 from pyspark.sql import SparkSession
@@ -31,6 +34,40 @@ log = logging.getLogger(__name__)
 DRIVER_THREAD_STACK = "64m"
 # Spark skips its per-row size check of Arrow batches when the byte bound is exactly this.
 ARROW_NO_BYTE_BOUND = 2**31 - 1
+# Metrics' `value` and `filter` expressions are evaluated as Spark SQL did before its ANSI mode:
+# an arithmetic error (a division by zero, an integer overflow) gives null for that event, which
+# then does not count for the metric, as any null value. Under ANSI mode one such event fails its
+# whole batch, again on every retry. The live fold's session has this from the start
+# (`build_spark`); the offline entry points set it for the plans they build on a session their
+# caller brings (`expression_semantics`), so that both fold the same events the same way.
+EXPRESSION_CONF = {"spark.sql.ansi.enabled": "false"}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def expression_semantics(
+    fn: Callable[Concatenate[SparkSession, P], R],
+) -> Callable[Concatenate[SparkSession, P], R]:
+    """Run `fn(spark, ...)` with EXPRESSION_CONF set on `spark`, and the caller's values back
+    after it. A DataFrame keeps the semantics it was planned with, so one that `fn` returns
+    runs the same later."""
+
+    @functools.wraps(fn)
+    def wrapper(spark: SparkSession, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        previous = {k: spark.conf.get(k, None) for k in EXPRESSION_CONF}
+        for k, v in EXPRESSION_CONF.items():
+            spark.conf.set(k, v)
+        try:
+            return fn(spark, *args, **kwargs)
+        finally:
+            for k, old in previous.items():
+                if old is None:
+                    spark.conf.unset(k)
+                else:
+                    spark.conf.set(k, old)
+
+    return wrapper
 
 
 def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
@@ -87,7 +124,7 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     if local:
         for k, v in local_fs_conf(cfg.spark.conf).items():  # checkpoint writes without chmod
             builder = builder.config(k, v)
-    for k, v in cfg.spark.conf.items():
+    for k, v in {**EXPRESSION_CONF, **cfg.spark.conf}.items():
         builder = builder.config(k, v)
     if submitted or SparkContext._gateway is not None:
         spark = builder.getOrCreate()  # the JVM runs already: its stderr is what it is
