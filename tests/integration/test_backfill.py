@@ -19,7 +19,9 @@ from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.offline.backfill import backfill, seam_of
 from sluice.offline.events import ArchiveError
+from sluice.offline.training import training_set
 from sluice.query.engine import QueryEngine
+from sluice.redis.connection import client_for
 from sluice.slices.window import slice_start
 from tests.conftest import make_config
 from tests.e2e.test_oracle import check, make_events, random_queries
@@ -105,6 +107,35 @@ def test_a_backfill_answers_as_the_reference_and_a_rerun_changes_nothing(
         report.seams
     )
     assert seen and seen[-1]["tasks"] >= seen[-1]["tasks_done"] >= 0
+
+
+def test_a_backfill_into_a_redis_cluster_answers_as_the_reference(
+    spark: Any, redis_cluster: Any, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """The same archive into a Redis Cluster of 3 masters (each write task's RESTOREs and
+    script calls grouped by slot, the seams on their own node): answers as DuckDB's, and a
+    training set from the cluster's store gives the archive's values. (Re-runs on a cluster:
+    tests/integration/test_slice_restore.py.)"""
+    redis_cluster.flushall()
+    where, events = archive
+    cfg = make_config(redis_cluster.url, tmp_path)
+    client = client_for(redis_cluster.url)
+    try:
+        report = backfill(spark, cfg, str(where), until_ms=now_ms)
+        assert report.events == N and report.dead == {} and report.slices > 0
+        assert check_below_seams(cfg, client, events, now_ms) >= 200
+        cards = events["card"].value_counts().index[:10].tolist()
+        ends = [slice_start(now_ms - k * 137_000, 60_000) - 1 for k in range(1, 21)]
+        spine = spark.createDataFrame(pd.DataFrame({"card": cards * 2, "t": ends}))
+        feats = {"txn_count": ["10m", "30m"], "card_max": ["17m"]}
+        from_store = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+        from_archive = training_set(spark, cfg, spine, feats, ts="t",
+                                    events=spark.read.parquet(str(where))).toPandas()  # fmt: skip
+        cols = ["card", "t", "txn_count_10m", "txn_count_30m", "card_max_17m"]
+        assert from_store[cols].equals(from_archive[cols])
+        assert from_store["txn_count_30m"].sum() > 0
+    finally:
+        client.close()
 
 
 def test_a_partial_store_is_made_exact_by_a_rerun(
