@@ -330,9 +330,9 @@ def test_no_event_after_t_counts(
 def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
     spark: Any, redis_url: str, tmp_path: Path
 ) -> None:
-    """As the live fold (tests/integration/test_store.py): a division by zero in `value` does
-    not count for that metric, a computed NaN or infinity leaves the event out, on a session
-    whose caller runs Spark's ANSI mode, which is theirs again after the call."""
+    """As the live fold (tests/integration/test_store.py): a division by zero or a computed NaN
+    or infinity in `value` is null for that metric only, on a session whose caller runs Spark's
+    ANSI mode, which is theirs again after the call; whichever features are asked for."""
     by_card = {"key": ["card"], "slice": "10s", "retention": "1d"}
     metrics = [
         {"name": "txn_count", "agg": "count", **by_card},
@@ -347,6 +347,7 @@ def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
         "merchant": ["m"] * 4, "amount": [9.0, -1.0, 100.0, 4.0], "qty": [0, 1, 1, 2],
     })  # fmt: skip
     spine = spark.createDataFrame(pd.DataFrame({"card": ["c"], "t": [t]}))
+    want = {"txn_count_1m": 4, "per_unit_1m": 101.0, "root_1m": 15.0, "big_1m": 9.0e307}
     spark.conf.set("spark.sql.ansi.enabled", "true")
     try:
         out = training_set(
@@ -354,11 +355,12 @@ def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
             events=spark.createDataFrame(ev),
         ).toPandas()  # fmt: skip
         assert spark.conf.get("spark.sql.ansi.enabled") == "true"
+        alone = training_set(spark, cfg, spine, ["txn_count:1m"], ts="t",
+                             events=spark.createDataFrame(ev)).toPandas()  # fmt: skip
     finally:
         spark.conf.set("spark.sql.ansi.enabled", "false")
-    row = out.iloc[0]
-    assert row["txn_count_1m"] == 2 and row["per_unit_1m"] == 2.0
-    assert row["root_1m"] == 5.0 and row["big_1m"] == 9.0e307
+    assert {c: out.iloc[0][c] for c in want} == want
+    assert alone.iloc[0]["txn_count_1m"] == 4
 
 
 def test_as_known_at_counts_only_what_had_arrived(

@@ -52,3 +52,23 @@ def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it(
     assert _why_not(plan, "m", t, edge) is None
     why = _why_not(plan, "m", t, edge + M)
     assert why is not None and "within 15m of it" in why, why
+
+
+def test_with_resolutions_the_bound_is_the_finest_slices_one() -> None:
+    """A window's start is read from the finest slices, which a key just written keeps from its
+    newest finest slice a retention back: up to a coarse slice later than the coarse ones."""
+    from sluice.config import config_from_dict
+    from sluice.offline.store import TRIM_MARGIN_MS, _StorePlan, _why_not
+
+    metric = {"name": "m", "key": ["key"], "agg": "count", "resolutions": ["1m", "1h"],
+              "retention": "2h"}  # fmt: skip
+    cfg = config_from_dict({"metrics": [metric]})
+    hour = 3_600_000
+    now = 1_000 * hour + 40 * M + 30_000  # 10:40:30 of some day
+    plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
+                      types={}, seams={"m": now}, starts={}, folding={})  # fmt: skip
+    held_from = 1_000 * hour + 40 * M - 2 * hour  # 08:40: the finest slices every key holds
+    t = 1_000 * hour + 30 * M - 1  # 10:29:59.999
+    edge = t + 1 - (held_from + TRIM_MARGIN_MS)
+    assert _why_not(plan, "m", t, edge) is None
+    assert _why_not(plan, "m", t, 2 * hour) is not None  # from 08:30: its first slices are gone

@@ -44,9 +44,9 @@ from sluice.units import format_duration_ms, iso_ms
 UNANSWERED = "sluice_unanswered"
 LOOKUPS_PER_CALL = 1000
 SETTLE_MS = 2_000  # as `sluice consistency --settle`: a slice this recent may still be filling
-# A key keeps its slices of `retention` up to its newest one's end, and the live fold may move
-# that on while the job reads: windows must start this much after the oldest slice every key
-# holds now.
+# A key keeps its newest slice and the `retention` before it, and the live fold may move that on
+# while the job reads: windows must start this much after the oldest slice every key holds now
+# (of the finest length: a window's start is read from those).
 TRIM_MARGIN_MS = 15 * 60_000
 
 
@@ -86,7 +86,7 @@ def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
                 " cannot leave out its events after t; give --input"
             )
         lo = slice_start(t - w_ms + 1, finest)
-        held_from = slice_start(plan.now_ms, coarsest) - m.retention
+        held_from = slice_start(plan.now_ms, finest) - m.retention
         if w_ms > m.retention or lo < held_from + TRIM_MARGIN_MS:
             return (
                 f"the window reaches past {m.name!r}'s retention, or within"

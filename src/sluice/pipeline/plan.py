@@ -184,11 +184,26 @@ def value_type(spec: MetricSpec) -> str:
 def _value_column(cfg: Config, spec: MetricSpec, good: Column) -> Column:
     """Metric `spec`'s value for this event, or null when the event does not count for it."""
     m = cfg.metrics[spec.metric]
+    cond = good & _kept(spec.slice_ms, m.retention) & _counted(m)
+    if not m.value:
+        return F.when(cond, F.lit(1).cast(value_type(spec)))
+    value = F.expr(m.value)
+    if spec.agg == "count":  # the events whose value is not null, whatever its type
+        return F.when(cond & value.isNotNull(), F.lit(1).cast(value_type(spec)))
+    value = value.cast(value_type(spec))
+    if value_type(spec) == "double" and m.value not in cfg.source.schema_:
+        # A computed NaN or ±infinity (`sqrt(-1)`, `amount * 1e307`) counts as null, as an
+        # arithmetic error does: a sum, an average or a maximum holding it would answer NaN
+        # for good. (A field's own NaN is a `non_finite` dead letter when it is decoded.)
+        cond = cond & ~F.isnan(value) & (F.abs(value) != F.lit(float("inf")))
+    return F.when(cond, value)
+
+
+def _kept(slice_ms: int, retention_ms: int) -> Column:
+    """Whether an event's slice of `slice_ms` ends within `retention_ms` of the batch's time: the
+    slice store keeps such a slice (a key's newest slice and the retention before it)."""
     ts = F.col("_ts")
-    s = ts - F.pmod(ts, F.lit(spec.slice_ms))
-    cond = good & (s + F.lit(spec.slice_ms) > F.col("_ref") - F.lit(m.retention))
-    value = F.expr(m.value) if m.value else F.lit(1)
-    return F.when(cond & _counted(m), value.cast(value_type(spec)))
+    return ts - F.pmod(ts, F.lit(slice_ms)) + F.lit(slice_ms) > F.col("_ref") - F.lit(retention_ms)
 
 
 def _counted(m: MetricConfig) -> Column:
@@ -199,20 +214,6 @@ def _counted(m: MetricConfig) -> Column:
     if m.filter:
         cond = cond & F.coalesce(F.expr(m.filter), F.lit(False))
     return cond
-
-
-def _non_finite(cfg: Config, specs: list[MetricSpec]) -> list[Column]:
-    """Per metric whose value is a computed double (an expression, not a field: a field's value
-    is checked when it is decoded): whether an event it counts gets NaN or ±infinity from it
-    (`sqrt(-1)`, `amount * 1e300`). Such an event is dead-lettered as `non_finite`, as such a
-    field is: a sum, an average or a maximum holding it would answer NaN from then on."""
-    out = []
-    for i in sorted({sp.metric for sp in specs if value_type(sp) == "double"}):
-        m = cfg.metrics[i]
-        if m.value and m.value not in cfg.source.schema_:
-            v = F.expr(m.value).cast("double")
-            out.append(_counted(m) & (F.isnan(v) | (F.abs(v) == F.lit(float("inf")))))
-    return out
 
 
 def dead_letter_json(reason: Column, fields: Iterable[str]) -> Column:
@@ -315,15 +316,14 @@ def _per_event(events: DataFrame, cfg: Config, specs: list[MetricSpec]) -> tuple
     number of groups. Each step is a projection of its own, so that Spark computes a column once
     and the next one reads it (names starting with `_` are reserved: no event field has one)."""
     ts, ref = F.col("_ts"), F.col("_ref")
-    max_ret = max(m.retention for m in cfg.metrics)
-    reasons = [
+    # Expired: no metric keeps the event's slice (of its finest length).
+    finest = {(sp.slice_ms, sp.retention_ms) for sp in specs if sp.resolution_ms is None}
+    kept = functools.reduce(Column.__or__, [_kept(*sr) for sr in sorted(finest)])
+    reason = F.coalesce(
         F.col("_err"),
         F.when(ts > ref + F.lit(cfg.source.max_future), F.lit("future")),
-        F.when(ts <= ref - F.lit(max_ret), F.lit("expired")),
-    ]
-    if bad_value := _non_finite(cfg, specs):
-        reasons.append(F.when(functools.reduce(Column.__or__, bad_value), F.lit("non_finite")))
-    reason = F.coalesce(*reasons)
+        F.when(~kept, F.lit("expired")),
+    )
     good = F.col("_reason").isNull()
     out = events.withColumn("_reason", reason)
     out = out.select("*", *[_value_column(cfg, sp, good).alias(f"_v{sp.index}") for sp in specs])

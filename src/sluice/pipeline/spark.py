@@ -35,11 +35,12 @@ DRIVER_THREAD_STACK = "64m"
 # Spark skips its per-row size check of Arrow batches when the byte bound is exactly this.
 ARROW_NO_BYTE_BOUND = 2**31 - 1
 # Metrics' `value` and `filter` expressions are evaluated as Spark SQL did before its ANSI mode:
-# an arithmetic error (a division by zero, an integer overflow) gives null for that event, which
-# then does not count for the metric, as any null value. Under ANSI mode one such event fails its
-# whole batch, again on every retry. The live fold's session has this from the start
-# (`build_spark`); the offline entry points set it for the plans they build on a session their
-# caller brings (`expression_semantics`), so that both fold the same events the same way.
+# a division by zero gives null for that event, which then does not count for the metric, as any
+# null value; an integer overflow wraps, as Java's arithmetic does. Under ANSI mode one such event
+# fails its whole batch, again on every retry. The live fold's session has this from the start,
+# whatever `spark.conf` says (`build_spark`); the offline entry points set it for the plans they
+# build on a session their caller brings (`expression_semantics`), so that both fold the same
+# events the same way.
 EXPRESSION_CONF = {"spark.sql.ansi.enabled": "false"}
 
 P = ParamSpec("P")
@@ -124,7 +125,7 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     if local:
         for k, v in local_fs_conf(cfg.spark.conf).items():  # checkpoint writes without chmod
             builder = builder.config(k, v)
-    for k, v in {**EXPRESSION_CONF, **cfg.spark.conf}.items():
+    for k, v in {**cfg.spark.conf, **EXPRESSION_CONF}.items():
         builder = builder.config(k, v)
     if submitted or SparkContext._gateway is not None:
         spark = builder.getOrCreate()  # the JVM runs already: its stderr is what it is
