@@ -44,6 +44,17 @@ def decoded_table(cfg: Config, events: Sequence[dict[str, Any]], ref_ms: int) ->
     return pa.Table.from_pydict(cols, schema=schema)
 
 
+_BY_CARD = {"key": ["card"], "slice": "10s", "retention": "1d"}
+# Metrics whose `value` can fail or not be finite: a division by zero (qty 0), a NaN (a negative
+# amount), an infinity (an amount of 18 or more); beside a plain count.
+EXPRESSION_METRICS = [
+    {"name": "txn_count", "agg": "count", **_BY_CARD},
+    {"name": "per_unit", "agg": "sum", "value": "amount / qty", **_BY_CARD},
+    {"name": "root", "agg": "sum", "value": "sqrt(amount)", **_BY_CARD},
+    {"name": "big", "agg": "max", "value": "amount * 1e307", **_BY_CARD},
+]
+
+
 def slice_snapshot(client: redis.Redis) -> dict[bytes, Any]:
     """Every slice hash (its fields) and slice HyperLogLog (its bytes), for comparisons."""
     out: dict[bytes, Any] = {k: client.hgetall(k) for k in client.scan_iter(match="sluice:s:*")}

@@ -19,7 +19,7 @@ from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from sluice.testing.faults import DropEvery
 from tests.conftest import make_config
-from tests.integration.helpers import decoded_table, slice_snapshot
+from tests.integration.helpers import EXPRESSION_METRICS, decoded_table, slice_snapshot
 
 pytestmark = pytest.mark.spark
 
@@ -266,14 +266,8 @@ def test_a_value_expression_that_fails_or_is_not_finite_never_fails_the_batch(
     metric only: the others count the event. Under Spark's ANSI mode the division failed the
     whole batch, on every retry; the NaN and the infinity were summed, and answered for good.
     A `count` of a string value counts it (it was cast to a number)."""
-    by_card = {"key": ["card"], "slice": "10s", "retention": "1d"}
-    metrics = [
-        {"name": "txn_count", "agg": "count", **by_card},
-        {"name": "per_unit", "agg": "sum", "value": "amount / qty", **by_card},
-        {"name": "root", "agg": "sum", "value": "sqrt(amount)", **by_card},
-        {"name": "big", "agg": "max", "value": "amount * 1e307", **by_card},
-        {"name": "with_merchant", "agg": "count", "value": "merchant", **by_card},
-    ]
+    with_merchant = {**EXPRESSION_METRICS[0], "name": "with_merchant", "value": "merchant"}
+    metrics = [*EXPRESSION_METRICS, with_merchant]
     p = _pipeline(spark, redis_url, tmp_path, metrics=metrics, derived=[])
     events = [
         _ev(T0 + 1_000, amount=9.0, qty=0),  # per_unit: 9 / 0

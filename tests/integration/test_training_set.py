@@ -26,6 +26,7 @@ from sluice.slices.window import slice_start
 from sluice.units import parse_duration_ms
 from tests.conftest import make_config
 from tests.e2e.test_oracle import REFERENCE_SQL, check_quantiles, make_events
+from tests.integration.helpers import EXPRESSION_METRICS
 
 pytestmark = [pytest.mark.spark]
 
@@ -333,14 +334,7 @@ def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
     """As the live fold (tests/integration/test_store.py): a division by zero or a computed NaN
     or infinity in `value` is null for that metric only, on a session whose caller runs Spark's
     ANSI mode, which is theirs again after the call; whichever features are asked for."""
-    by_card = {"key": ["card"], "slice": "10s", "retention": "1d"}
-    metrics = [
-        {"name": "txn_count", "agg": "count", **by_card},
-        {"name": "per_unit", "agg": "sum", "value": "amount / qty", **by_card},
-        {"name": "root", "agg": "sum", "value": "sqrt(amount)", **by_card},
-        {"name": "big", "agg": "max", "value": "amount * 1e307", **by_card},
-    ]
-    cfg = make_config(redis_url, tmp_path, metrics=metrics, derived=[])
+    cfg = make_config(redis_url, tmp_path, metrics=EXPRESSION_METRICS, derived=[])
     t = 1_700_000_010_000
     ev = pd.DataFrame({
         "ts": [t - 4_000, t - 3_000, t - 2_000, t - 1_000], "card": ["c"] * 4,
