@@ -31,15 +31,17 @@ NOW = time.time_ns() // 1_000_000 // SLICE_MS * SLICE_MS
 
 
 def _write(client: Any, token: int, agg: str, rows: list[tuple[str, int, list[Any]]],
-           cluster: bool = False) -> tuple[list[int], np.ndarray]:  # fmt: skip
-    """Slices (key, start, numbers) of `agg` through build_calls + send_calls."""
+           cluster: bool = False,
+           ref_ms: int | None = None) -> tuple[list[int], np.ndarray]:  # fmt: skip
+    """Slices (key, start, numbers) of `agg` through build_calls + send_calls, by a writer whose
+    reference time is `ref_ms`."""
     a = AGGS[agg]
     keys = pa.array([k for k, _, _ in rows], pa.string())
     starts = np.array([s for _, s, _ in rows], dtype=np.int64)
     cols = [pa.array([v[j] for _, _, v in rows]) for j in range(a.width)]
     states = [pc.cast(c, pa.string()) for c in cols]
     calls = build_calls(token, (a.state, SLICE_MS, RETENTION_MS, a.width), keys, starts, states,
-                        cluster)  # fmt: skip
+                        cluster, ref_ms)  # fmt: skip
     return send_calls(client, calls)
 
 
@@ -117,6 +119,31 @@ def test_retention_drops_what_fell_behind(r: redis.Redis) -> None:
                                  b"_m"}  # fmt: skip
 
 
+def test_a_key_ahead_of_the_writers_time_keeps_the_retention_before_that_time(
+    r: redis.Redis,
+) -> None:
+    """An event stamped in the future (up to `source.max_future` ahead) makes a key's newest slice
+    run ahead of now. The key still keeps every slice a window of the whole retention ending now
+    starts in: from the retention before the writer's reference time, not before the newest."""
+    now = time.time_ns() // 1_000_000 // SLICE_MS * SLICE_MS  # see the test above
+    ahead, edge = now + 30 * 60_000, now - RETENTION_MS
+    for key, ref, kept in [(slice_hash_key("m", "ahead"), now + 1_234, 3),
+                           (slice_hash_key("m", "ahead-no-ref"), None, 2)]:  # fmt: skip
+        assert _write(r, 1, "count", [(key, edge, [1]), (key, now, [1])], ref_ms=ref)[0] == [
+            2, 0, 0, 0]  # fmt: skip
+        # Without a reference time the key keeps the retention before its newest slice only.
+        got = _write(r, 2, "count", [(key, ahead, [1]), (key, edge, [1])], ref_ms=ref)[0]
+        assert got == ([2, 0, 0, 0] if ref else [1, 0, 1, 0])
+        assert r.hlen(key) - 1 == kept
+        assert _read(r, key, "count", edge, now)[-1] == (3 if ref else 1)  # the merged count
+    key = slice_hash_key("m", "ahead")
+    # The writer's time moves on by a slice: the edge slice falls behind the retention.
+    assert _write(r, 3, "count", [(key, now + SLICE_MS, [1])], ref_ms=now + SLICE_MS)[0] == [
+        1, 0, 0, 0]  # fmt: skip
+    assert not r.hexists(key, str(edge))
+    assert r.hget(key, "_m") == f"{ahead}:{edge + SLICE_MS}".encode()
+
+
 def test_a_reply_that_does_not_add_up_fails_its_call(r: redis.Redis) -> None:
     key = slice_hash_key("m", "short")
     calls = build_calls(1, ("count", SLICE_MS, RETENTION_MS, 1), pa.array([key]),
@@ -161,18 +188,21 @@ def test_calls_keep_to_one_slot_on_a_cluster(rc: Any) -> None:
 def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis) -> None:
     """`_m` ("newest:oldest bound"), the stored slices and the expiry after each of many batches
     of random slices, late ones and ones past retention among them, against a model of the
-    script's rules: `_m` is kept as text and rewritten only from the texts it is made of."""
+    script's rules: `_m` is kept as text and rewritten only from the texts it is made of. Each
+    batch has a reference time of its own (none in some), often behind a key's newest slice."""
     rng = np.random.default_rng(7)
     keys = [slice_hash_key("m", f"rnd{i}") for i in range(3)]
     model: dict[str, tuple[int, int, dict[int, int]]] = {}  # key -> (hi, lo, start -> count)
     span = np.arange(-RETENTION_MS // 2, 2 * RETENTION_MS, SLICE_MS) + NOW
     for token in range(1, 41):
         rows, want = [], [0, 0, 0, 0]
+        ref = None if token % 5 == 0 else NOW + int(rng.integers(0, 2 * RETENTION_MS))
         for key in keys[: 1 + token % 3]:
             starts = sorted(set(rng.choice(span, size=int(rng.integers(1, 4))).tolist()))
             hi, lo, counts = model.get(key, (None, None, {}))
             hi = max(starts) if hi is None else max(hi, *starts)
-            keep_from = hi - RETENTION_MS
+            keep_from = hi if ref is None else min(hi, ref - ref % SLICE_MS)
+            keep_from -= RETENTION_MS
             lo = float("inf") if lo is None else lo
             for s in starts:
                 rows.append((key, s, [1]))
@@ -186,7 +216,7 @@ def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis)
                 counts = {s: c for s, c in counts.items() if s >= keep_from}
                 lo = keep_from
             model[key] = (hi, int(lo), counts)
-        assert _write(r, token, "count", rows)[0] == want
+        assert _write(r, token, "count", rows, ref_ms=ref)[0] == want
         for key, (hi, lo, counts) in model.items():
             assert r.hget(key, "_m") == f"{hi}:{lo}".encode()
             stored = {int(f): int(v.split(b":")[1]) for f, v in r.hgetall(key).items()
@@ -197,17 +227,19 @@ def test_bounds_and_expiry_follow_a_model_through_random_batches(r: redis.Redis)
 
 
 def _backfill(client: Any, seam: int, agg: str, rows: list[tuple[str, int, list[Any]]],
-              cluster: bool = False, restore: bool = False) -> list[int]:  # fmt: skip
+              cluster: bool = False, restore: bool = False,
+              ref_ms: int | None = None) -> list[int]:  # fmt: skip
     """Slices written as a backfill writes them (token `b<seam>`): through the script only, or
     with RESTORE for the hashes that do not exist yet (`slice_restore`), as backfills do."""
     if not restore:
-        return _write(client, f"b{seam}", agg, rows, cluster)[0]  # type: ignore[arg-type]
+        return _write(client, f"b{seam}", agg, rows, cluster, ref_ms)[0]  # type: ignore[arg-type]
     a = AGGS[agg]
     keys = pa.array([k for k, _, _ in rows], pa.string())
     starts = np.array([s for _, s, _ in rows], dtype=np.int64)
     states = [pc.cast(pa.array([v[j] for _, _, v in rows]), pa.string()) for j in range(a.width)]
     head = (a.state, SLICE_MS, RETENTION_MS, a.width)
-    totals, failed = plan_restores(f"b{seam}", head, keys, starts, states, cluster).run(client)
+    plan = plan_restores(f"b{seam}", head, keys, starts, states, cluster, ref_ms=ref_ms)
+    totals, failed = plan.run(client)
     assert not failed.any()
     return totals
 
@@ -260,6 +292,26 @@ def test_a_backfill_keeps_retention(r: redis.Redis, restore: bool) -> None:
     assert _backfill(r, seam, "count", rows, restore=restore) == [1, 0, 1, 0]
     assert set(r.hkeys(key)) == {str(NOW).encode(), b"_m", b"_b"}
     assert r.pttl(key) > 0
+
+
+@BACKFILL_PATHS
+def test_a_backfill_keeps_what_a_key_ahead_of_now_still_answers(
+    r: redis.Redis, restore: bool
+) -> None:
+    """The live fold wrote a key's slice half an hour ahead (an event stamped in the future). A
+    backfill up to now keeps the key's slices from the retention before now, as the live fold
+    does: a window of the whole retention ending now starts there."""
+    now = time.time_ns() // 1_000_000 // SLICE_MS * SLICE_MS
+    ahead, edge = now + 30 * 60_000, now - RETENTION_MS
+    key = slice_hash_key("bf", f"ahead{restore}")
+    assert _write(r, 1, "count", [(key, ahead, [1])], ref_ms=now)[0] == [1, 0, 0, 0]
+    rows = [(key, edge - SLICE_MS, [1]), (key, edge, [2]), (key, now - SLICE_MS, [3])]
+    assert _backfill(r, now, "count", rows, restore=restore, ref_ms=now) == [2, 0, 1, 0]
+    assert r.hget(key, str(edge)) == b"0:2" and r.hget(key, "_m") == f"{ahead}:{edge}".encode()
+    # A new hash from a backfill keeps what the live fold would: from the retention before now.
+    fresh = slice_hash_key("bf", f"fresh{restore}")
+    assert _backfill(r, now, "count", [(fresh, edge, [4])], restore=restore, ref_ms=now + 1) == [
+        1, 0, 0, 0]  # fmt: skip
 
 
 @pytest.mark.parametrize("token", [3, f"b{NOW + SLICE_MS}"], ids=["live", "backfill"])

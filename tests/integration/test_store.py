@@ -39,6 +39,8 @@ def _apply(
     p: FoldQuery, spark: Any, events: list[dict[str, Any]], batch_id: int, ref_ms: int = T0 + 60_000
 ) -> dict[str, Any]:
     df = spark.createDataFrame(decoded_table(p.cfg, events, ref_ms))
+    # A batch handed in has no offset log entry: the writer's reference time is the clock's.
+    p.clock = ManualClock(ref_ms)
     return p.process_batch(explode_updates(df, p.cfg, list(p.specs)), batch_id)
 
 
@@ -231,6 +233,25 @@ def test_a_window_as_long_as_the_retention_keeps_its_first_slice(
     assert r.hexists("sluice:s:{recent|c1}", str(edge))
     answer = QueryEngine(p.cfg, r, clock=ManualClock(T0 + 5_000)).query("recent", "c1", "1d")
     assert answer["value"] == 3 and answer["covered_start"] == edge
+
+
+def test_an_event_stamped_in_the_future_leaves_the_keys_window_whole(
+    spark: Any, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """An event up to `source.max_future` ahead (a device's clock 30 minutes fast) makes its key's
+    newest slice run ahead of now. A window of the whole retention ending now still counts the
+    key's events from its start: the key kept them. It trimmed them before, keeping a
+    retention before its newest slice only, and answered 1 where 2 is right."""
+    hourly = {"name": "hourly", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1h"}
+    p = _pipeline(spark, redis_url, tmp_path, metrics=[hourly], derived=[])
+    now = time.time_ns() // 1_000_000
+    assert p.cfg.source.max_future >= HOUR_MS // 2
+    rec = _apply(p, spark, [_ev(now - 50 * 60_000), _ev(now - 1_000)], 0, ref_ms=now)
+    assert rec["dead"] == 0
+    _apply(p, spark, [_ev(now + 30 * 60_000)], 1, ref_ms=now)
+    q = QueryEngine(p.cfg, r, clock=ManualClock(now))
+    assert q.query("hourly", "c1", "1h")["value"] == 2
+    assert q.query("hourly", "c1", "1h", now + 31 * 60_000)["value"] == 2  # the last 1h, ahead
 
 
 def test_bad_expired_and_future_events_are_dead_lettered_once(

@@ -19,6 +19,7 @@ from sluice.redis.keys import key_slot
 from sluice.redis.scripts import WRITE_SLICES, script_sha
 
 SLICE_MS, RETENTION_MS = 10_000, 3_600_000
+REF_MS = 1_700_000_012_345  # the writer's reference time (write_slices.lua's ARGV[7])
 
 
 def _parse(payload: bytes) -> list[Any]:
@@ -70,6 +71,7 @@ def test_every_update_is_in_exactly_one_call(
         calls = build_calls(
             token, ("sum", SLICE_MS, RETENTION_MS, width), pa.array(keys, pa.string()),
             np.array(starts, dtype=np.int64), [pa.array(c, pa.string()) for c in states], cluster,
+            REF_MS,
         )  # fmt: skip
     finally:
         for name, value in old.items():
@@ -90,9 +92,10 @@ def test_every_update_is_in_exactly_one_call(
         assert slices < slices_per_call + per_run
         if cluster:
             assert len({key_slot(k) for k in call_keys}) == 1
-        assert args[:6] == [str(token), "sum", str(SLICE_MS), str(RETENTION_MS), str(width), step]
-        heads = args[6 : 6 + len(call_keys)]
-        body = args[6 + len(call_keys) :]
+        assert args[:7] == [str(token), "sum", str(SLICE_MS), str(RETENTION_MS), str(width), step,
+                            str(REF_MS)]  # fmt: skip
+        heads = args[7 : 7 + len(call_keys)]
+        body = args[7 + len(call_keys) :]
         # A key's head is its expiry, or "n:expiry" when it carries n > 1 slices.
         per_key = [h.split(":") if ":" in h else ["1", h] for h in heads]
         assert all(int(h.split(":")[0]) > 1 for h in heads if ":" in h)

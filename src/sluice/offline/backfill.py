@@ -145,6 +145,7 @@ class _Task:
     run_key: str
     restore_new: bool = True
     ziplist: tuple[int, int] = ZIPLIST_LIMITS  # the server's hash-max-ziplist-entries, -value
+    ref_ms: int | None = None  # the run's time (`WriterContext.ref_ms`)
 
 
 class _BoundedRows(PartitionRows):
@@ -182,7 +183,7 @@ def _replace_blobs(client: Any, task: _Task, rows: _BoundedRows, sp: MetricSpec)
         calls.append((slice_hash_key(sp.name, k, sp.resolution_ms), [*head, *flat], (k,)))
     failed: set[tuple[Any, ...]] = set()
     seam = task.bounds[sp.index][1]
-    totals = run_write_script(client, f"b{seam}", calls, failed, task.cluster)
+    totals = run_write_script(client, f"b{seam}", calls, failed, task.cluster, task.ref_ms)
     if failed:
         raise BackfillError(f"the store did not take {len(failed)} of {sp.name!r}'s sketch calls")
     return totals
@@ -214,7 +215,7 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
                         ctx = WriterContext(task.url, 0, task.specs, "", 0, task.cluster,
                                             script_token=f"b{seam}",
                                             restore_new=task.restore_new,
-                                            ziplist=task.ziplist)  # fmt: skip
+                                            ziplist=task.ziplist, ref_ms=task.ref_ms)  # fmt: skip
                         pending.append(apply_lua(client, ctx, rows, sp, sender))
                 parts += [done() for done in pending]
             for sp in task.specs:
@@ -391,6 +392,7 @@ def backfill(
         run_key=run_key,
         restore_new=restore_new,
         ziplist=ziplist_limits(client),
+        ref_ms=now_ms,
     )
     report = BackfillReport(run, [m.name for m in chosen], seams, firsts, until)
     report.warnings += _seam_warnings(client, seams)

@@ -215,6 +215,7 @@ class FoldQuery(StreamQuery):
             source_stream=self.cfg.source.stream,
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             cluster=is_cluster_url(self.redis.url),
+            ref_ms=started if offsets is None else offsets[1].get("ref", started),
         )
         events = offsets[1].get("events") if offsets is not None else None
         small = events is not None and events <= self._single_task

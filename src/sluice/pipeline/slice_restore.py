@@ -43,6 +43,7 @@ from sluice.pipeline.slice_writes import (
     as_text,
     build_calls,
     expire_at_ms,
+    keep_from_ms,
     read_replies,
     resp_bulks,
     send_calls,
@@ -78,6 +79,7 @@ class Restores:
     starts: np.ndarray
     states: list[pa.Array]
     cluster: bool
+    ref_ms: int | None = None  # the backfill's reference time (`keep_from_ms`)
     # Per command, its key's input rows: order[first[i] : first[i] + count[i]].
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -103,7 +105,8 @@ class Restores:
         if len(rows):
             take = pa.array(rows)
             calls = build_calls(self.token, self.head, self.keys.take(take), self.starts[rows],
-                                [s.take(take) for s in self.states], self.cluster)  # fmt: skip
+                                [s.take(take) for s in self.states], self.cluster,
+                                ref_ms=self.ref_ms)  # fmt: skip
             more, call_failed = send_calls(client, calls)
             totals = [a + b for a, b in zip(totals, more, strict=True)]
             failed[rows] = call_failed[calls.row_call]
@@ -196,12 +199,13 @@ def plan_restores(
     states: list[pa.Array],
     cluster: bool = False,
     limits: tuple[int, int] = ZIPLIST_LIMITS,
+    ref_ms: int | None = None,
 ) -> Restores:
     """The RESTOREs of a backfill's slice updates (`build_calls`'s arguments, `token` =
     `b<seam>`): one per key with at most SLICES_PER_RUN slices, the rest left to the script.
     `limits`: the server's (hash-max-ziplist-entries, hash-max-ziplist-value)."""
     _, slice_ms, retention_ms, _ = head
-    plan = Restores(token, head, keys, starts, list(states), cluster)
+    plan = Restores(token, head, keys, starts, list(states), cluster, ref_ms)
     n = len(keys)
     if not n:
         return plan
@@ -212,7 +216,7 @@ def plan_restores(
     first = np.flatnonzero(np.diff(codes_s, prepend=-1))  # each key's first row (sorted)
     count = np.diff(np.append(first, n))
     hi = starts_s[first + count - 1]
-    keep_from = hi - retention_ms
+    keep_from = keep_from_ms(hi, slice_ms, retention_ms, ref_ms)
     key_of = np.repeat(np.arange(len(first)), count)
     keep = starts_s >= keep_from[key_of]
     kept = np.bincount(key_of, weights=keep, minlength=len(first)).astype(np.int64)

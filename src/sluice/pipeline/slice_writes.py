@@ -60,6 +60,21 @@ def expire_at_ms(newest_ms: Any, slice_ms: int, retention_ms: int) -> Any:
     return -(-(newest_ms + slice_ms + retention_ms) // step) * step
 
 
+def keep_from_ms(newest_ms: Any, slice_ms: int, retention_ms: int, ref_ms: int | None) -> Any:
+    """The first slice start a hash whose newest slice starts at `newest_ms` keeps (ints or an
+    int64 array), as write_slices.lua decides it: a retention before its newest slice, or before
+    the slice of the writer's reference time `ref_ms` where the newest is ahead of that (an
+    event stamped in the future); None: the newest slice's."""
+    if ref_ms is None:
+        return newest_ms - retention_ms
+    return np.minimum(newest_ms, ref_ms - ref_ms % slice_ms) - retention_ms
+
+
+def ref_arg(ref_ms: int | None) -> str:
+    """write_slices.lua's reference time argument (ARGV[7]): empty for none."""
+    return "" if ref_ms is None else str(ref_ms)
+
+
 def as_text(values: np.ndarray) -> pa.Array:
     return pc.cast(pa.array(values), pa.string())
 
@@ -189,13 +204,14 @@ def build_calls(
     starts: np.ndarray,
     states: Sequence[pa.Array],
     cluster: bool = False,
+    ref_ms: int | None = None,
 ) -> Calls:
     """The write_slices.lua calls for slice updates of one metric resolution: per row its slice
     hash `keys`, its slice `starts` (ms) and its state's numbers as text (`states`, one column
     per number). `head` is (state, slice_ms, retention_ms, width); a (key, slice) pair appears
     once (the fold's rows are unique per (group, key, slice)). `token` is a writer token, or a
     backfill's `b<seam>` (write_slices.lua), whose slices go as the text they are stored as,
-    each key's in ascending order."""
+    each key's in ascending order. `ref_ms` is the writer's reference time (`keep_from_ms`)."""
     state, slice_ms, retention_ms, width = head
     n = len(keys)
     if not n:
@@ -212,7 +228,8 @@ def build_calls(
     per_key = _key_heads(counts, expire)
     slice_args = _interleave([as_text(starts_s), *[st.take(take) for st in states]])
     step = expiry_step_ms(slice_ms, retention_ms)
-    head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
+    head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step),
+                 ref_arg(ref_ms)]  # fmt: skip
     call_keys = np.append(np.flatnonzero(np.diff(key_call, prepend=-1)), len(run_keys))
     call_rows = np.append(run_start, n)[call_keys]
     calls = Calls([], [], [], np.repeat(key_call, counts)[np.argsort(order)])
@@ -350,6 +367,7 @@ def run_write_script(
     calls: list[tuple[str, list[Any], tuple[Any, ...]]],
     failed: set[tuple[Any, ...]],
     cluster: bool = False,
+    ref_ms: int | None = None,
 ) -> list[int]:
     """Run write_slices.lua over (key, args, dep) items, one per slice hash: `args` is
     `state, slice_ms, retention_ms, n, width` then n times `slice_start, v1 .. v_width`. Items
@@ -357,7 +375,7 @@ def run_write_script(
     (SLICES_PER_RUN, KEYS_PER_CALL, SLICES_PER_CALL), pipelined. A call whose reply does not
     account for every slice it carried puts the deps of its keys in `failed`. Returns
     [applied, duplicate, expired, before seam]. `token` is a writer token, or a backfill's
-    `b<seam>` (write_slices.lua)."""
+    `b<seam>` (write_slices.lua); `ref_ms` the writer's reference time (`keep_from_ms`)."""
     client.script_load(script_source(WRITE_SLICES))
     backfill = str(token).startswith("b")
     groups: dict[tuple[Any, ...], list[tuple[str, list[Any], tuple[Any, ...]]]] = {}
@@ -373,7 +391,8 @@ def run_write_script(
     deps: list[tuple[int, list[tuple[Any, ...]]]] = []
     for (state, slice_ms, retention_ms, width, _), runs in groups.items():
         step = expiry_step_ms(slice_ms, retention_ms)
-        head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step)]
+        head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step),
+                ref_arg(ref_ms)]  # fmt: skip
         stride = (1 if backfill else width) + 1
         j = 0
         while j < len(runs):

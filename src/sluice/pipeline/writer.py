@@ -98,6 +98,10 @@ class WriterContext:
     # as ziplists within the server's (hash-max-ziplist-entries, hash-max-ziplist-value).
     restore_new: bool = True
     ziplist: tuple[int, int] = ZIPLIST_LIMITS
+    # The writer's reference time (ms): a key keeps its slices from a retention before its
+    # newest slice, or before this time's slice where the newest is ahead of it (an event
+    # stamped in the future; `slice_writes.keep_from_ms`). None: before its newest slice.
+    ref_ms: int | None = None
 
 
 def backfill_seams(client: Any, specs: Sequence[MetricSpec]) -> dict[str, int]:
@@ -258,7 +262,7 @@ def apply_lua(
     token = ctx.token if ctx.script_token is None else ctx.script_token
     if ctx.script_token is not None and ctx.restore_new and not mostly_stored(client, keys):
         plan = plan_restores(ctx.script_token, head, keys, starts, states, ctx.cluster,
-                             ctx.ziplist)  # fmt: skip
+                             ctx.ziplist, ctx.ref_ms)  # fmt: skip
         restored = sender.submit(plan.run, client)
 
         def done_restored() -> list[int]:
@@ -267,7 +271,7 @@ def apply_lua(
             return totals
 
         return done_restored
-    calls = build_calls(token, head, keys, starts, states, ctx.cluster)
+    calls = build_calls(token, head, keys, starts, states, ctx.cluster, ctx.ref_ms)
     sent = sender.submit(send_calls, client, calls)
 
     def done() -> list[int]:
@@ -339,7 +343,7 @@ def _apply_blob(client: Any, ctx: WriterContext, rows: PartitionRows, sp: Metric
             key = slice_hash_key(sp.name, k, sp.resolution_ms)
             calls.append((key, [*head, *flat], ("l", sp.index, k)))
     failed: set[tuple[Any, ...]] = set()
-    totals = run_write_script(client, ctx.token, calls, failed, ctx.cluster)
+    totals = run_write_script(client, ctx.token, calls, failed, ctx.cluster, ctx.ref_ms)
     for dep in failed:
         rows.failed[row_of[dep]] = True
     totals[1] += dups

@@ -10,6 +10,8 @@
 --             fold's updates of a slice before a key's `_b` are skipped (counted as
 --             `before_seam`): before the seam the archive is the truth.
 -- ARGV[2..6]  state, slice_ms, retention_ms, width, expiry step (ms)
+-- ARGV[7]     the writer's reference time (ms): a live batch's, fixed when it was planned, or a
+--             backfill's run time; empty for none (see `_m` below)
 -- then per key k, one arg: the key's expiry (ms, as text) for its newest slice here (see
 --             below), prefixed by "n_k:" when the key carries n_k > 1 slices (most keys carry
 --             one, and an argument costs Redis more than the `find` that tells them apart);
@@ -24,7 +26,10 @@
 -- (Merging and number formatting come from _merge.lua, prepended.)
 -- Field `_m` holds "hi:lo": the newest slice start and a lower bound of the oldest, for retention.
 -- A key keeps its slices from hi - retention_ms on: a window as long as the retention that ends
--- inside the newest slice starts in the oldest of them. Older updates count as expired.
+-- inside the newest slice starts in the oldest of them. Older updates count as expired. Where hi
+-- is ahead of the slice of the reference time (an event stamped in the future, up to the
+-- source's max_future), that slice takes its place: a window of the whole retention ending now
+-- keeps every slice it starts in, whatever a key holds ahead of now.
 -- The hash expires once its newest slice is past retention: at hi + slice_ms + retention_ms,
 -- rounded up to a multiple of the expiry step, so that a key whose newest slice moves on needs a
 -- new PEXPIREAT only once per step. The writer sends that time for its own newest slice.
@@ -45,6 +50,8 @@ local slice_ms = tonumber(ARGV[3])
 local retention_ms = tonumber(ARGV[4])
 local width = tonumber(ARGV[5])
 local step = tonumber(ARGV[6])
+local ref = tonumber(ARGV[7])
+if ref then ref = ref - ref % slice_ms end
 local stride = seam_s and 2 or width + 1
 local call, ceil = redis.call, math.ceil
 local applied, dups, expired, before_seam = 0, 0, 0, 0
@@ -72,6 +79,12 @@ local function packed_of(at, prev)
   local packed = token_s
   for j = 1, width do packed = packed .. ':' .. fmt(u[j]) end
   return packed
+end
+
+-- The first slice a key keeps whose newest slice starts at hi (see `_m` above).
+local function keep_from_of(hi)
+  if ref and ref < hi then return ref - retention_ms end
+  return hi - retention_ms
 end
 
 local function expiry_step(hi)
@@ -116,7 +129,7 @@ local function backfill_run(key, base, n, expire_at)
     old_hi, old_lo = tonumber(old_hi_s), tonumber(old_lo_s)
     if old_hi >= hi then hi, hi_s = old_hi, old_hi_s end
   end
-  local keep_from = hi - retention_ms
+  local keep_from = keep_from_of(hi)
   local first = 0  -- slices of the run below retention
   while first < n and tonumber(ARGV[base + 2 * first]) < keep_from do first = first + 1 end
   expired = expired + first
@@ -194,7 +207,7 @@ local function live_run(key, base, n, expire_at)
       if old_hi >= hi then hi, hi_s = old_hi, old_hi_s end
     end
     local lo = old_lo or 1e300
-    local keep_from = hi - retention_ms
+    local keep_from = keep_from_of(hi)
     local out, o = {}, 0
     for i = 1, n do
       local at = base + stride * (i - 1)
@@ -232,10 +245,10 @@ local function live_run(key, base, n, expire_at)
   end
 end
 
-local p = 7 + #KEYS
+local p = 8 + #KEYS
 for k = 1, #KEYS do
   local key = KEYS[k]
-  local expire_at, n = ARGV[6 + k], 1
+  local expire_at, n = ARGV[7 + k], 1
   local c = find(expire_at, ':', 1, true)
   if c then n, expire_at = tonumber(sub(expire_at, 1, c - 1)), sub(expire_at, c + 1) end
   local base = p
