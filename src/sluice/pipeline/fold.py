@@ -82,8 +82,7 @@ WARM_UP_TIMEOUT_S = 120
 
 
 def _sample(kind: str, i: int, now_ms: int) -> Any:
-    """A made-up value of field type `kind` for the warm-up batch (longs are times: a time
-    field must fall inside every metric's retention)."""
+    """A warm-up value of type `kind` (a long is `now_ms`: a time field must be in retention)."""
     samples = {"long": now_ms, "int": i, "double": 1.0 + i, "float": 1.0 + i, "boolean": True}
     return samples.get(kind, f"warm-up-{i % 8}")
 
@@ -215,7 +214,7 @@ class FoldQuery(StreamQuery):
             source_stream=self.cfg.source.stream,
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
             cluster=is_cluster_url(self.redis.url),
-            ref_ms=started if offsets is None else offsets[1].get("ref", started),
+            ref_ms=(offsets[1].get("ref") or started) if offsets is not None else started,
         )
         events = offsets[1].get("events") if offsets is not None else None
         small = events is not None and events <= self._single_task
