@@ -6,6 +6,7 @@ answers online, the same to the bit (distinct and quantile estimates included)."
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from sluice.errors import BadQuery, UnknownMetric
 from sluice.offline.backfill import backfill
 from sluice.offline.store import UNANSWERED
 from sluice.offline.training import training_set
+from sluice.pipeline.spark import expression_semantics
 from sluice.query.engine import QueryEngine
 from sluice.slices.hll import estimate
 from sluice.slices.window import slice_start
@@ -355,6 +357,42 @@ def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
         spark.conf.set("spark.sql.ansi.enabled", "false")
     assert {c: out.iloc[0][c] for c in want} == want
     assert alone.iloc[0]["txn_count_1m"] == 4
+
+
+def test_offline_calls_that_overlap_on_one_session_keep_its_expression_semantics(
+    spark: Any,
+) -> None:
+    """Two offline calls on one session in two threads: the first ends while the second still
+    plans. The second keeps planning with Sluice's semantics, and the caller's setting is back
+    once both ended (the first gave it back while the second ran; the second then kept it)."""
+    ansi = "spark.sql.ansi.enabled"
+    a_in, a_out, b_in = threading.Event(), threading.Event(), threading.Event()
+    seen: list[str | None] = []
+
+    @expression_semantics
+    def first(s: Any) -> None:
+        a_in.set()
+        b_in.wait(60)
+
+    @expression_semantics
+    def second(s: Any) -> None:
+        b_in.set()
+        a_out.wait(60)
+        seen.append(s.conf.get(ansi))
+
+    spark.conf.set(ansi, "true")
+    try:
+        one = threading.Thread(target=lambda: (first(spark), a_out.set()))
+        one.start()
+        assert a_in.wait(60)
+        two = threading.Thread(target=second, args=(spark,))
+        two.start()
+        one.join(60)
+        two.join(60)
+        assert seen == ["false"]
+        assert spark.conf.get(ansi) == "true"
+    finally:
+        spark.conf.set(ansi, "false")
 
 
 def test_as_known_at_counts_only_what_had_arrived(

@@ -6,10 +6,11 @@ import functools
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from pyspark import SparkContext
 from pyspark.sql import SparkSession
@@ -52,23 +53,39 @@ def expression_semantics(
 ) -> Callable[Concatenate[SparkSession, P], R]:
     """Run `fn(spark, ...)` with EXPRESSION_CONF set on `spark`, and the caller's values back
     after it. A DataFrame keeps the semantics it was planned with, so one that `fn` returns
-    runs the same later."""
+    runs the same later. Calls that overlap on one session (threads, or one such call inside
+    another) share the setting: the first sets it and the last gives the caller's values back,
+    so none plans under the caller's values while another still runs."""
 
     @functools.wraps(fn)
     def wrapper(spark: SparkSession, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        previous = {k: spark.conf.get(k, None) for k in EXPRESSION_CONF}
-        for k, v in EXPRESSION_CONF.items():
-            spark.conf.set(k, v)
+        with _SEMANTICS_LOCK:
+            held = _SEMANTICS_HELD.get(id(spark))
+            if held is None:
+                held = _SEMANTICS_HELD[id(spark)] = [0, {}]
+                held[1] = {k: spark.conf.get(k, None) for k in EXPRESSION_CONF}
+                for k, v in EXPRESSION_CONF.items():
+                    spark.conf.set(k, v)
+            held[0] += 1
         try:
             return fn(spark, *args, **kwargs)
         finally:
-            for k, old in previous.items():
-                if old is None:
-                    spark.conf.unset(k)
-                else:
-                    spark.conf.set(k, old)
+            with _SEMANTICS_LOCK:
+                held[0] -= 1
+                if not held[0]:
+                    del _SEMANTICS_HELD[id(spark)]
+                    for k, old in held[1].items():
+                        if old is None:
+                            spark.conf.unset(k)
+                        else:
+                            spark.conf.set(k, old)
 
     return wrapper
+
+
+# Per session (by id) that `expression_semantics` calls run on: [calls running, caller's values].
+_SEMANTICS_HELD: dict[int, list[Any]] = {}
+_SEMANTICS_LOCK = threading.Lock()
 
 
 def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
