@@ -210,6 +210,27 @@ def test_bad_rows_are_counted_with_their_reasons(
     assert QueryEngine(cfg, r).query("merchant_txn", "m1", "10m", t)["value"] == 2
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_row_older_than_every_retention_is_named_in_its_sample(
+    spark: Any, redis_url: str, tmp_path: Path, now_ms: int, fmt: str
+) -> None:
+    """An `expired` row is found so by the fold's plan, not by the decoder; its sample still
+    names it by its file and row (Parquet) or line (JSON lines), as a bad row's does."""
+    cfg = make_config(redis_url, tmp_path)
+    rows = [{"ts": now_ms - 60_000, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1},
+            {"ts": now_ms - 2 * 86_400_000, "card": "c1", "merchant": "m1", "amount": 1.0,
+             "qty": 1}]  # fmt: skip
+    path = tmp_path / f"events.{fmt}"
+    if fmt == "parquet":
+        pd.DataFrame(rows).to_parquet(path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    report = backfill(spark, cfg, str(path), until_ms=now_ms)
+    assert report.events == 1 and report.dead == {"expired": 1}
+    named = json.loads(report.samples["expired"][0])["id"]
+    assert named.endswith("events.parquet#1" if fmt == "parquet" else "events.jsonl:0@2"), named
+
+
 def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -> None:
     cfg = make_config(redis_url, tmp_path)
     with pytest.raises(ArchiveError, match="cannot read parquet input"):

@@ -3,10 +3,12 @@ late events, retention, dead letters. Real Redis, real Spark."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import redis
 
@@ -17,6 +19,8 @@ from sluice.pipeline.writer import write_partition
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
+from sluice.source.decode import Decoder
+from sluice.source.options import SourceOptions
 from sluice.testing.faults import DropEvery
 from tests.conftest import make_config
 from tests.integration.helpers import EXPRESSION_METRICS, decoded_table, slice_snapshot
@@ -278,6 +282,30 @@ def test_bad_expired_and_future_events_are_dead_lettered_once(
     assert r.xlen(p.cfg.source.dead_letter_stream) == 3
     q = QueryEngine(p.cfg, r)
     assert q.query("txn_count", "c1", "1d", ref)["value"] == 1
+
+
+def test_future_and_expired_dead_letters_name_their_log_entries(
+    spark: Any, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """The source's decoder -> the fold -> the dead-letter stream. `future` and `expired` are
+    found by the fold's plan, not the decoder; their dead letters still carry their entries'
+    ids, as a malformed event's does."""
+    p = _pipeline(spark, redis_url, tmp_path)
+    ref = T0 + 3 * 86_400_000
+    opts = dataclasses.replace(SourceOptions.from_config(p.cfg, redis_url), format="fields")
+    times = [ref - 1_000, ref + 2 * HOUR_MS, ref - 2 * 86_400_000]  # good, future, expired
+    entries = [
+        [f"{T0 + i}-0".encode(), [x for k, v in (("ts", ts), ("card", "c1"), ("merchant", "m1"),
+                                                  ("amount", 1.0), ("qty", 1))
+                                  for x in (k.encode(), str(v).encode())]]
+        for i, ts in enumerate(times)
+    ]  # fmt: skip
+    table = pa.Table.from_batches(list(Decoder(opts, ref, "events:0").decode(entries)))
+    p.clock = ManualClock(ref)
+    rec = p.process_batch(explode_updates(spark.createDataFrame(table), p.cfg, list(p.specs)), 0)
+    assert rec["dead_by_reason"] == {"future": 1, "expired": 1}
+    dead = {f[b"reason"]: f[b"id"] for _, f in r.xrange(p.cfg.source.dead_letter_stream)}
+    assert dead == {b"future": f"{T0 + 1}-0".encode(), b"expired": f"{T0 + 2}-0".encode()}
 
 
 def test_a_value_expression_that_fails_or_is_not_finite_never_fails_the_batch(

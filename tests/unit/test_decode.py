@@ -378,3 +378,29 @@ def test_jsonl_blank_lines_and_trailing_newline_are_not_events() -> None:
 def test_jsonl_entry_of_only_blank_lines_is_an_empty_entry() -> None:
     rows = decode([entry(f"{T0}-0", b"d", b"\n\n")], fmt="jsonl")
     assert [(r["_err"], r["_field"]) for r in rows] == [("empty_entry", None)]
+
+
+@pytest.mark.parametrize("fmt", ["fields", "jsonl"])
+def test_events_the_fold_will_find_out_of_time_are_named_as_bad_ones_are(fmt: str) -> None:
+    """An event more than `max_future` ahead of the batch's time (`future`), or more than the
+    longest retention behind it (`expired`, or close), is dead-lettered by the fold's plan, not
+    here. The decoder names it all the same, so that its dead letter says where it is."""
+    opts = dataclasses.replace(options(fmt), named_ahead_ms=3_600_000, named_behind_ms=86_400_000)
+    times = {"ahead": REF_MS + 3_600_001, "behind": REF_MS - 86_400_001, "now": REF_MS,
+             "edges": REF_MS + 3_600_000}  # fmt: skip
+    entries = []
+    for i, (name, ts) in enumerate(times.items()):
+        fields = {"ts": ts, "card": name, "amount": 1.0}
+        if fmt == "fields":
+            pairs = [x for k, v in fields.items() for x in (k.encode(), str(v).encode())]
+            entries.append(entry(f"{T0 + i}-0", *pairs))
+        else:
+            entries.append(entry(f"{T0 + i}-0", b"d", json.dumps(fields).encode()))
+    rows = [r for b in Decoder(opts, REF_MS, "events:0").decode(entries) for r in b.to_pylist()]
+    named = {r["card"]: r["_eid"] for r in rows}
+    assert named == {"ahead": f"{T0}-0", "behind": f"{T0 + 1}-0", "now": None, "edges": None}
+    assert all(r["_err"] is None and r["_raw"] is None for r in rows)
+    # Without the bounds (an archive read with no reference time), none is named.
+    rows = [r for b in Decoder(options(fmt), REF_MS, "events:0").decode(entries)
+            for r in b.to_pylist()]  # fmt: skip
+    assert all(r["_eid"] is None for r in rows)

@@ -47,6 +47,7 @@ from pyspark.sql import types as T
 from sluice.config import Config, FieldType
 from sluice.errors import ConfigError, SluiceError
 from sluice.offline.lines import KNOWN, LINE, decoded, json_value, read_lines, sample_keys
+from sluice.source.options import named_bounds
 from sluice.source.values import SPARK_TYPES
 
 FORMATS = ("parquet", "jsonl", "csv")
@@ -313,12 +314,13 @@ def archive_events(
             f"`--as-known-at` column {arrival!r} is not in the input ({what} {', '.join(keys)})"
         )
     if lines:
-        out = decoded(raw, cfg, schema, arrival)
+        out = decoded(raw, cfg, schema, arrival, ref_ms)
         as_text: tuple[Column, T.DataType] | None = (F.col(KNOWN), T.StringType())
         return _bounded(out, cfg, bounds, as_text if arrival else None, arrival, ref_ms, schema)
     values: list[Column] = []
     reasons: list[Column] = []
     fields: list[Column] = []
+    named = F.lit(False)  # rows the plan will find out of time, named as bad ones are
     for name, spec in schema.items():
         ftype = FieldType.parse(spec)
         if name in have:
@@ -327,6 +329,8 @@ def archive_events(
             src, dtype = F.lit(None), T.NullType()
         value, reason = _checked(name, ftype, src, dtype, name == time_field,
                                  cfg.source.max_string_bytes)  # fmt: skip
+        if name == time_field and ref_ms is not None:
+            named = out_of_time(value, cfg, ref_ms)
         values.append(value.cast(SPARK_TYPES[ftype.type]).alias(name))
         reasons.append(reason)
         fields.append(F.when(reason.isNotNull(), F.lit(name)))
@@ -337,11 +341,21 @@ def archive_events(
         err.alias("_err"),
         F.coalesce(*fields).alias("_field"),
         F.when(err.isNotNull(), F.substring(raw_text, 1, 1024)).alias("_raw"),
-        F.when(err.isNotNull(), row_name(raw)).alias("_eid"),
+        F.when(err.isNotNull() | named, row_name(raw)).alias("_eid"),
         *([F.col(f"`{arrival}`").alias(KNOWN)] if arrival is not None else []),
     )
     known = (F.col(KNOWN), have[arrival]) if arrival is not None else None
     return _bounded(out, cfg, bounds, known, arrival, ref_ms, schema)
+
+
+def out_of_time(ts: Column, cfg: Config, ref_ms: int) -> Column:
+    """Whether an event at `ts` (ms) is one the plan will dead-letter as `future`, or may as
+    `expired`, at `ref_ms`: what the live decoder names too (`SourceOptions.named_ahead_ms`)."""
+    ahead, behind = named_bounds(cfg)
+    cond = ts > F.lit(ref_ms + ahead)
+    if behind is not None:
+        cond = cond | (ts < F.lit(ref_ms - behind))
+    return F.coalesce(cond, F.lit(False))
 
 
 def row_name(raw: DataFrame) -> Column:

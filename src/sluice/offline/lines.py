@@ -72,10 +72,15 @@ def sample_keys(lines: DataFrame) -> set[str] | None:
 
 
 def decoded(
-    lines: DataFrame, cfg: Config, schema: dict[str, str], arrival: str | None
+    lines: DataFrame,
+    cfg: Config,
+    schema: dict[str, str],
+    arrival: str | None,
+    ref_ms: int | None = None,
 ) -> DataFrame:
     """The lines as events: the schema's fields typed, `_err`, `_field`, `_raw`, `_eid`, and
-    with `arrival`, that key's text as `KNOWN`."""
+    with `arrival`, that key's text as `KNOWN`. With `ref_ms` (the plan's reference time), the
+    lines the plan will find out of time are named too, as the live decoder names them."""
     opts = dataclasses.replace(
         SourceOptions.from_config(cfg, url="redis://unused"),
         format="json",
@@ -83,10 +88,12 @@ def decoded(
             (n, FieldType.parse(s).type, FieldType.parse(s).nullable) for n, s in schema.items()
         ),
     )
+    if ref_ms is None:
+        opts = dataclasses.replace(opts, named_ahead_ms=None, named_behind_ms=None)
     arrives = (json_value(arrival) if arrival else F.lit(None)).alias(KNOWN)
     src = lines.select(LINE, FILE, BLOCK, arrives)
     ddl = f"{spark_schema_ddl(opts)}, {KNOWN} string"
-    out = src.mapInArrow(partial(_decode, opts), ddl)
+    out = src.mapInArrow(partial(_decode, opts, ref_ms or 0), ddl)
     time_field = cfg.source.time_field
     no_time = F.col("_err").isNull() & F.col(f"`{time_field}`").isNull()
     return out.select(
@@ -99,11 +106,13 @@ def decoded(
     )
 
 
-def _decode(opts: SourceOptions, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+def _decode(
+    opts: SourceOptions, ref_ms: int, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: each run of one file part's lines decoded as records of the `json`
     format (one event per non-blank line, in order), named by their line numbers, the arrival
     text passed along."""
-    decoder = Decoder(opts, ref_ms=0, stream="archive")
+    decoder = Decoder(opts, ref_ms=ref_ms, stream="archive")
     part: tuple[str, int] | None = None  # the (file, block) whose lines are being read
     read = 0  # its lines read so far
     for batch in batches:

@@ -10,7 +10,8 @@ fields followed by:
     _ref  long    the batch's reference time, fixed when the batch was planned
     _err  string  null for a good event, else the dead-letter reason
     _field string the offending field, when there is one
-    _eid  string  the entry's name in the log, for bad events only: a stream entry id, or
+    _eid  string  the entry's name in the log, for bad events and those the fold will find
+                  out of time (`SourceOptions.named_ahead_ms`): a stream entry id, or
                   `<topic>:<partition>@<offset>` for a Kafka record
     _idx  int     the event's index within its entry
     _raw  string  the offending input, truncated, for bad events only
@@ -417,6 +418,17 @@ class Decoder:
 
     # -- shared tail: validation, meta columns ----------------------------------------------
 
+    def _out_of_time(self, ts: pa.Array) -> np.ndarray:
+        """Which events the fold will dead-letter as `future`, or may as `expired`, by their
+        time `ts` and the batch's (`SourceOptions.named_ahead_ms`, `named_behind_ms`)."""
+        at = pc.fill_null(ts, self.ref_ms).to_numpy(zero_copy_only=False)
+        out = np.zeros(len(at), dtype=bool)
+        if self.opts.named_ahead_ms is not None:
+            out |= at > self.ref_ms + self.opts.named_ahead_ms
+        if self.opts.named_behind_ms is not None:
+            out |= at < self.ref_ms - self.opts.named_behind_ms
+        return out
+
     def _finish(
         self,
         ids: EntryIds,
@@ -457,13 +469,16 @@ class Decoder:
             ts = pc.coalesce(pc.cast(cols[self.opts.time_field], pa.int64()), ems)
         else:
             ts = ems
-        bad = np.flatnonzero(err != None)  # noqa: E711
+        flagged = err != None  # noqa: E711
+        bad = np.flatnonzero(flagged)
+        named = np.flatnonzero(flagged | self._out_of_time(ts))
         eid = np.full(n, None, dtype=object)
         raw = np.full(n, None, dtype=object)
-        if len(bad):
+        if len(named):
             entry_of = np.repeat(np.arange(len(counts)), counts)
-            for row in bad.tolist():
+            for row in named.tolist():
                 eid[row] = ids.name(int(entry_of[row]))
+            for row in bad.tolist():
                 raw[row] = raw_of(row)
         e = event_ids(
             np.repeat(ids.hi, counts).astype(np.int64),

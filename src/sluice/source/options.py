@@ -70,6 +70,12 @@ class SourceOptions:
     # A standby's query started ahead of a takeover (`source.arm`): the list its planner waits
     # on for `go` before Spark reads the checkpoint.
     armed: str | None = None
+    # The decoder names (`_eid`) the events the fold will dead-letter as `future` (more than
+    # `named_ahead_ms` after the batch's time) or may as `expired` (more than `named_behind_ms`
+    # before it, the longest retention), as it names the events it flags itself, so that their
+    # dead letters say where they are in the log. None: it names none of them.
+    named_ahead_ms: int | None = None
+    named_behind_ms: int | None = None
 
     def __post_init__(self) -> None:
         for shard, names in self.readers.items():
@@ -131,6 +137,7 @@ class SourceOptions:
     def from_config(cls, cfg: Config, url: str) -> SourceOptions:
         """The source of `cfg`, read by the source's fold (`spark`)."""
         types: dict[str, FieldType] = cfg.source.field_types()
+        ahead, behind = named_bounds(cfg)
         return cls(
             url=url,
             log=log_spec(cfg),
@@ -141,4 +148,13 @@ class SourceOptions:
             max_string_bytes=cfg.source.max_string_bytes,
             max_entry_bytes=cfg.source.max_entry_bytes,
             flow=FlowOptions(cfg.backpressure, cfg.spark.trigger, inputs=(cfg.source.stream,)),
+            named_ahead_ms=ahead,
+            named_behind_ms=behind,
         )
+
+
+def named_bounds(cfg: Config) -> tuple[int, int | None]:
+    """(`named_ahead_ms`, `named_behind_ms`) for the events of `cfg`: a `future` event is more
+    than `source.max_future` ahead of its batch's time; an `expired` one is more than every
+    retention behind it (its slice ends a retention or more before), so more than the longest."""
+    return cfg.source.max_future, max((m.retention for m in cfg.metrics), default=None)
