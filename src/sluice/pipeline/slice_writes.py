@@ -70,9 +70,14 @@ def keep_from_ms(newest_ms: Any, slice_ms: int, retention_ms: int, ref_ms: int |
     return np.minimum(newest_ms, ref_ms - ref_ms % slice_ms) - retention_ms
 
 
-def ref_arg(ref_ms: int | None) -> str:
-    """write_slices.lua's reference time argument (ARGV[7]): empty for none."""
-    return "" if ref_ms is None else str(ref_ms)
+def script_head(
+    token: int | str, state: str, slice_ms: int, retention_ms: int, width: int, ref_ms: int | None
+) -> list[str]:
+    """write_slices.lua's ARGV[1..7]: the token, the state, slice_ms, retention_ms, width, the
+    expiry step and the writer's reference time (`keep_from_ms`; empty for none)."""
+    step = expiry_step_ms(slice_ms, retention_ms)
+    ref = "" if ref_ms is None else str(ref_ms)
+    return [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step), ref]
 
 
 def as_text(values: np.ndarray) -> pa.Array:
@@ -227,9 +232,7 @@ def build_calls(
     expire = expire_at_ms(np.maximum.reduceat(starts_s, run_start), slice_ms, retention_ms)
     per_key = _key_heads(counts, expire)
     slice_args = _interleave([as_text(starts_s), *[st.take(take) for st in states]])
-    step = expiry_step_ms(slice_ms, retention_ms)
-    head_args = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step),
-                 ref_arg(ref_ms)]  # fmt: skip
+    head_args = script_head(token, state, slice_ms, retention_ms, width, ref_ms)
     call_keys = np.append(np.flatnonzero(np.diff(key_call, prepend=-1)), len(run_keys))
     call_rows = np.append(run_start, n)[call_keys]
     calls = Calls([], [], [], np.repeat(key_call, counts)[np.argsort(order)])
@@ -390,9 +393,7 @@ def run_write_script(
     argv: list[tuple[list[Any], list[Any]]] = []
     deps: list[tuple[int, list[tuple[Any, ...]]]] = []
     for (state, slice_ms, retention_ms, width, _), runs in groups.items():
-        step = expiry_step_ms(slice_ms, retention_ms)
-        head = [str(token), state, str(slice_ms), str(retention_ms), str(width), str(step),
-                ref_arg(ref_ms)]  # fmt: skip
+        head = script_head(token, state, slice_ms, retention_ms, width, ref_ms)
         stride = (1 if backfill else width) + 1
         j = 0
         while j < len(runs):

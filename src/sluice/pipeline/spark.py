@@ -62,8 +62,8 @@ def expression_semantics(
         with _SEMANTICS_LOCK:
             held = _SEMANTICS_HELD.get(id(spark))
             if held is None:
-                held = _SEMANTICS_HELD[id(spark)] = [0, {}]
-                held[1] = {k: spark.conf.get(k, None) for k in EXPRESSION_CONF}
+                callers = {k: spark.conf.get(k, None) for k in EXPRESSION_CONF}
+                held = _SEMANTICS_HELD[id(spark)] = [0, callers]
                 for k, v in EXPRESSION_CONF.items():
                     spark.conf.set(k, v)
             held[0] += 1
