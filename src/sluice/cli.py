@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import orjson
 import redis
 
 from sluice.clock import SYSTEM_CLOCK
@@ -262,7 +263,9 @@ def query(
 
     with opened(config_path) as (cfg, handle):
         out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
-    click.echo(json.dumps(out))
+    # As the HTTP API encodes it: a value that is not finite (a sum of doubles past the
+    # largest double) is null, since JSON has no infinity.
+    click.echo(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY).decode())
 
 
 @main.command()

@@ -38,7 +38,7 @@ class QueryError(SluiceError):
     """A query that cannot be answered. `status` is the HTTP status it maps to."""
 
     status = 400
-    code = "bad_query"
+    code = "bad_request"
 
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param

@@ -127,11 +127,13 @@ def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -
     assert [x["value"] for x in results] == [5, 0, None]
     _error(api.post("/v1/query", json={"queries": [{"metric": "txn_count"}]}), 400, "queries[0]")
     _error(api.post("/v1/query", json={"q": []}), 400, "queries")
-    _error(
+    bad = _error(
         api.post("/v1/query", content=b"{not json", headers={"content-type": "application/json"}),
         400,
         "not valid JSON",
     )
+    why = "Expecting property name enclosed in double quotes"  # the parser's, not a dict's text
+    assert bad["message"] == f"body is not valid JSON: {why}", bad
     names = [m["name"] for m in api.get("/v1/metrics").json()["metrics"]]
     assert names[0] == "txn_count" and "avg_ticket" in names
 
@@ -150,6 +152,18 @@ def test_ingest_json_array_and_ndjson(api: TestClient, r: redis.Redis) -> None:
     _error(api.post("/v1/events", content=b""), 400, "empty")
     _error(api.post("/v1/events", content=b"[1, 2]"), 400, "not a JSON object")
     _error(api.post("/v1/events", content=b'{"a": 1}\n{oops'), 400, "line 2")
+
+
+def test_unknown_paths_and_methods_answer_in_the_error_shape(api: TestClient) -> None:
+    """Routing's own refusals carry `{"error": {"code", "message"}}` like every other error."""
+    assert _error(api.get("/v1/nothing"), 404, "/v1/nothing")["code"] == "not_found"
+    for method, path in [("GET", "/v1/query"), ("POST", "/v1/metrics/txn_count"),
+                         ("GET", "/v1/events")]:  # fmt: skip
+        resp = api.request(method, path)
+        err = _error(resp, 405, f"{method} is not allowed on {path}")
+        assert err["code"] == "method_not_allowed" and resp.headers["allow"], resp.headers
+    # The ingest endpoint's refusals use the same code as the other endpoints' bad requests.
+    assert _error(api.post("/v1/events", content=b""), 400, "empty")["code"] == "bad_request"
 
 
 def test_oversize_body_is_refused(api: TestClient) -> None:

@@ -105,7 +105,15 @@ def _config_file(tmp_path: Path, redis_url: str) -> Path:
                         "agg": "count",
                         "slice": "10s",
                         "retention": "1h",
-                    }
+                    },
+                    {
+                        "name": "amount_sum",
+                        "key": ["card"],
+                        "agg": "sum",
+                        "value": "amount",
+                        "slice": "10s",
+                        "retention": "1h",
+                    },
                 ],
             }
         )
@@ -124,6 +132,14 @@ def test_cli_query_and_status(r: redis.Redis, redis_url: str, tmp_path: Path) ->
     )
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["value"] == 4
+    # A sum of doubles past the largest double is not a number JSON can carry: null, as over
+    # HTTP, never `Infinity` (which no JSON parser takes).
+    r.hset(slice_hash_key("amount_sum", encode_key(["c1"])), mapping={str(s): "1:inf"})
+    out = runner.invoke(
+        main, ["query", "-c", str(cfg), "amount_sum", "--key", "c1", "--window", "1m"]
+    )
+    assert out.exit_code == 0 and "Infinity" not in out.output, out.output
+    assert json.loads(out.output)["value"] is None
     out = runner.invoke(main, ["query", "-c", str(cfg), "nope", "--key", "c1", "--window", "1m"])
     assert out.exit_code != 0 and "unknown metric 'nope'" in out.output
     out = runner.invoke(main, ["status", "-c", str(cfg)])

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from sluice import collector
 from sluice.clock import SYSTEM_CLOCK, Clock
@@ -110,10 +111,25 @@ async def _validation(_: Request, e: Exception) -> Response:
     assert isinstance(e, RequestValidationError)
     err = e.errors()[0]
     if err.get("type") == "json_invalid":
-        return error(400, "bad_request", f"body is not valid JSON: {err.get('ctx', {})}")
+        why = (err.get("ctx") or {}).get("error")
+        return error(400, "bad_request", f"body is not valid JSON: {why}" if why else
+                     "body is not valid JSON")  # fmt: skip
     parts = [p for p in err.get("loc", ()) if p not in ("query", "body", "path")]
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
     return error(400, "bad_request", f"`{where or 'body'}`: {err.get('msg', 'invalid')}")
+
+
+# Starlette's own answers (no such route, a method the route does not take) in Sluice's shape.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _http(request: Request, e: Exception) -> Response:
+    assert isinstance(e, HTTPException)
+    code = _HTTP_CODES.get(e.status_code, "http_error")
+    message = {404: f"no such path: {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(
+        e.status_code, str(e.detail))  # fmt: skip
+    return error(e.status_code, code, message, headers=dict(e.headers or {}))
 
 
 async def _unavailable(_: Request, e: Exception) -> Response:
@@ -130,6 +146,7 @@ _HANDLERS: dict[Any, Any] = {
     QueryError: _query_error,
     BackpressureError: _backpressure,
     RequestValidationError: _validation,
+    HTTPException: _http,
     redis.RedisError: _unavailable,
     LogUnavailable: _log_unavailable,  # producing while Kafka is down: 503, not 500
 }
