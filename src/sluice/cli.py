@@ -16,8 +16,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from importlib import resources
@@ -222,6 +224,19 @@ def _multiprocess_metrics_dir() -> Iterator[None]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event that SIGINT (Ctrl-C) and SIGTERM set while the block runs, instead of stopping
+    the process in the middle of it; the handlers before come back after."""
+    stop = threading.Event()
+    before = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
 @main.command()
 @config_option
 @click.option("--rate", type=float, required=True, help="events per second (base rate)")
@@ -229,22 +244,31 @@ def _multiprocess_metrics_dir() -> Iterator[None]:
 @click.option("--profile", type=click.Choice(["steady", "burst"]), default="steady")
 @click.option("--seed", type=int, default=0, help="RNG seed for keys and values")
 def produce(config_path: str, rate: float, duration: float, profile: str, seed: int) -> None:
-    """Produce synthetic events (Zipf keys) into the source log."""
-    from sluice.source.loadgen import Profile, run_load
+    """Produce synthetic events (Zipf keys) into the source log for DURATION seconds, then
+    print a JSON summary. Ctrl-C stops it early, with the summary. Events made while the input
+    is over its high watermark are waited for up to 30 s after the duration; any still not
+    admitted are reported (`unsent`, exit status 1), never written later."""
+    from sluice.source.loadgen import DRAIN_S, Profile, run_load
 
     if rate <= 0 or duration <= 0:
         raise click.ClickException("`--rate` and `--duration` must be positive")
 
     def progress(p: dict[str, Any]) -> None:
-        click.echo(
-            f"produced {p['events']:,} events in {p['seconds']:.0f}s ({p['rate']:,.0f}/s)", err=True
-        )
+        line = f"produced {p['events']:,} events in {p['seconds']:.0f}s ({p['rate']:,.0f}/s)"
+        if p.get("waiting"):
+            line += (f"; waiting for the input to admit {p['waiting']:,} more (it is over its"
+                     " high watermark: is `sluice run` draining it?)")  # fmt: skip
+        click.echo(line, err=True)
 
-    with opened(config_path) as (cfg, handle):
-        out = run_load(
-            cfg, handle.client, rate, duration, Profile(profile), seed, progress=progress
-        )
+    with opened(config_path) as (cfg, handle), _stop_on_signals() as stop:
+        out = run_load(cfg, handle.client, rate, duration, Profile(profile), seed,
+                       stop=stop.is_set, progress=progress)  # fmt: skip
     click.echo(json.dumps(out))
+    if out["unsent"] and not stop.is_set():
+        raise click.ClickException(
+            f"{out['unsent']:,} events made were not admitted within {DRAIN_S:.0f}s after the"
+            " duration: the input stayed over its high watermark (is `sluice run` draining it?)"
+        )
 
 
 @main.command()

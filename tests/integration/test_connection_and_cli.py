@@ -4,8 +4,12 @@ need no Spark. Real redis-server processes."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,10 +20,12 @@ import yaml
 from click.testing import CliRunner
 
 from sluice.cli import main
+from sluice.config import load_config
 from sluice.errors import RedisUnavailable
 from sluice.redis.connection import check_reachable, client_for, open_redis, redact
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.keys import encode_key, slice_hash_key
+from sluice.source.loadgen import run_load
 from tests.conftest import free_port
 
 
@@ -205,6 +211,47 @@ def test_cli_produce_is_seeded_and_bounded(r: redis.Redis, redis_url: str, tmp_p
     second = cards()
     n = min(len(first), len(second))
     assert n > 100 and first[:n] == second[:n]  # the same seed: the same keys in the same order
+
+
+def test_a_load_over_a_full_input_ends_on_time_and_reports_what_it_could_not_send(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Nothing drains the input and it is over its high watermark: the load makes what it may,
+    waits `drain_s` for admission, then returns with those events reported as unsent, none of
+    them written."""
+    cfg = load_config(_config_file(tmp_path, redis_url))
+    cfg = cfg.model_copy(update={"backpressure": cfg.backpressure.model_copy(
+        update={"high_watermark": 20_000, "low_watermark": 5_000})})  # fmt: skip
+    for s in ("events:0", "events:1"):
+        r.xadd(s, {"d": b"x" * 30_000, "n": 1})
+    entries = {s: r.xlen(s) for s in ("events:0", "events:1")}
+    started = time.monotonic()
+    out = run_load(cfg, r, 200.0, 0.5, seed=1, drain_s=1.0)
+    assert time.monotonic() - started < 10, out
+    assert out["events"] == 0 and out["unsent"] > 0, out
+    assert {s: r.xlen(s) for s in entries} == entries  # nothing written after the report
+
+
+def test_produce_stopped_by_ctrl_c_prints_its_summary(redis_url: str, tmp_path: Path) -> None:
+    cfg = _config_file(tmp_path, redis_url)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "produce", "-c", str(cfg), "--rate", "500",
+         "--duration", "60"],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # its first progress line: it is producing
+        assert first.startswith("produced"), first
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["events"] > 0 and summary["seconds"] < 30, summary
+    assert "Aborted" not in err and "Traceback" not in err, err
 
 
 def test_cli_config_errors_name_the_field(tmp_path: Path) -> None:

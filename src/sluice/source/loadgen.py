@@ -23,6 +23,8 @@ from sluice.errors import BackpressureError
 from sluice.source.producer import Producer, shard_of
 
 TICK_S = 0.05
+# After its duration, a load waits this long for the input to admit the events it made.
+DRAIN_S = 30.0
 
 
 def zipf_ids(rng: np.random.Generator, n: int, a: float, n_keys: int) -> np.ndarray:
@@ -121,17 +123,22 @@ def run_load(
     clock: Clock = SYSTEM_CLOCK,
     stop: Callable[[], bool] = lambda: False,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    drain_s: float = DRAIN_S,
 ) -> dict[str, Any]:
-    """Produce for `duration_s` at `rate` events/s (shaped by `profile`). Blocks; bounded in time.
+    """Produce for `duration_s` at `rate` events/s (shaped by `profile`). Blocks; bounded in
+    time: at most `duration_s` + `drain_s`, and it returns soon after `stop()` turns true.
 
     The producer is flow-controlled (`cfg.backpressure`): while it is throttled the generator
     makes no new events, and the shortfall is reported as `held_back` (offered load that the
-    source was asked to hold, like a real client that slows down). Events already made are never
-    dropped: they stay buffered until admitted.
+    source was asked to hold, like a real client that slows down). Events already made stay
+    buffered until admitted: after the duration they are waited for up to `drain_s` (the input
+    over its high watermark, nothing draining it), unless stopped; any still held then are
+    reported as `unsent`, never written later and never silently dropped.
 
-    Returns {"events", "offered", "held_back", "seconds", "rate", "largest_frame"} (the most
-    events one frame carried: a frame after a stalled tick makes up for it); `progress` is
-    called about once a second.
+    Returns {"events", "offered", "held_back", "unsent", "seconds", "rate", "largest_frame"}
+    (the most events one frame carried: a frame after a stalled tick makes up for it);
+    `progress` is called about once a second, with `waiting` (events made and not admitted)
+    while it waits after the duration.
     """
     gen = EventGenerator(cfg, seed=seed)
     producer = Producer.from_config(cfg, client, block_timeout_s=TICK_S)
@@ -169,15 +176,25 @@ def run_load(
             last_report = now
         next_tick = t0 + (math.floor(elapsed / TICK_S) + 1) * TICK_S
         time.sleep(max(0.0, next_tick - time.monotonic()))
-    # What was made is delivered: wait for admission rather than drop it.
-    producer.block_timeout_s = None
-    sent += producer.flush()
+    # What was made is delivered, if the input admits it within `drain_s`.
+    waited_from = time.monotonic()
+    while producer.pending() and not stop() and time.monotonic() - waited_from < drain_s:
+        try:
+            sent += producer.flush()
+        except BackpressureError:
+            now = time.monotonic()
+            if progress is not None and now - last_report >= 1.0:
+                progress({"events": sent, "seconds": now - t0, "rate": sent / (now - t0),
+                          "waiting": producer.pending()})  # fmt: skip
+                last_report = now
+    unsent = producer.discard()
     producer.close()
     seconds = time.monotonic() - t0
     return {
         "events": sent,
         "offered": round(offered),
         "held_back": max(0, round(offered) - sent),
+        "unsent": unsent,
         "seconds": seconds,
         "rate": sent / seconds if seconds else 0.0,
         "largest_frame": largest,

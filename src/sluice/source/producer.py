@@ -212,6 +212,13 @@ class Producer:
         value = orjson.loads(line).get(self.shard_by)
         return None if value is None else str(value).encode()
 
+    def discard(self) -> int:
+        """Forget what is buffered and not yet written; returns how many events that was."""
+        n = self.pending()
+        self._buf = [[] for _ in self.keys]
+        self._fields = [[] for _ in self.keys]
+        return n
+
     def close(self) -> None:
         try:
             self.flush()
