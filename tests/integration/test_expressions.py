@@ -20,6 +20,21 @@ def _metric(**kw: Any) -> list[dict[str, Any]]:
     return [{**base, **kw}]
 
 
+def test_a_mistyped_field_is_one_message_that_suggests_schema_fields(
+    spark: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """No kilobytes of the JVM's stack on stderr before it (PySpark's query-context loggers),
+    and no suggestion of the source's own columns (`_e`, `_ts`, …), which no metric may name."""
+    cfg = make_config("redis://127.0.0.1:1/0", tmp_path, metrics=_metric(value="amout"),
+                      derived=[])  # fmt: skip
+    with pytest.raises(ConfigError, match="amout") as info:
+        check_expressions(spark, cfg)
+    message = str(info.value)
+    assert "`amount`" in message and "`_" not in message, message
+    err = capfd.readouterr().err
+    assert "QueryContextLogger" not in err and "AnalysisException" not in err, err[:500]
+
+
 @pytest.mark.parametrize(
     ("metric", "path", "words"),
     [

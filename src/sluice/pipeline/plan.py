@@ -45,8 +45,8 @@ from sluice.errors import ConfigError
 from sluice.files import read_text, replace_text
 from sluice.redis.keys import ESCAPES, KEY_SEP
 from sluice.slices.aggs import AGGS
-from sluice.source.decode import spark_schema_ddl
 from sluice.source.options import SourceOptions
+from sluice.source.values import SPARK_TYPES
 
 DEAD_G = -1
 # `auto` folds without the partial step after a batch with at least this many cells per row:
@@ -118,8 +118,11 @@ def check_expressions(spark: SparkSession, cfg: Config) -> dict[str, DataType | 
 
     Raises ConfigError naming the field path, e.g. `metrics[2].filter`, with Spark's reason.
     """
+    # The schema's fields only: the source's own columns (`_ts`, `_e`, …) are not for metrics
+    # to name, nor for Spark to suggest when a name is mistyped.
     opts = SourceOptions.from_config(cfg, url="redis://unused")
-    empty = spark.createDataFrame([], spark_schema_ddl(opts))
+    fields = ", ".join(f"`{n}` {SPARK_TYPES[t]}" for n, t, _ in opts.fields)
+    empty = spark.createDataFrame([], fields)
     types: dict[str, DataType | None] = {}
     for i, m in enumerate(cfg.metrics):
         for attr in ("filter", "value"):

@@ -88,6 +88,17 @@ _SEMANTICS_HELD: dict[int, list[Any]] = {}
 _SEMANTICS_LOCK = threading.Lock()
 
 
+def quiet_query_contexts() -> None:
+    """PySpark logs every SQL error it converts, with the JVM's whole stack, on loggers of its
+    own (a JSON line of kilobytes on stderr), before the caller sees the error. Sluice turns
+    each one it expects (a bad `value` or `filter`, a bad spine column) into a message of its
+    own, and any other reaches the user as the error itself: these loggers say nothing more."""
+    from pyspark.logger import PySparkLogger
+
+    for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+        PySparkLogger.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     """Create (or join) the session for `cfg.spark`. Spark's own logs go to stderr as key=value
     lines at SLUICE_SPARK_LOG_LEVEL (default ERROR), so its INFO and WARN chatter stays out.
@@ -150,6 +161,7 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         with forward_jvm_stderr():  # launches the JVM (see sluice.pipeline.jvm_stderr)
             spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(level)
+    quiet_query_contexts()
     master = spark.sparkContext.master or cfg.spark.master
     if not is_local(master):
         shipped = package_zip(Path(cfg.state_dir) / "dist")
