@@ -209,7 +209,7 @@ def test_a_deeply_nested_event_is_not_a_server_error(r: redis.Redis, cfg: Config
 
 def _record(eid: str, reason: str, field: str | None = None, raw: str = "{}", idx: int = 0) -> str:
     """One dead-letter record as the plan hands it to the writer (plan.explode_updates)."""
-    ms = int(eid.split("-")[0])
+    ms = int(eid.rpartition("@")[2].split("-")[0])  # `<stream>@<entry id>` or the entry id
     rec = {"id": eid, "idx": idx, "reason": reason, "field": field, "raw": raw, "ts": ms}
     return orjson.dumps(rec).decode()
 
@@ -359,11 +359,11 @@ def test_dead_letters_of_decoded_bad_input_are_listed(
     _write_batch(r, redis_url, cfg, 7, records)
     items = api.get("/v1/dead-letters").json()["items"]
     got = sorted((i["entry_id"], i["idx"], i["reason"], i["field"]) for i in items)
-    assert got == [
-        (f"{T0}-0", 1, "bad_json", None),
-        (f"{T0}-0", 2, "not_object", None),
-        (f"{T0}-1", 0, "oversize_entry", None),
-        (f"{T0}-2", 0, "missing_field", "d"),
+    assert got == [  # the config's two streams: each id says its stream
+        (f"events:0@{T0}-0", 1, "bad_json", None),
+        (f"events:0@{T0}-0", 2, "not_object", None),
+        (f"events:0@{T0}-1", 0, "oversize_entry", None),
+        (f"events:0@{T0}-2", 0, "missing_field", "d"),
     ]
     oversize = next(i for i in items if i["reason"] == "oversize_entry")
     assert "2003 bytes" in oversize["raw"] and "x" * 20 not in oversize["raw"]

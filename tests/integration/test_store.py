@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from sluice.clock import ManualClock
+from sluice.graph import StreamsSpec
 from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.plan import explode_updates
 from sluice.pipeline.writer import write_partition
@@ -21,6 +22,7 @@ from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY
 from sluice.source.decode import Decoder
 from sluice.source.options import SourceOptions
+from sluice.status.dead_letters import read_dead_letters
 from sluice.testing.faults import DropEvery
 from tests.conftest import make_config
 from tests.integration.helpers import EXPRESSION_METRICS, decoded_table, slice_snapshot
@@ -304,6 +306,18 @@ def test_future_and_expired_dead_letters_name_their_log_entries(
     p.clock = ManualClock(ref)
     rec = p.process_batch(explode_updates(spark.createDataFrame(table), p.cfg, list(p.specs)), 0)
     assert rec["dead_by_reason"] == {"future": 1, "expired": 1}
+    # The config reads two streams, whose entry ids may repeat: each id says its stream, and
+    # the listing (`sluice dead-letters`, /v1/dead-letters) splits it out.
+    items = read_dead_letters(r, p.cfg)["items"]
+    assert {(i["reason"], i["entry_id"], i["stream"]) for i in items} == {
+        ("future", f"events:0@{T0 + 1}-0", "events:0"),
+        ("expired", f"events:0@{T0 + 2}-0", "events:0"),
+    }
+    # A source of one stream names its entries by their ids alone.
+    r.delete(p.cfg.source.dead_letter_stream)
+    single = dataclasses.replace(opts, log=StreamsSpec(("events",)))
+    table = pa.Table.from_batches(list(Decoder(single, ref, "events").decode(entries)))
+    p.process_batch(explode_updates(spark.createDataFrame(table), p.cfg, list(p.specs)), 1)
     dead = {f[b"reason"]: f[b"id"] for _, f in r.xrange(p.cfg.source.dead_letter_stream)}
     assert dead == {b"future": f"{T0 + 1}-0".encode(), b"expired": f"{T0 + 2}-0".encode()}
 

@@ -404,3 +404,22 @@ def test_events_the_fold_will_find_out_of_time_are_named_as_bad_ones_are(fmt: st
     rows = [r for b in Decoder(options(fmt), REF_MS, "events:0").decode(entries)
             for r in b.to_pylist()]  # fmt: skip
     assert all(r["_eid"] is None for r in rows)
+
+
+@pytest.mark.parametrize("fmt", ["fields", "jsonl"])
+def test_an_entry_of_one_of_several_streams_is_named_with_its_stream(fmt: str) -> None:
+    """Entry ids repeat across a source's streams: with several, a dead letter's id says which
+    stream (`events:1@<entry id>`, as a Kafka record's says its topic and partition), from the
+    hiredis rows and from the columnar reply alike; with one stream it is the entry id."""
+    from sluice.source.resp import parse_xrange
+    from tests.unit.test_resp import encode
+
+    bad = entry(f"{T0}-0", b"card", b"c") if fmt == "fields" else entry(f"{T0}-0", b"d", b"{x")
+    sharded = dataclasses.replace(options(fmt), log=StreamsSpec(("events:0", "events:1")))
+    reply = parse_xrange(encode([bad]))
+    assert reply is not None
+    for opts, want in [(sharded, f"events:1@{T0}-0"), (options(fmt), f"{T0}-0")]:
+        decoder = Decoder(opts, REF_MS, "events:1")
+        for batches in (decoder.decode([bad]), decoder.decode_reply(reply)):
+            (row,) = [r for b in batches for r in b.to_pylist()]
+            assert row["_err"] is not None and row["_eid"] == want, row

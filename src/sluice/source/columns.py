@@ -33,22 +33,24 @@ class EntryIds(NamedTuple):
     name: Callable[[int], str]
 
 
-def stream_entry_ids(chunk: Sequence[Sequence[Any]]) -> EntryIds:
-    """The ids of XRANGE entries parsed by hiredis (`[[id, [f1, v1, ...]], ...]`)."""
+def stream_entry_ids(chunk: Sequence[Sequence[Any]], prefix: str = "") -> EntryIds:
+    """The ids of XRANGE entries parsed by hiredis (`[[id, [f1, v1, ...]], ...]`); each
+    entry's name is its id after `prefix`."""
     parts = np.array([parse_id(e[0]) for e in chunk], dtype=np.uint64).reshape(-1, 2)
 
     def name(k: int) -> str:
         eid = chunk[k][0]
-        return eid.decode() if isinstance(eid, bytes) else str(eid)
+        return prefix + (eid.decode() if isinstance(eid, bytes) else str(eid))
 
     return EntryIds(parts[:, 0], parts[:, 1], parts[:, 0].astype(np.int64), name)
 
 
-def reply_entry_ids(reply: StreamReply) -> EntryIds:
-    """The ids of the entries of a columnar XRANGE reply."""
+def reply_entry_ids(reply: StreamReply, prefix: str = "") -> EntryIds:
+    """The ids of the entries of a columnar XRANGE reply; names as `stream_entry_ids`'."""
     return EntryIds(
-        reply.ms, reply.seq, reply.ms.astype(np.int64), lambda k: reply.entry_id(k).decode()
-    )
+        reply.ms, reply.seq, reply.ms.astype(np.int64),
+        lambda k: prefix + reply.entry_id(k).decode(),
+    )  # fmt: skip
 
 
 def typed_columns(

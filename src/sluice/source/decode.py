@@ -108,13 +108,13 @@ Err = tuple[str, str | None]
 class Decoder:
     """Turns raw entries into record batches. One per `read()` call; holds no connections.
 
-    `stream` is the shard's name in event ids: the stream key, or `<topic>:<partition>`.
+    `stream` is the shard's name in event ids: the stream key, or `<topic>:<partition>`. Where
+    a source has several streams, an entry's name (`_eid`) is `<stream>@<entry id>`.
     """
 
     def __init__(self, opts: SourceOptions, ref_ms: int, stream: str) -> None:
-        self.opts = opts
-        self.ref_ms = ref_ms
-        self.stream = stream
+        self.opts, self.ref_ms, self.stream = opts, ref_ms, stream
+        self.entry_prefix = f"{stream}@" if len(opts.shards) > 1 else ""
         self.schema = output_schema(opts)
         self.names = [n for n, _, _ in opts.fields]
         self.bnames = [n.encode() for n in self.names]
@@ -228,7 +228,7 @@ class Decoder:
 
     def _fields(self, chunk: Sequence[Sequence[Any]]) -> pa.RecordBatch:
         maps = [dict(zip(fl[0::2], fl[1::2], strict=False)) for _, fl in chunk]
-        ids = stream_entry_ids(chunk)
+        ids = stream_entry_ids(chunk, self.entry_prefix)
         counts = np.ones(len(chunk), dtype=np.int64)
         big = self._oversize(chunk, maps)
 
@@ -293,7 +293,7 @@ class Decoder:
             return orjson_fields(dict(zip(fl[0::2], fl[1::2], strict=False)))
 
         counts = np.ones(len(reply), dtype=np.int64)
-        return self._finish(reply_entry_ids(reply), counts, cols, None, raw_of)
+        return self._finish(reply_entry_ids(reply, self.entry_prefix), counts, cols, None, raw_of)
 
     # -- jsonl: many events per entry, newline-separated JSON objects ----------------------
 
@@ -314,7 +314,7 @@ class Decoder:
         def raw_entry(k: int) -> str:
             return self._raw_entry(chunk, maps, big, k)
 
-        return self._jsonl(stream_entry_ids(chunk), payloads, whole, raw_entry)
+        return self._jsonl(stream_entry_ids(chunk, self.entry_prefix), payloads, whole, raw_entry)
 
     def _jsonl(
         self,

@@ -24,6 +24,7 @@ MAX_LIMIT = 1000
 PAGE_ENTRIES = 1000  # XREVRANGE page when filtering by reason
 REASON_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")  # a reason name
 _KAFKA_ENTRY = re.compile(r"(.+):(\d+)@(\d+)")
+_STREAM_ENTRY = re.compile(r"(.+)@(\d+-\d+)")  # an entry of one of several streams
 
 
 def read_dead_letters(
@@ -84,4 +85,6 @@ def _item(dead_id: bytes, fields: dict[bytes, bytes]) -> dict[str, Any]:
     kafka = _KAFKA_ENTRY.fullmatch(item["entry_id"])
     if kafka is not None:  # a Kafka record: `<topic>:<partition>@<offset>`
         item.update(topic=kafka.group(1), partition=int(kafka.group(2)), offset=int(kafka.group(3)))
+    elif (entry := _STREAM_ENTRY.fullmatch(item["entry_id"])) is not None:
+        item["stream"] = entry.group(1)  # `<stream>@<entry id>`
     return item
