@@ -153,24 +153,49 @@ def serve(
         url = f"http://{bind['host']}:{bind['port']}/"
         server = http_server or cfg.server.http
         log.info("serving", extra={"url": url, "workers": n_workers, "http": server})
-        if server == "granian":
-            _serve_granian(config_path, handle.local_url, host, port, n_workers)
-            return
-        if n_workers == 1:
-            same = handle.local_url == handle.url
-            client = handle.client if same else client_for(handle.local_url)
-            uvicorn.run(create_app(cfg, client), **bind)  # type: ignore[arg-type]
-            return
-        # Worker processes import the app factory; they find the config and Redis by env, and
-        # write their request latencies where any of them can read all of them for a scrape.
-        _worker_env(config_path, handle.local_url)
-        with _multiprocess_metrics_dir():
-            uvicorn.run(
-                "sluice.server.app:app_from_env",
-                factory=True,
-                workers=n_workers,
-                **bind,  # type: ignore[arg-type]
-            )
+        with _signals_end_quietly():
+            if server == "granian":
+                _serve_granian(config_path, handle.local_url, host, port, n_workers)
+            elif n_workers == 1:
+                same = handle.local_url == handle.url
+                client = handle.client if same else client_for(handle.local_url)
+                uvicorn.run(create_app(cfg, client), **bind)  # type: ignore[arg-type]
+            else:
+                # Worker processes import the app factory; they find the config and Redis by
+                # env, and write their request latencies where any of them can read all of
+                # them for a scrape.
+                _worker_env(config_path, handle.local_url)
+                with _multiprocess_metrics_dir():
+                    uvicorn.run(
+                        "sluice.server.app:app_from_env",
+                        factory=True,
+                        workers=n_workers,
+                        **bind,  # type: ignore[arg-type]
+                    )
+    log.info("stopped")
+
+
+class _Signalled(Exception):
+    """A stop signal, raised where the server gave it back (`_signals_end_quietly`)."""
+
+
+@contextlib.contextmanager
+def _signals_end_quietly() -> Iterator[None]:
+    """A server stops on SIGINT or SIGTERM; uvicorn then raises the signal again for the process
+    to die of it (status 143 for SIGTERM, a traceback for SIGINT). Here that ends the block
+    instead, so that `serve` says it stopped and exits 0 however it serves."""
+
+    def end(signum: int, _: Any) -> None:
+        raise _Signalled(signum)
+
+    before = {s: signal.signal(s, end) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except _Signalled:
+        pass
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def _worker_env(config_path: str, redis_url: str) -> None:

@@ -330,13 +330,14 @@ def _start_serve(cfg: Path, *args: str) -> tuple[subprocess.Popen[str], httpx.Re
             time.sleep(0.2)
 
 
-def _stop_serve(proc: subprocess.Popen[str]) -> None:
-    """Ctrl-C to the whole process group: serve stops quietly (exit 0, no traceback, no
-    error)."""
-    os.killpg(proc.pid, signal.SIGINT)
+def _stop_serve(proc: subprocess.Popen[str], sig: int = signal.SIGINT) -> None:
+    """Ctrl-C (or `sig`) to the whole process group: serve stops quietly (exit 0, no traceback,
+    no error) and says so."""
+    os.killpg(proc.pid, sig)
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "ERROR" not in err, err
+    assert "msg=stopped" in err.splitlines()[-1], err
 
 
 @pytest.mark.parametrize("http", ["uvicorn", "granian"])
@@ -393,7 +394,7 @@ def test_serve_on_the_embedded_redis_reads_it_over_its_unix_socket(http: str, wo
                 over_socket = [c for c in handle.client.client_list() if "U" in c["flags"]]
                 assert over_socket, handle.client.client_list()
             finally:
-                _stop_serve(proc)
+                _stop_serve(proc, signal.SIGTERM)  # as systemd or Kubernetes stop it
     finally:
         shutil.rmtree(short, ignore_errors=True)
 
