@@ -96,6 +96,11 @@ def test_error_statuses_name_the_parameter(api: TestClient) -> None:
     )
     _error(api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "2d"}), 422, "retention")
     _error(api.get("/v1/metrics/pair_count", params={"key": "c1", "window": "1m"}), 400, "key")
+    # A key whose percent-decoded bytes are not UTF-8 is no key (read leniently, it would be
+    # another one, with U+FFFD in it); a key with U+FFFD itself, sent as UTF-8, is one.
+    for path in ("/v1/metrics/txn_count", "/v1/metrics/txn_count/series"):
+        _error(api.get(f"{path}?key=%FF&window=1m"), 400, "`key` is not UTF-8")
+    assert api.get("/v1/metrics/txn_count?key=%EF%BF%BD&window=1m").status_code == 200
     # A window within the retention's length that starts before it (an old `end`): its older
     # slices are removed, so it is refused, not answered short; one that starts within is not.
     day = 86_400_000

@@ -55,7 +55,12 @@ def parse_lookup(scope: Scope) -> tuple[str, list[str], str, str | None] | None:
     keys: list[str] = []
     window = ""
     end: str | None = None
-    for k, v in parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True):
+    try:  # a parameter that is not UTF-8: the full application refuses it
+        pairs = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True,
+                          errors="strict")  # fmt: skip
+    except UnicodeDecodeError:
+        return None
+    for k, v in pairs:
         if k == "key":
             keys.append(v)
         elif k == "window":

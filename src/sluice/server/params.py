@@ -4,6 +4,7 @@ the parameter."""
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote_plus
 
 import orjson
 from pydantic import BaseModel, Field
@@ -36,6 +37,20 @@ def parse_history(value: str | None) -> int | None:
             "history",
         )
     return int(value)
+
+
+def check_utf8_query(query_string: bytes) -> None:
+    """Refuse (BadQuery, 400) a query parameter whose percent-decoded bytes are not UTF-8
+    (`key=%FF`): read leniently, as web frameworks do, it would stand for another key."""
+    for part in query_string.decode("latin-1").split("&"):
+        name, _, value = part.partition("=")
+        try:
+            unquote_plus(value, errors="strict")
+        except UnicodeDecodeError:
+            param = unquote_plus(name)
+            raise BadQuery(
+                f"`{param}` is not UTF-8 once percent-decoded: {value!r}", param
+            ) from None
 
 
 def parse_limit(value: str | None) -> int:

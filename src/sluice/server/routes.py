@@ -20,7 +20,14 @@ from sluice.query.engine import QueryEngine
 from sluice.redis.loading import is_loading
 from sluice.server.clients import AsyncClients
 from sluice.server.middleware import MAX_BODY_BYTES, ORJSONResponse, error, redis_loading
-from sluice.server.params import BatchQuery, parse_events, parse_history, parse_limit, parse_reason
+from sluice.server.params import (
+    BatchQuery,
+    check_utf8_query,
+    parse_events,
+    parse_history,
+    parse_limit,
+    parse_reason,
+)
 from sluice.source.admission import ingest_valve
 from sluice.source.producer import Producer
 from sluice.status.dead_letters import read_dead_letters
@@ -75,6 +82,7 @@ async def get_metric(
     end: str | None = Query(default=None, description="window end, epoch ms; default now"),
 ) -> dict[str, Any]:
     """Metric `name` for `key` over (end - window, end]."""
+    check_utf8_query(request.scope["query_string"])
     api = _api(request)
     lookup = api.engine.lookup(name, key, window, end)
     return (await api.engine.arun([lookup], api.aclients.get()))[0]
@@ -90,6 +98,7 @@ def get_series(
     step: str | None = Query(default=None, description="point width; default the slice"),
 ) -> dict[str, Any]:
     """Metric `name` for `key` per `step` over (end - window, end], for charts."""
+    check_utf8_query(request.scope["query_string"])
     return _api(request).engine.series(name, key, window, end, step)
 
 
