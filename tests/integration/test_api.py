@@ -113,6 +113,11 @@ def test_error_statuses_name_the_parameter(api: TestClient) -> None:
     _error(batch, 422, "retention")
     ok = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "11h", "end": old})
     assert ok.status_code == 200, ok.text
+    # An `end` in epoch seconds is far before the retention: the message says what it looks like.
+    seconds = time.time_ns() // 1_000_000_000
+    resp = api.get("/v1/metrics/txn_count", params={"key": "c1", "window": "1m", "end": seconds})
+    assert "looks like seconds" in _error(resp, 422, "`end` is in epoch milliseconds")["message"]
+    assert "looks like seconds" not in err["message"], err
 
 
 def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -> None:

@@ -221,6 +221,12 @@ def test_status_shows_each_process_role_and_lease_age(r: redis.Redis, tmp_path: 
     clock.advance(10_000)  # neither beats any more: both left out
     assert read_roles(r, cfg, clock.now_ms())["processes"] == []
     assert r.hlen(PROCESSES_KEY) == 2
+    # A lease released by a clean stop has no expiry left: null, not minus the epoch's ms.
+    leases = read_roles(r, cfg, clock.now_ms())["leases"]
+    assert leases and all(x["expires_in_ms"] < 0 and not x["live"] for x in leases.values())
+    a.release()
+    leases = read_roles(r, cfg, clock.now_ms())["leases"]
+    assert leases and all(x["expires_in_ms"] is None and not x["live"] for x in leases.values())
 
 
 def test_on_a_cluster_a_standby_takes_over_at_once_too(rc: Any, tmp_path: Path) -> None:

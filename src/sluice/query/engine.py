@@ -89,6 +89,13 @@ def parse_end(value: Any, now_ms: int) -> int:
     return end
 
 
+def _seconds_hint(end_ms: int, now_ms: int) -> str:
+    """A hint for an `end` that reads as now in epoch seconds, not milliseconds."""
+    if abs(end_ms * 1000 - now_ms) <= 366 * 86_400_000:
+        return f" (`end` is in epoch milliseconds: {end_ms} looks like seconds)"
+    return ""
+
+
 def integral_value(cfg: Config, m: MetricConfig) -> bool:
     """The metric's value is an integer field of the schema: its sums, minima and the like are
     answered as ints."""
@@ -204,7 +211,7 @@ class QueryEngine:
                     f"the {format_duration_ms(window_ms)} window ending at `end` {end_ms} starts"
                     f" {format_duration_ms(now_ms - m.retention - end_ms + window_ms)} before"
                     f" the retention of {m.name!r} ({format_duration_ms(m.retention)} back from"
-                    " now): the slices there are removed",
+                    " now): the slices there are removed" + _seconds_hint(end_ms, now_ms),
                     "end",
                     status=422,
                 )

@@ -30,9 +30,9 @@ def read_roles(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
     A process: host, pid, role (`leader`, `standby`), epoch (a leader's term), its queries,
     state_dir, `heartbeat_age_ms`, `up_ms`, `lease_age_ms` (a leader: since it last renewed
     its lease; null for a standby) and `warm` (its warm-up batch ran). A lease: its holder's
-    host, pid and epoch, `live`, `lease_age_ms` (since the last renewal), `expires_in_ms` and
-    `held_ms` (since the term began). `leader` is the process holding the source fold's lease
-    (or the first query's) while it is live.
+    host, pid and epoch, `live`, `lease_age_ms` (since the last renewal), `expires_in_ms` (null
+    once released) and `held_ms` (since the term began). `leader` is the process holding the
+    source fold's lease (or the first query's) while it is live.
     """
     names = query_names(cfg)
     pipe = client.pipeline(transaction=False)
@@ -78,7 +78,8 @@ def _lease(raw: dict[str, str], now_ms: int) -> dict[str, Any]:
         "epoch": int(raw.get("epoch") or 0),
         "live": expires > now_ms,
         "lease_age_ms": now_ms - renewed,
-        "expires_in_ms": expires - now_ms,
+        # A released lease (its holder stopped cleanly) has no expiry left: null, not -now.
+        "expires_in_ms": expires - now_ms if expires else None,
         "held_ms": now_ms - int(raw.get("acquired_ms", now_ms)),
         "checkpoint": raw.get("checkpoint"),
     }
