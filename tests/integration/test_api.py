@@ -307,6 +307,11 @@ def test_openapi_spec_lists_the_contract(api: TestClient) -> None:
     paths = set(spec["paths"])
     assert {"/v1/metrics", "/v1/metrics/{name}", "/v1/metrics/{name}/series", "/v1/query"} <= paths
     assert "requestBody" in spec["paths"]["/v1/query"]["post"]
+    # Errors are documented in the shape they are sent: {"error": {"code", "message"}}.
+    answers = spec["paths"]["/v1/metrics/{name}"]["get"]["responses"]
+    assert {"200", "400", "404", "422", "503"} <= set(answers), answers
+    ref = answers["400"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.endswith("/ErrorBody") and "HTTPValidationError" not in spec["components"]["schemas"]
 
 
 _SERVED = {

@@ -27,6 +27,33 @@ class BatchQuery(BaseModel):
     queries: list[Lookup] = Field(max_length=1000)
 
 
+class ErrorDetail(BaseModel):
+    code: str = Field(description="a stable name, e.g. bad_request, unknown_metric")
+    message: str = Field(description="what was wrong, naming the parameter")
+
+
+class ErrorBody(BaseModel):
+    """Every error the API answers (`middleware.error`)."""
+
+    error: ErrorDetail
+
+
+_ERRORS = {
+    400: "a malformed parameter or body (the message names it)",
+    401: "a missing or wrong bearer token",
+    404: "an unknown metric or path",
+    413: "a body over the size limit",
+    422: "a well-formed query that cannot be answered (a window past the retention)",
+    429: "the input is backpressured: retry after `Retry-After` seconds",
+    503: "the slice store (Redis) or the log is unavailable, or loading",
+}
+# The OpenAPI spec's error answers, in the shape the API gives them (FastAPI's own 422 model is
+# never sent: a request that does not validate is answered 400).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text} for status, text in _ERRORS.items()
+}
+
+
 def parse_history(value: str | None) -> int | None:
     """The `history` query parameter: seconds from 0 to HISTORY_LEN, or QueryError (400)."""
     if value is None:

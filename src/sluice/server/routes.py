@@ -21,6 +21,7 @@ from sluice.redis.loading import is_loading
 from sluice.server.clients import AsyncClients
 from sluice.server.middleware import MAX_BODY_BYTES, ORJSONResponse, error, redis_loading
 from sluice.server.params import (
+    ERROR_RESPONSES,
     BatchQuery,
     check_utf8_query,
     parse_events,
@@ -38,7 +39,7 @@ from sluice.status.roles import read_roles
 from sluice.status.snapshot import pipeline_health, read_status
 from sluice.web.page import dashboard_html
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 @dataclass
