@@ -137,6 +137,9 @@ def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -
     assert [x["value"] for x in results] == [5, 0, None]
     _error(api.post("/v1/query", json={"queries": [{"metric": "txn_count"}]}), 400, "queries[0]")
     _error(api.post("/v1/query", json={"q": []}), 400, "queries")
+    for end in (True, 1.5):  # an epoch ms is an integer (or its text), never a boolean
+        query = {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": end}
+        _error(api.post("/v1/query", json={"queries": [query]}), 400, "queries[0].end")
     bad = _error(
         api.post("/v1/query", content=b"{not json", headers={"content-type": "application/json"}),
         400,

@@ -7,7 +7,7 @@ from typing import Any
 from urllib.parse import unquote_plus
 
 import orjson
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from sluice.errors import BadQuery, QueryError
 from sluice.status.dead_letters import DEFAULT_LIMIT, MAX_LIMIT, REASON_RE
@@ -21,6 +21,13 @@ class Lookup(BaseModel):
     key: list[str] | str = Field(description="key value(s), one per key field")
     window: str = Field(description="window length, e.g. 15m", examples=["15m"])
     end: int | None = Field(None, description="window end in epoch ms; default now")
+
+    @field_validator("end", mode="before")
+    @classmethod
+    def _no_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read `true` as 1 ms
+            raise ValueError("must be epoch milliseconds, not a boolean")
+        return v
 
 
 class BatchQuery(BaseModel):
