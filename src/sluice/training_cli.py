@@ -38,19 +38,22 @@ def read_table(
     from pyspark.sql.types import StringType, StructField, StructType
 
     from sluice.offline.events import ArchiveError
+    from sluice.pipeline.schemas import CSV_OPTIONS
 
     fmt = fmt or next((f for s, f in _TABLE_FORMATS.items() if path.rstrip("/").endswith(s)),
                       "parquet")  # fmt: skip
     reader = spark.read.format("json" if fmt == "jsonl" else fmt)
+    # A spine is small: a quoted field may span lines (a free-text column), read whole.
+    csv_options = {**CSV_OPTIONS, "multiLine": "true"}
     if fmt == "csv":
-        reader = reader.option("header", "true")
+        reader = reader.options(**csv_options)
     try:
         if fmt != "csv":
             return reader.load(path)
         inferred = reader.option("inferSchema", "true").load(path).schema
         schema = StructType([StructField(f.name, StringType() if f.name in text else f.dataType)
                              for f in inferred])  # fmt: skip
-        return spark.read.format("csv").option("header", "true").schema(schema).load(path)
+        return spark.read.format("csv").options(**csv_options).schema(schema).load(path)
     except AnalysisException as e:
         reason = str(e).strip().splitlines()[0]
         raise ArchiveError(f"cannot read {fmt} spine {path}: {reason}") from None

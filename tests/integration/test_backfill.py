@@ -18,7 +18,7 @@ import redis
 from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.offline.backfill import backfill, seam_of
-from sluice.offline.events import ArchiveError
+from sluice.offline.events import ArchiveError, read_archive
 from sluice.offline.training import training_set
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
@@ -208,6 +208,35 @@ def test_bad_rows_are_counted_with_their_reasons(
     # a bad line is named by its file and its line number (blank lines counted, from 1)
     assert json.loads(report.samples["bad_json"][0])["id"].endswith("events.jsonl:0@4")
     assert QueryEngine(cfg, r).query("merchant_txn", "m1", "10m", t)["value"] == 2
+
+
+def test_csv_quoted_as_pandas_writes_it_keeps_its_keys_in_the_archive_and_the_spine(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
+    """A double quote inside a quoted field is written twice (RFC 4180; pandas, Python's csv):
+    read so, the merchant `m "q"` is that key, not the field's text with its quoting. A spine's
+    passed-through text keeps its quotes and line breaks."""
+    from sluice.training_cli import read_table
+
+    cfg = make_config(redis_url, tmp_path)
+    t = now_ms - 60_000
+    merchants = ['m "q"', "m, comma", "plain"]
+    pd.DataFrame({"ts": [t] * 3, "card": ["c1"] * 3, "merchant": merchants, "amount": 1.0,
+                  "qty": 1}).to_csv(tmp_path / "events.csv", index=False)  # fmt: skip
+    report = backfill(spark, cfg, str(tmp_path / "events.csv"), until_ms=now_ms)
+    assert report.events == 3 and report.dead == {}, report.dead
+    engine = QueryEngine(cfg, r)
+    assert [engine.query("merchant_txn", m, "10m", t)["value"] for m in merchants] == [1, 1, 1]
+    notes = ['said "stop"', "line one\nline two", ""]
+    pd.DataFrame({"merchant": merchants, "t": [t] * 3, "note": notes}).to_csv(
+        tmp_path / "spine.csv", index=False)  # fmt: skip
+    spine = read_table(spark, str(tmp_path / "spine.csv"), None, ["merchant"])
+    table = training_set(spark, cfg, spine, {"merchant_txn": ["10m"]}, "t",
+                         events=read_archive(spark, str(tmp_path / "events.csv"), "csv",
+                                             cfg.source.schema_)).toPandas()  # fmt: skip
+    assert table["merchant"].tolist() == merchants
+    assert table["note"].tolist() == ['said "stop"', "line one\nline two", None]  # CSV: "" is null
+    assert table["merchant_txn_10m"].tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])

@@ -47,6 +47,7 @@ from pyspark.sql import types as T
 from sluice.config import Config, FieldType
 from sluice.errors import ConfigError, SluiceError
 from sluice.offline.lines import KNOWN, LINE, decoded, json_value, read_lines, sample_keys
+from sluice.pipeline.schemas import CSV_OPTIONS
 from sluice.source.options import named_bounds
 from sluice.source.values import SPARK_TYPES
 
@@ -129,7 +130,7 @@ def read_archive(
         if fmt == "parquet":
             return spark.read.parquet(*paths)
         if fmt == "csv":
-            return spark.read.option("header", "true").option("inferSchema", "false").csv(paths)
+            return spark.read.options(**CSV_OPTIONS, inferSchema="false").csv(paths)
         return read_lines(spark, paths)
     except (AnalysisException, IllegalArgumentException, Py4JJavaError) as e:
         raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {_why(e)}") from None

@@ -88,6 +88,11 @@ def _column_ddl(name: str, spec: str, is_time: bool) -> str:
     return f"`{name}` {SPARK_TYPES[t.type]}{null}"
 
 
+# CSV as RFC 4180 and the common writers (pandas, Python's csv, spreadsheets) quote it: a `"`
+# inside a quoted field is written twice (Spark's own default escapes it with a backslash).
+CSV_OPTIONS = {"header": "true", "escape": '"'}
+
+
 def load_tables(session: Any, st: StageConfig, path: str) -> None:
     """Register the stage's static tables as views of `session` (read once, cached). Relative
     paths were made relative to the config file's directory when it was loaded."""
@@ -97,7 +102,7 @@ def load_tables(session: Any, st: StageConfig, path: str) -> None:
             raise ConfigError(f"table file {str(p)!r} not found", f"{path}.{name}")
         reader = session.read
         if p.suffix == ".csv":
-            df = reader.option("header", "true").option("inferSchema", "true").csv(str(p))
+            df = reader.options(**CSV_OPTIONS, inferSchema="true").csv(str(p))
         elif p.suffix == ".parquet":
             df = reader.parquet(str(p))
         else:
