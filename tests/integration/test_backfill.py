@@ -198,11 +198,14 @@ def test_bad_rows_are_counted_with_their_reasons(
         "   ",
     ]
     path = tmp_path / "events.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    # The last line is cut inside a UTF-8 character (a file truncated mid-write).
+    cut = f'{{"ts": {t}, "card": "c6", "merchant": "Caf'.encode() + "é".encode()[:1]
+    path.write_bytes(("\n".join(lines) + "\n").encode() + cut)
     report = backfill(spark, cfg, str(path), until_ms=now_ms)
     assert report.events == 2
     # 41 identical bad rows fold into one dead-letter record, and count 41
-    assert report.dead == {"bad_type": 44, "bad_json": 1, "missing_field": 2, "not_object": 1}
+    assert report.dead == {"bad_type": 44, "bad_json": 1, "missing_field": 2, "not_object": 1,
+                           "invalid_utf8": 1}  # fmt: skip
     assert any("events.jsonl" in x for x in report.samples["bad_type"])
     assert "not json" in report.samples["bad_json"][0]
     # a bad line is named by its file and its line number (blank lines counted, from 1)
