@@ -193,9 +193,18 @@ def check_local_inputs(paths: tuple[str, ...], what: str = "input") -> None:
 
 
 def metric_names(values: tuple[str, ...]) -> list[str] | None:
-    """`--metrics a,b --metrics c` as [a, b, c]; None (all metrics) when not given."""
-    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
-    return names or None
+    """`--metrics a,b --metrics c` as [a, b, c]; None (all metrics) when not given. An empty
+    name (`--metrics ""`, `a,,b`, a trailing comma) is a usage error, never "all"."""
+    if not values:
+        return None
+    names = [n.strip() for v in values for n in v.split(",")]
+    if not all(names):
+        raise click.BadParameter(
+            f"{','.join(values)!r} holds an empty metric name; name each metric, comma-separated,"
+            " or leave --metrics out for all of them",
+            param_hint="--metrics",
+        )
+    return names
 
 
 # -- sluice backfill --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import redis
 
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.offline.backfill import backfill
+from sluice.offline.events import read_archive
 from sluice.offline.store import UNANSWERED
 from sluice.offline.training import training_set
 from sluice.pipeline.spark import expression_semantics
@@ -599,3 +600,24 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path) -> None:
         training_set(spark, cfg, spine, ["txn_count:1h"], ts="when", events=ev)
     with pytest.raises(BadQuery, match="no column 'merchant' for key field 'merchant'"):
         training_set(spark, cfg, spine, ["merchant_txn:1h"], ts="t", events=ev)
+    with pytest.raises(BadQuery, match=r"or keys=\{'merchant': COLUMN\} in Python"):
+        training_set(spark, cfg, spine, ["merchant_txn:1h"], ts="t", events=ev)
+    # A pandas spine, or events of another kind, are named for what they are.
+    with pytest.raises(TypeError, match=r"a Spark DataFrame, not DataFrame \(spark.createData"):
+        training_set(spark, cfg, spine.toPandas(), ["txn_count:1h"], ts="t", events=ev)
+    with pytest.raises(TypeError, match="events must be a Spark DataFrame or the archive's path"):
+        training_set(spark, cfg, spine, ["txn_count:1h"], ts="t", events=42)  # type: ignore[arg-type]
+
+
+def test_events_may_be_the_archives_path(
+    spark: Any, redis_url: str, tmp_path: Path, archive: tuple[Path, pd.DataFrame], now_ms: int
+) -> None:
+    path, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    spine = spark.createDataFrame(spine_rows(events, now_ms, 20))
+    keys = {"card": "card_id"}
+    by_path = training_set(spark, cfg, spine, ["txn_count:1h"], "t", keys, events=str(path))
+    frame = read_archive(spark, str(path), None, cfg.source.schema_)
+    by_frame = training_set(spark, cfg, spine, ["txn_count:1h"], "t", keys, events=frame)
+    got, want = by_path.toPandas(), by_frame.toPandas()
+    assert got["txn_count_1h"].sum() > 0 and got.equals(want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -95,7 +96,10 @@ def test_until_before_start_is_a_usage_error() -> None:
 
 def test_metric_names_are_comma_separated_and_repeatable() -> None:
     assert metric_names(()) is None
-    assert metric_names(("a,b", " c ", "d,,")) == ["a", "b", "c", "d"]
+    assert metric_names(("a,b", " c ", "d")) == ["a", "b", "c", "d"]
+    for empty in [("",), ("a,",), ("a,,b",), ("a", " ")]:  # never "every metric" by accident
+        with pytest.raises(click.BadParameter, match="empty metric name"):
+            metric_names(empty)
 
 
 def test_durations_read_as_people_say_them() -> None:

@@ -120,8 +120,8 @@ def read_archive(
     paths = [path] if isinstance(path, str) else list(path)
     if fmt is None and len({guess_format(p) for p in paths}) > 1:
         raise ArchiveError(
-            f"inputs of more than one format ({', '.join(paths)}): give --format, and one"
-            " backfill per format"
+            f"inputs of more than one format ({', '.join(paths)}): run one backfill per"
+            " format, each with its own inputs (--format reads every input in one format)"
         )
     fmt = fmt or guess_format(paths[0])
     if fmt not in FORMATS:

@@ -96,7 +96,11 @@ def windows_by_metric(cfg: Config, feats: list[Feature]) -> dict[str, list[int]]
 def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
                    metrics: Sequence[str], feats: list[Feature]) -> None:  # fmt: skip
     """Raises BadQuery for a spine that lacks the time column or a key column, or whose columns
-    a feature would overwrite."""
+    a feature would overwrite; TypeError for a spine that is no Spark DataFrame."""
+    if not isinstance(spine, DataFrame):
+        made = " (spark.createDataFrame(it) makes one of a pandas one)" if hasattr(
+            spine, "to_numpy") else ""  # fmt: skip
+        raise TypeError(f"the spine must be a Spark DataFrame, not {type(spine).__name__}{made}")
     have = set(spine.columns)
     if ts not in have:
         raise BadQuery(
@@ -110,7 +114,8 @@ def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
             if col not in have:
                 raise BadQuery(
                     f"the spine has no column {col!r} for key field {field!r} of {name!r};"
-                    f" name it with --key {field}=COLUMN (columns: {', '.join(spine.columns)})",
+                    f" name it with --key {field}=COLUMN, or keys={{{field!r}: COLUMN}} in Python"
+                    f" (columns: {', '.join(spine.columns)})",
                     "key",
                 )
     clash = [f.column for f in feats if f.column in have or f.column == ROW]

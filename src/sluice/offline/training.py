@@ -44,7 +44,7 @@ from pyspark.sql.types import StructType
 
 from sluice.config import Config, MetricConfig
 from sluice.offline.answers import AnswerPlan, answer_batches
-from sluice.offline.events import TimeBounds, archive_events, to_ms
+from sluice.offline.events import TimeBounds, archive_events, read_archive, to_ms
 from sluice.offline.features import (
     PART_EDGE,
     PART_FULL,
@@ -292,14 +292,15 @@ def training_set(
     features: Mapping[str, Sequence[str]] | Sequence[str],
     ts: str,
     keys: Mapping[str, str] | None = None,
-    events: DataFrame | None = None,
+    events: DataFrame | str | Sequence[str] | None = None,
     arrival: str | None = None,
     *,
     url: str | None = None,
 ) -> DataFrame:
     """`spine` with one column `<metric>_<window>` per feature (module docstring), from the
     archived `events` (as `offline.events.read_archive` reads them) or, without them, from the
-    slice store at `url` (default `cfg.redis`; see `offline.store_values`). `keys` maps a
+    slice store at `url` (default `cfg.redis`; see `offline.store_values`). `events` may also
+    be the archive's path or paths, read by `read_archive` (format by suffix). `keys` maps a
     metric's key field to the spine column that holds it where the names differ; `ts` is the
     spine's time column (epoch ms, a timestamp, or ISO 8601 text). `arrival` names the
     archive's arrival-time column: an event then counts only once it had arrived by t.
@@ -311,6 +312,11 @@ def training_set(
     UnknownMetric, BadQuery or ConfigError for features, columns or metrics it cannot answer.
     """
     keys = dict(keys or {})
+    if isinstance(events, str | list | tuple):
+        events = read_archive(spark, events, None, cfg.source.schema_)
+    elif events is not None and not isinstance(events, DataFrame):
+        raise TypeError(f"events must be a Spark DataFrame or the archive's path, not"
+                        f" {type(events).__name__}")  # fmt: skip
     feats = parse_features(cfg, features)
     windows = windows_by_metric(cfg, feats)
     check_spine(cfg, spine, ts, keys, list(windows), feats)
