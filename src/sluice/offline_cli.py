@@ -136,13 +136,17 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
     interrupts.install()
     spark = None
     try:
-        spark = build_spark(cfg, app_name=app_name)
+        with _handlers_kept():
+            spark = build_spark(cfg, app_name=app_name)
         interrupts.install()
         yield spark
     except BaseException as e:
         interrupts.armed = False
         if interrupts.signum is not None:
             raise Interrupted(interrupts.signum) from None
+        if isinstance(e, KeyboardInterrupt):  # a SIGINT that reached another handler
+            StopSignals.quiet()
+            raise Interrupted(signal.SIGINT) from None
         why = task_error(e)
         if why is None:
             raise
@@ -153,6 +157,25 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
             stop_spark(spark)
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
+
+
+@contextlib.contextmanager
+def _handlers_kept() -> Iterator[None]:
+    """While Spark starts, the stop signals' handlers stay ours: PySpark's context puts its own
+    SIGINT handler in place as it starts, one that cancels every job from inside whatever JVM
+    call is in flight (a Ctrl-C then printed py4j's tracebacks and ended in `Aborted!`)."""
+    install = signal.signal
+
+    def keep(signum: int, handler: Any) -> Any:
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            return signal.getsignal(signum)
+        return install(signum, handler)
+
+    signal.signal = keep  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = install
 
 
 def task_error(e: BaseException) -> str | None:

@@ -171,6 +171,54 @@ def test_a_backfill_stopped_halfway_and_run_again_is_exact(
     assert check_below_seams(cfg, r, events, until, n=800) >= 50
 
 
+def test_ctrl_c_while_spark_starts_is_one_line_saying_how_to_finish(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """SIGINT to the whole group while Spark's JVM is starting (PySpark's context puts a
+    handler of its own in place then): the run says it stopped and how to run it again; no
+    py4j traceback, no `Aborted!`."""
+    import psutil
+
+    path, _ = write_config(redis_url, tmp_path)
+    # Enough events that the run is still going a second after Spark's context starts.
+    make_events(time.time_ns() // 1_000_000, 50_000).to_parquet(tmp_path / "a.parquet")
+    args = [SLUICE, "backfill", "-c", str(path), "--input", str(tmp_path / "a.parquet")]
+    log = tmp_path / "int.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=out,
+                                start_new_session=True)  # fmt: skip
+    try:
+
+        def context_starting() -> bool:  # the JVM listens for py4j and for Spark's driver
+            ports = 0
+            try:
+                kids = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return True  # it ended: said below
+            for kid in kids:
+                try:  # a child may end while it is looked at
+                    if "java" in kid.name():
+                        ports += sum(c.status == "LISTEN" for c in kid.net_connections("tcp"))
+                except psutil.NoSuchProcess:
+                    continue
+            return ports >= 3 or proc.poll() is not None
+
+        wait_until(context_starting, 120, "Spark's context started", every_s=0.01)
+        # Its session and the data sources take seconds more, with PySpark's handler in place.
+        time.sleep(1.0)
+        assert proc.poll() is None, log.read_text()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    err = log.read_text()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "backfill: stopped by SIGINT after" in err and "Run it again with --until" in err, err
+    assert "Traceback" not in err and "Aborted" not in err and "level=ERROR" not in err, err
+
+
 def test_a_store_that_refuses_the_writes_is_one_line_naming_its_error(tmp_path: Path) -> None:
     """A Redis out of memory (`maxmemory`, no eviction) fails a write task: the command ends
     with the task's error in one line and what to do, not Spark's and Python's traces."""

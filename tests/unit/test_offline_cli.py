@@ -4,6 +4,7 @@ otherwise), how times and durations are shown, the progress line and the summary
 from __future__ import annotations
 
 import datetime as dt
+import signal
 
 import click
 import pytest
@@ -194,3 +195,24 @@ def test_by_default_the_offline_commands_fold_the_metrics_an_archive_holds() -> 
     only_stage = cfg.model_copy(update={"metrics": cfg.metrics[1:]})
     with pytest.raises(ConfigError, match="no metric folds the source's events"):
         select_metrics(only_stage, None)
+
+
+def test_while_spark_starts_the_stop_signals_keep_their_handlers() -> None:
+    """PySpark's context installs a SIGINT handler as it starts, which cancels every job from
+    inside the JVM call in flight: while `spark_for` starts Spark, such an install is refused,
+    and the handler before stays; afterwards installs work again."""
+    from sluice.offline_cli import _handlers_kept
+
+    def ours(*_: object) -> None: ...
+
+    def theirs(*_: object) -> None: ...
+
+    before = signal.signal(signal.SIGINT, ours)
+    try:
+        with _handlers_kept():
+            assert signal.signal(signal.SIGINT, theirs) is ours
+            assert signal.getsignal(signal.SIGINT) is ours
+        assert signal.signal(signal.SIGINT, theirs) is ours
+        assert signal.getsignal(signal.SIGINT) is theirs
+    finally:
+        signal.signal(signal.SIGINT, before)
