@@ -137,7 +137,7 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
     spark = None
     try:
         with _handlers_kept():
-            spark = build_spark(cfg, app_name=app_name)
+            spark = build_spark(cfg, app_name=app_name, sources=False)  # files, not the log
         interrupts.install()
         yield spark
     except BaseException as e:

@@ -99,7 +99,7 @@ def quiet_query_contexts() -> None:
         PySparkLogger.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
+def build_spark(cfg: Config, app_name: str = "sluice", sources: bool = True) -> SparkSession:
     """Create (or join) the session for `cfg.spark`. Spark's own logs go to stderr as key=value
     lines at SLUICE_SPARK_LOG_LEVEL (default ERROR), so its INFO and WARN chatter stays out.
 
@@ -108,7 +108,9 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
     executors (see `sluice.pipeline.ship`). A local Spark that this call starts writes its
     checkpoint logs without a child process per file (see `sluice.pipeline.jvm`). A JVM that this
     call starts has its stderr passed on without the tracebacks of a clean stop (see
-    `sluice.pipeline.jvm_stderr`).
+    `sluice.pipeline.jvm_stderr`). With `sources`, the log's streaming source and its warm-up
+    are registered (about a second each, as PySpark pickles each class with what it refers
+    to); batch jobs over files need neither.
     """
     # Executors run this interpreter unless `spark.pyspark.python` says otherwise (a cluster
     # whose workers keep Python elsewhere sets it in `spark.conf`).
@@ -167,9 +169,10 @@ def build_spark(cfg: Config, app_name: str = "sluice") -> SparkSession:
         shipped = package_zip(Path(cfg.state_dir) / "dist")
         spark.sparkContext.addPyFile(str(shipped))
         log.info("spark cluster", extra={"master": master, "shipped": shipped.name})
-    from sluice.source.reader import LogDataSource
-    from sluice.source.warm import WarmUpSource
+    if sources:
+        from sluice.source.reader import LogDataSource
+        from sluice.source.warm import WarmUpSource
 
-    spark.dataSource.register(LogDataSource)
-    spark.dataSource.register(WarmUpSource)
+        spark.dataSource.register(LogDataSource)
+        spark.dataSource.register(WarmUpSource)
     return spark
