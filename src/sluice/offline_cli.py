@@ -259,9 +259,12 @@ def format_summary(report: BackfillReport) -> str:
         by_seam.setdefault(seam, []).append(name)
     for seam, names in sorted(by_seam.items()):
         lines.append(f"  seam {iso_ms(seam)} ({seam}): {', '.join(names)}")
-    firsts = {v for v in report.first_slices.values() if v is not None}
-    if firsts:
-        lines.append(f"  from {', '.join(iso_ms(v) for v in sorted(firsts))} (--start)")
+    by_first: dict[int, list[str]] = {}
+    for name, first in report.first_slices.items():
+        if first is not None:
+            by_first.setdefault(first, []).append(name)
+    for first, names in sorted(by_first.items()):  # --start, down to each metric's slice
+        lines.append(f"  from {iso_ms(first)} (--start): {', '.join(names)}")
     lines.append(
         "  slices before each seam are the archive's (written now); after it, the live fold's"
     )

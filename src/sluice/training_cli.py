@@ -20,6 +20,7 @@ import click
 
 from sluice.commands import config_option, opened
 from sluice.offline_cli import Interrupted, check_local_inputs, duration_text, spark_for
+from sluice.units import format_duration_ms
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -89,6 +90,9 @@ class _Stages(threading.Thread):
                 done = sum(s.numCompletedTasks for s in stages if s)
                 total = sum(s.numTasks for s in stages if s)
                 elapsed = duration_text(time.monotonic() - self.t0)
+                if not stages:  # between jobs: the driver plans, or collects an answer
+                    self.say(f"{self.what}: planning, {elapsed}")
+                    continue
                 self.say(f"{self.what}: {len(stages)} stage(s) running, {done}/{total} tasks,"
                          f" {elapsed}")  # fmt: skip
             except Exception:  # noqa: BLE001 - progress never fails the job
@@ -273,7 +277,8 @@ def consistency(
             click.echo(f"  {name:<24} " + ", ".join(f"{v:,} {k}" for k, v in counts.items()),
                        err=True)  # fmt: skip
         for ex in report.examples[:5]:
-            click.echo(f"  mismatch: {ex['metric']} {ex['key']} window {ex['window_ms']} ms"
+            window = format_duration_ms(ex["window_ms"])
+            click.echo(f"  mismatch: {ex['metric']} {ex['key']} window {window}"
                        f" end {ex['end_ms']}: online {ex['online']}, offline {ex['offline']}",
                        err=True)  # fmt: skip
     click.echo(json.dumps(report.as_dict()))

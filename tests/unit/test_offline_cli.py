@@ -166,7 +166,7 @@ def test_the_summary_of_a_rerun_that_had_nothing_to_do() -> None:
                             partitions=4, partitions_skipped=4, elapsed_s=3.0)  # fmt: skip
     lines = format_summary(report).splitlines()
     assert lines[0] == "backfill abc: 0 events folded into 0 slices of 1 metric in 3.0 s"
-    assert "  from 2026-10-31T00:00:00Z (--start)" in lines
+    assert "  from 2026-10-31T00:00:00Z (--start): n" in lines
     assert "  bad rows: none" in lines
     assert lines[-2:] == [
         "  partitions: 0 written, 4 skipped (written by an earlier run of it)",
