@@ -99,11 +99,14 @@ class Interrupted(Exception):
 
 class _Interrupts:
     """The first SIGINT or SIGTERM raises KeyboardInterrupt in the main thread (in whatever
-    Spark call it waits on); later ones are ignored, so that the stop is not interrupted."""
+    Spark call it waits on); later ones are ignored, so that the stop is not interrupted.
+    While `deferred` (Spark starting) it is only noted: cut short, PySpark's start leaves its
+    JVM running with no one to stop it (its gateway waits for a driver that is gone)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.armed = True
+        self.deferred = False
 
     def install(self) -> None:
         # Again after Spark starts: PySpark's context puts a SIGINT handler of its own in place.
@@ -118,14 +121,16 @@ class _Interrupts:
         # Ctrl-C signals the whole process group, Spark's JVM included: what fails now is
         # expected, and its loggers stay quiet.
         StopSignals.quiet()
-        raise KeyboardInterrupt
+        if not self.deferred:
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSession]:
     """A Spark session for `cfg` (`build_spark`), stopped quietly when the block ends. The first
-    Ctrl-C or SIGTERM while the block runs (Spark's start included) interrupts it: whatever it
-    raised becomes `Interrupted`. A job that failed in a Python task (a Redis that refused a
+    Ctrl-C or SIGTERM while the block runs interrupts it: whatever it raised becomes
+    `Interrupted`. One while Spark starts takes effect once it has started, so that its JVM is
+    stopped too. A job that failed in a Python task (a Redis that refused a
     write, a lost connection) becomes one line with the task's error, and `then` (what to do
     next). Blocks while Spark starts (seconds)."""
     from sluice.pipeline.spark import build_spark
@@ -136,9 +141,13 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
     interrupts.install()
     spark = None
     try:
+        interrupts.deferred = True  # a signal now stops Spark once it has started
         with _handlers_kept():
             spark = build_spark(cfg, app_name=app_name, sources=False)  # files, not the log
+        interrupts.deferred = False
         interrupts.install()
+        if interrupts.signum is not None:
+            raise KeyboardInterrupt
         yield spark
     except BaseException as e:
         interrupts.armed = False

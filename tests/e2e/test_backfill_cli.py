@@ -171,12 +171,15 @@ def test_a_backfill_stopped_halfway_and_run_again_is_exact(
     assert check_below_seams(cfg, r, events, until, n=800) >= 50
 
 
+@pytest.mark.parametrize("moment", ["jvm", "context"])
 def test_ctrl_c_while_spark_starts_is_one_line_saying_how_to_finish(
-    r: redis.Redis, redis_url: str, tmp_path: Path
+    r: redis.Redis, redis_url: str, tmp_path: Path, moment: str
 ) -> None:
-    """SIGINT to the whole group while Spark's JVM is starting (PySpark's context puts a
-    handler of its own in place then): the run says it stopped and how to run it again; no
-    py4j traceback, no `Aborted!`."""
+    """SIGINT to the whole group while Spark starts: as soon as its JVM runs (PySpark waits for
+    its gateway), or once Spark's context listens (PySpark's own handler would be in place
+    then). The run says it stopped and how to run it again, with no py4j traceback and no
+    `Aborted!`, and its JVM is gone too (it ignores SIGINT; cut short, PySpark's start left
+    it running for good)."""
     import psutil
 
     path, _ = write_config(redis_url, tmp_path)
@@ -187,25 +190,27 @@ def test_ctrl_c_while_spark_starts_is_one_line_saying_how_to_finish(
     with log.open("w") as out:
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=out,
                                 start_new_session=True)  # fmt: skip
+    jvms: list[psutil.Process] = []
     try:
 
-        def context_starting() -> bool:  # the JVM listens for py4j and for Spark's driver
-            ports = 0
+        def started() -> bool:  # its JVM runs; for "context", it listens on 3 ports or more
             try:
                 kids = psutil.Process(proc.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 return True  # it ended: said below
+            ports = 0
             for kid in kids:
                 try:  # a child may end while it is looked at
                     if "java" in kid.name():
+                        jvms[:] = [kid]
                         ports += sum(c.status == "LISTEN" for c in kid.net_connections("tcp"))
                 except psutil.NoSuchProcess:
                     continue
-            return ports >= 3 or proc.poll() is not None
+            return bool(jvms) and (moment == "jvm" or ports >= 3)
 
-        wait_until(context_starting, 120, "Spark's context started", every_s=0.01)
-        # Its session and the data sources take seconds more, with PySpark's handler in place.
-        time.sleep(1.0)
+        wait_until(started, 120, f"Spark's {moment} started", every_s=0.01)
+        if moment == "context":  # its session and data sources take seconds more
+            time.sleep(1.0)
         assert proc.poll() is None, log.read_text()
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=90)
@@ -217,6 +222,10 @@ def test_ctrl_c_while_spark_starts_is_one_line_saying_how_to_finish(
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "backfill: stopped by SIGINT after" in err and "Run it again with --until" in err, err
     assert "Traceback" not in err and "Aborted" not in err and "level=ERROR" not in err, err
+    _, alive = psutil.wait_procs(jvms, timeout=20)
+    for jvm in alive:
+        jvm.kill()
+    assert not alive, f"the JVM outlived the run: {[p.pid for p in alive]}"
 
 
 def test_a_store_that_refuses_the_writes_is_one_line_naming_its_error(tmp_path: Path) -> None:
