@@ -79,6 +79,7 @@ def run_offline_demo(
     from sluice.offline.backfill import backfill
     from sluice.offline.consistency import check
     from sluice.offline.training import training_set
+    from sluice.offline_cli import format_progress
     from sluice.pipeline.spark import build_spark
     from sluice.query.answers import AnswerLog
     from sluice.query.engine import QueryEngine
@@ -105,7 +106,7 @@ def run_offline_demo(
         say("2. sluice backfill: the archive folded into the store, up to the hour")
         t0 = time.monotonic()
         report = backfill(spark, cfg, str(where / "archive"), until_ms=now_ms, url=handle.url,
-                          progress=lambda p: say(_progress(p)))  # fmt: skip
+                          progress=lambda p: say(f"   {format_progress(p)}"))  # fmt: skip
         out["backfill_s"] = round(time.monotonic() - t0, 1)
         say(f"   {report.events:,} events -> {report.slices:,} slices in {out['backfill_s']} s")
         engine = QueryEngine(cfg, handle.client, answer_log=AnswerLog(1.0, 10_000))
@@ -133,9 +134,3 @@ def run_offline_demo(
         out.update(events=report.events, slices=report.slices, rows=len(head),
                    matched=result.matched, mismatched=result.mismatched)  # fmt: skip
     return out
-
-
-def _progress(p: dict[str, Any]) -> str:
-    left = "" if p["left_s"] is None else f", about {p['left_s']} s left"
-    return (f"   {p['tasks_done']}/{p['tasks']} tasks, {p['events']:,} events,"
-            f" {p['slices']:,} slices{left}")  # fmt: skip

@@ -243,14 +243,20 @@ def metric_names(values: tuple[str, ...]) -> list[str] | None:
 
 
 def format_progress(p: dict[str, Any]) -> str:
-    """One progress line from `backfill`'s progress dict."""
-    if not p["tasks"]:
-        return f"backfill: reading the archive and planning, {duration_text(p['elapsed_s'])}"
-    parts = [f"{p['tasks_done']:,}/{p['tasks']:,} tasks", f"{p['events']:,} events",
-             f"{p['slices']:,} slices"]  # fmt: skip
+    """One progress line from a backfill's progress snapshot (`offline.progress.Watcher`)."""
+    elapsed = duration_text(p["elapsed_s"])
+    if p["phase"] == "planning":
+        return f"backfill: reading the archive and planning, {elapsed}"
+    if p["phase"] == "reading":
+        return (f"backfill: reading and shuffling the archive, {p['tasks_done']:,}/{p['tasks']:,}"
+                f" tasks, {elapsed}")  # fmt: skip
+    parts = [f"{p['partitions_done']:,}/{p['partitions']:,} partitions written",
+             f"{p['events']:,} events read", f"{p['slices']:,} slices written"]  # fmt: skip
     if p["events_per_s"]:
         parts.append(f"{p['events_per_s']:,} events/s")
-    if p["left_s"] is not None and p["tasks_done"] < p["tasks"]:
+    if p["partitions_done"] >= p["partitions"]:
+        parts.append("finishing")
+    elif p["left_s"] is not None:
         parts.append(f"about {duration_text(p['left_s'])} left")
     return "backfill: " + ", ".join(parts)
 

@@ -19,9 +19,11 @@ from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.offline.backfill import backfill, seam_of
 from sluice.offline.events import ArchiveError, read_archive
+from sluice.offline.progress import Watcher, tasks_key
 from sluice.offline.training import training_set
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
+from sluice.redis.keys import BACKFILL_PREFIX
 from sluice.slices.window import slice_start
 from tests.conftest import make_config
 from tests.e2e.test_oracle import check, make_events, random_queries
@@ -90,6 +92,14 @@ def test_a_backfill_answers_as_the_reference_and_a_rerun_changes_nothing(
                       progress_every_s=0.2)  # fmt: skip
     assert report.events == N and report.dead == {}
     assert report.seams == seams(cfg, now_ms)
+    # Each write task said how far it was: every partition ended, its events and slices summing
+    # to the report's; what a progress line says once the writes are done.
+    run_key = f"{BACKFILL_PREFIX}:{report.run}"
+    assert r.hlen(tasks_key(run_key)) == report.partitions
+    last = Watcher(spark, "none", r, run_key, report.partitions, seen.append, 1.0).snapshot()
+    assert last["phase"] == "writing" and last["left_s"] == 0
+    assert last["partitions_done"] == last["partitions"] == report.partitions
+    assert (last["events"], last["slices"]) == (report.events, report.slices)
     assert report.slices > 0 and report.partitions_skipped == 0
     assert check_below_seams(cfg, r, events, now_ms) >= 200
     stored = slice_snapshot(r)

@@ -111,16 +111,21 @@ def test_durations_read_as_people_say_them() -> None:
 
 
 def test_the_progress_line() -> None:
-    p = {"tasks_done": 12, "tasks": 40, "events": 1_234_567, "slices": 345_678,
-         "elapsed_s": 20.2, "events_per_s": 61_000, "left_s": 12}  # fmt: skip
+    p = {"phase": "writing", "tasks_done": 12, "tasks": 40, "partitions_done": 1,
+         "partitions": 4, "events": 1_234_567, "slices": 345_678, "elapsed_s": 20.2,
+         "events_per_s": 61_000, "left_s": 12}  # fmt: skip
     assert format_progress(p) == (
-        "backfill: 12/40 tasks, 1,234,567 events, 345,678 slices, 61,000 events/s, about 12 s left"
+        "backfill: 1/4 partitions written, 1,234,567 events read, 345,678 slices written,"
+        " 61,000 events/s, about 12 s left"
     )
     assert format_progress({**p, "events": 0, "events_per_s": 0, "left_s": None}) == (
-        "backfill: 12/40 tasks, 0 events, 345,678 slices"
+        "backfill: 1/4 partitions written, 0 events read, 345,678 slices written"
     )
-    assert format_progress({**p, "tasks_done": 40}).endswith("61,000 events/s")
-    assert format_progress({**p, "tasks_done": 0, "tasks": 0, "elapsed_s": 3.14}) == (
+    assert format_progress({**p, "partitions_done": 4}).endswith("61,000 events/s, finishing")
+    assert format_progress({**p, "phase": "reading", "elapsed_s": 14.2}) == (
+        "backfill: reading and shuffling the archive, 12/40 tasks, 14 s"
+    )
+    assert format_progress({**p, "phase": "planning", "elapsed_s": 3.14}) == (
         "backfill: reading the archive and planning, 3.1 s"
     )
 

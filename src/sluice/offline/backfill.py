@@ -30,9 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +53,7 @@ from sluice.offline.events import (
     read_failures,
 )
 from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
+from sluice.offline.progress import Progress, TaskProgress, Watcher, tasks_key
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
 from sluice.pipeline.spark import expression_semantics
@@ -197,12 +197,16 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
     part = ctx_task.partitionId() if ctx_task is not None else 0
     client = client_for(task.url, timeout_s=60, connect_timeout_s=10)
     try:
+        said = TaskProgress(client, task.run_key, part, DONE_TTL_S)
         if client.sismember(f"{task.run_key}:done", part):
             for _ in batches:  # the input must still be drained
                 pass
+            said.ended(skipped=True)
             yield pa.RecordBatch.from_pylist([{"kind": "stats", "skipped": 1}], RESULT_SCHEMA)
             return
         rows = _BoundedRows(batches, task)
+        stats = rows.stats()
+        said.took_in(stats["events"])
         totals = [0] * REPLY_COUNTS
         out: list[dict[str, Any]] = []
         if rows.table is not None:
@@ -217,12 +221,17 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
                                             restore_new=task.restore_new,
                                             ziplist=task.ziplist, ref_ms=task.ref_ms)  # fmt: skip
                         pending.append(apply_lua(client, ctx, rows, sp, sender))
-                parts += [done() for done in pending]
+                for done in pending:
+                    parts.append(done())
+                    said.wrote(parts[-1][0], sum(p[0] for p in parts) / rows.n)
             for sp in task.specs:
                 if AGGS[sp.agg].state == HLL:
                     parts.append([apply_hll(client, rows, sp), 0, 0, 0])
                 elif AGGS[sp.agg].state == BLOB:
                     parts.append(_replace_blobs(client, task, rows, sp))
+                else:
+                    continue
+                said.wrote(parts[-1][0], sum(p[0] for p in parts) / rows.n)
             if rows.failed.any():
                 raise BackfillError(
                     f"the store did not take {int(rows.failed.sum())} slice writes; the task"
@@ -245,7 +254,6 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
                 {"kind": "dead", "reason": r, "rows": n, "samples": samples[r]}
                 for r, n in by_reason.items()
             ]
-        stats = rows.stats()
         head = {"kind": "stats", "events": stats["events"], "slices": totals[0],
                 "expired": totals[2], "after_seam": rows.after_seam, "skipped": 0}  # fmt: skip
         out.insert(0, head)
@@ -256,6 +264,7 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
         pipe.expire(f"{task.run_key}:done", DONE_TTL_S)
         pipe.expire(task.run_key, DONE_TTL_S)
         pipe.execute()
+        said.ended()
     finally:
         client.close()
     yield pa.RecordBatch.from_pylist(out, RESULT_SCHEMA)
@@ -267,53 +276,6 @@ def run_fingerprint(files: Sequence[Any], parts: dict[str, Any]) -> str:
     (a new file, a file rewritten, other bounds, another metric definition) is a new run."""
     text = json.dumps({"files": sorted(files), **parts}, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=10).hexdigest()
-
-
-Progress = Callable[[dict[str, Any]], None]
-
-
-class _Watcher(threading.Thread):
-    """Reports a running backfill every `every_s`: tasks done over the job group's stages,
-    events folded and slices written so far (from the tasks' counters in Redis), the rate and
-    the time left."""
-
-    def __init__(self, spark: SparkSession, group: str, client: Any, run_key: str,
-                 progress: Progress, every_s: float) -> None:  # fmt: skip
-        super().__init__(name="sluice-backfill-progress", daemon=True)
-        self.spark, self.group, self.client, self.run_key = spark, group, client, run_key
-        self.progress, self.every_s = progress, every_s
-        self.stopped = threading.Event()
-        self.t0 = time.monotonic()
-
-    def snapshot(self) -> dict[str, Any]:
-        tracker = self.spark.sparkContext.statusTracker()
-        done = total = 0
-        for job in tracker.getJobIdsForGroup(self.group):
-            info = tracker.getJobInfo(job)
-            for stage in info.stageIds if info else ():
-                st = tracker.getStageInfo(stage)
-                if st is not None:
-                    done, total = done + st.numCompletedTasks, total + st.numTasks
-        counts = self.client.hgetall(self.run_key)
-        events = int(counts.get(b"events", 0))
-        elapsed = time.monotonic() - self.t0
-        frac = done / total if total else 0.0
-        return {
-            "tasks_done": done,
-            "tasks": total,
-            "events": events,
-            "slices": int(counts.get(b"slices", 0)),
-            "elapsed_s": round(elapsed, 1),
-            "events_per_s": round(events / elapsed) if elapsed > 0 else 0,
-            "left_s": round(elapsed * (1 - frac) / frac) if frac > 0 else None,
-        }
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.every_s):
-            try:
-                self.progress(self.snapshot())
-            except Exception as e:  # noqa: BLE001 - progress must never fail the backfill
-                log.debug("backfill progress", extra={"error": str(e)})
 
 
 @expression_semantics
@@ -383,7 +345,7 @@ def backfill(
     run_key = f"{BACKFILL_PREFIX}:{run}"
     if fresh:
         client.delete(run_key, f"{run_key}:done")
-    client.delete(run_key)  # the progress counters count this run's writes only
+    client.delete(run_key, tasks_key(run_key))  # the progress counts this run's writes only
     task = _Task(
         url=target,
         cluster=cfg.redis_cluster,
@@ -409,7 +371,7 @@ def backfill(
     sc.setJobGroup(group, f"sluice backfill {run}", interruptOnCancel=True)
     watcher = None
     if progress is not None:
-        watcher = _Watcher(spark, group, client, run_key, progress, progress_every_s)
+        watcher = Watcher(spark, group, client, run_key, parts, progress, progress_every_s)
         watcher.start()
     previous = spark.conf.get("spark.sql.shuffle.partitions") or str(parts)
     spark.conf.set("spark.sql.shuffle.partitions", str(parts))
