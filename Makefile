@@ -24,7 +24,7 @@ lint: $(STAMP)
 
 # Two lanes (tests/conftest.py): the end-to-end tests in order on one worker, the rest on the other.
 test: lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --durations=25
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n 2 --durations=40
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py
