@@ -36,7 +36,7 @@ from sluice.errors import SluiceError
 from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
 from sluice.offline_cli import COMMANDS as OFFLINE_COMMANDS
 from sluice.redis.connection import client_for, redact
-from sluice.status.dead_letters import REASON_RE, read_dead_letters
+from sluice.status.dead_letters import read_dead_letters, reason_error
 from sluice.status.snapshot import read_status
 from sluice.status.views import format_dead_letters, format_dead_summary, format_status
 from sluice.training_cli import COMMANDS as TRAINING_COMMANDS
@@ -399,10 +399,9 @@ def submit_path() -> None:
 @click.option("--json", "as_json", is_flag=True, help="JSON lines on stdout, totals on stderr")
 def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool) -> None:
     """Show the newest dead letters (newest first), their total and the count per reason."""
-    if reason is not None and not REASON_RE.fullmatch(reason):
-        raise click.BadParameter(
-            f"must be a reason name such as bad_json, got {reason!r}", param_hint="--reason"
-        )
+    why = None if reason is None else reason_error(reason)
+    if why is not None:
+        raise click.BadParameter(why, param_hint="--reason")
     with opened(config_path) as (cfg, handle):
         out = read_dead_letters(handle.client, cfg, limit, reason)
     summary = format_dead_summary(out, cfg.source.dead_letter_stream, reason)

@@ -301,6 +301,8 @@ def test_reason_filter_pages_back_through_the_stream(
 
 def test_api_empty(api: TestClient) -> None:
     assert api.get("/v1/dead-letters").json() == {"total": 0, "by_reason": {}, "items": []}
+    _error(api.get("/v1/dead-letters", params={"reason": "bad_jsn"}), 400,
+           "'bad_jsn' is not a dead-letter reason; the reasons are")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -447,3 +449,10 @@ def test_cli_bad_options(r: redis.Redis, redis_url: str, tmp_path: Path) -> None
     assert out.exit_code == 2 and "--limit" in out.output
     out = CliRunner().invoke(main, ["dead-letters", "-c", path, "--reason", "No Such"])
     assert out.exit_code == 2 and "--reason" in out.output and "bad_json" in out.output
+    # A well-formed name that no dead letter is written with is a usage error too, not "none".
+    out = CliRunner().invoke(main, ["dead-letters", "-c", path, "--reason", "bad_jsn"])
+    assert out.exit_code == 2, out.output
+    assert "'bad_jsn' is not a dead-letter reason; the reasons are missing_field," in out.output
+    assert "future, expired" in out.output
+    out = CliRunner().invoke(main, ["dead-letters", "-c", path, "--reason", "future"])
+    assert out.exit_code == 0, out.output

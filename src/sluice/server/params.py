@@ -10,7 +10,7 @@ import orjson
 from pydantic import BaseModel, Field, field_validator
 
 from sluice.errors import BadQuery, QueryError
-from sluice.status.dead_letters import DEFAULT_LIMIT, MAX_LIMIT, REASON_RE
+from sluice.status.dead_letters import DEFAULT_LIMIT, MAX_LIMIT, reason_error
 from sluice.status.history import HISTORY_LEN
 
 MAX_EVENTS_PER_REQUEST = 100_000
@@ -101,11 +101,13 @@ def parse_limit(value: str | None) -> int:
 
 
 def parse_reason(value: str | None) -> str | None:
-    """The `reason` query parameter: a reason name such as `bad_json`, or BadQuery (400)."""
+    """The `reason` query parameter: a dead-letter reason such as `bad_json`, or BadQuery
+    (400)."""
     if value is None:
         return None
-    if not REASON_RE.fullmatch(value):
-        raise BadQuery(f"`reason` must be a reason name such as bad_json, got {value!r}", "reason")
+    why = reason_error(value)
+    if why is not None:
+        raise BadQuery(f"`reason`: {why}", "reason")
     return value
 
 

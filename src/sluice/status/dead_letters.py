@@ -18,11 +18,23 @@ from typing import Any
 from sluice.config import Config
 from sluice.redis.keys import STATS_KEY
 from sluice.source.ids import id_ms
+from sluice.source.values import DECODE_REASONS
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 1000
 PAGE_ENTRIES = 1000  # XREVRANGE page when filtering by reason
-REASON_RE = re.compile(r"[a-z][a-z0-9_]{0,63}")  # a reason name
+# Every reason a dead letter is written with: the decoder's, and the fold's (an event too far
+# ahead of its batch, or older than every metric's retention).
+REASONS = (*DECODE_REASONS, "future", "expired")
+
+
+def reason_error(value: str) -> str | None:
+    """Why `value` is no dead-letter reason (a message), or None when it is one."""
+    if value in REASONS:
+        return None
+    return f"{value!r} is not a dead-letter reason; the reasons are {', '.join(REASONS)}"
+
+
 _KAFKA_ENTRY = re.compile(r"(.+):(\d+)@(\d+)")
 _STREAM_ENTRY = re.compile(r"(.+)@(\d+-\d+)")  # an entry of one of several streams
 
