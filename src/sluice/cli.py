@@ -262,21 +262,38 @@ def _stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(s, handler)
 
 
+class _Positive(click.ParamType):
+    """A finite number above 0 (`nan`, `inf`, 0 and below are usage errors)."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not (0 < x < float("inf")):
+            self.fail(f"must be a finite number above 0, got {value!r}", param, ctx)
+        return x
+
+
+POSITIVE = _Positive()
+
+
 @main.command()
 @config_option
-@click.option("--rate", type=float, required=True, help="events per second (base rate)")
-@click.option("--duration", type=float, required=True, help="seconds to produce for")
-@click.option("--profile", type=click.Choice(["steady", "burst"]), default="steady")
-@click.option("--seed", type=int, default=0, help="RNG seed for keys and values")
+@click.option("--rate", type=POSITIVE, required=True, help="events per second (base rate)")
+@click.option("--duration", type=POSITIVE, required=True, help="seconds to produce for")
+@click.option("--profile", type=click.Choice(["steady", "burst"]), default="steady",
+              show_default=True)  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="RNG seed for keys and values")  # fmt: skip
 def produce(config_path: str, rate: float, duration: float, profile: str, seed: int) -> None:
     """Produce synthetic events (Zipf keys) into the source log for DURATION seconds, then
     print a JSON summary. Ctrl-C stops it early, with the summary. Events made while the input
     is over its high watermark are waited for up to 30 s after the duration; any still not
     admitted are reported (`unsent`, exit status 1), never written later."""
     from sluice.source.loadgen import DRAIN_S, Profile, run_load
-
-    if rate <= 0 or duration <= 0:
-        raise click.ClickException("`--rate` and `--duration` must be positive")
 
     def progress(p: dict[str, Any]) -> None:
         line = f"produced {p['events']:,} events in {p['seconds']:.0f}s ({p['rate']:,.0f}/s)"
@@ -369,10 +386,13 @@ def _stamp() -> str:
 
 
 @main.command()
-@click.option("--duration", type=float, default=None, help="stop after this many seconds")
-@click.option("--rate", type=float, default=2000.0, help="base event rate (bursts are 10x)")
-@click.option("--port", type=int, default=8000, help="API port (0 = any free port)")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=".sluice/demo")
+@click.option("--duration", type=POSITIVE, default=None, help="stop after this many seconds")
+@click.option("--rate", type=POSITIVE, default=2000.0, show_default=True,
+              help="base event rate (bursts are 10x)")  # fmt: skip
+@click.option("--port", type=int, default=8000, show_default=True,
+              help="API port (0 = any free port)")  # fmt: skip
+@click.option("--state-dir", type=click.Path(file_okay=False), default=".sluice/demo",
+              show_default=True)  # fmt: skip
 def demo(duration: float | None, rate: float, port: int, state_dir: str) -> None:
     """Everything embedded: Redis, the Spark pipeline, the API and bursty synthetic load."""
     signals = StopSignals()
