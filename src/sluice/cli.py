@@ -84,10 +84,11 @@ def main(
 def run(config_path: str, stages: tuple[str, ...]) -> None:
     """Run the pipeline until SIGINT or SIGTERM, then stop cleanly."""
     signals = StopSignals()
-    from sluice.pipeline.run import Pipeline, refuse_other_checkpoint
+    from sluice.pipeline.run import Pipeline, check_only, refuse_other_checkpoint
     from sluice.pipeline.spark import build_spark
 
     with opened(config_path) as (cfg, handle):
+        check_only(cfg, stages)  # before Spark: a misspelt name is said at once
         refuse_other_checkpoint(cfg, handle.client, stages)
         spark = build_spark(cfg)
         try:

@@ -45,13 +45,8 @@ def build_queries(
     """The graph, resolved against Spark, and its queries (stages first, then the folds),
     prepared; with `only`, just the queries named there (other applications run the rest).
     Raises ConfigError naming the field for anything Spark refuses."""
+    check_only(cfg, only)
     graph = resolve_schemas(graph_topology(cfg), spark)
-    names = [st.name for st in graph.stages] + [fold_stage(cfg, s) for s in graph.folds]
-    unknown = [n for n in only if n not in names]
-    if unknown:
-        raise ConfigError(
-            f"--stage: no query named {', '.join(unknown)}; this config has {', '.join(names)}"
-        )
     queries: list[StreamQuery] = []
     for st in graph.stages:
         if only and st.name not in only:
@@ -70,6 +65,16 @@ def build_queries(
         except ConfigError as e:
             raise _config_path(cfg, graph, q, e) from None
     return graph, queries
+
+
+def check_only(cfg: Config, only: tuple[str, ...]) -> None:
+    """Raise ConfigError for a `--stage` that names no query of `cfg` (needs no Spark)."""
+    names = query_names(cfg)
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise ConfigError(
+            f"--stage: no query named {', '.join(unknown)}; this config has {', '.join(names)}"
+        )
 
 
 def refuse_other_checkpoint(cfg: Config, client: Any, only: tuple[str, ...] = ()) -> None:
