@@ -134,9 +134,11 @@ def serve(
     """Serve the HTTP API and the dashboard."""
     import uvicorn
 
+    from sluice.pipeline.definitions import check_definitions
     from sluice.server.app import create_app
 
     with opened(config_path) as (cfg, handle):
+        check_definitions(handle.client, cfg, register=False)  # answers of slices it would misread
         n_workers = workers if workers is not None else cfg.server.workers
         if n_workers < 1:
             raise click.ClickException(f"`--workers` must be at least 1, got {n_workers}")
@@ -326,9 +328,11 @@ def query(
     config_path: str, metric: str, keys: tuple[str, ...], window: str, end: int | None
 ) -> None:
     """Query METRIC for a key over the last WINDOW."""
+    from sluice.pipeline.definitions import check_definitions
     from sluice.query.engine import QueryEngine
 
     with opened(config_path) as (cfg, handle):
+        check_definitions(handle.client, cfg, [metric], register=False)
         out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
     # As the HTTP API encodes it: a value that is not finite (a sum of doubles past the
     # largest double) is null, since JSON has no infinity.

@@ -54,6 +54,7 @@ from sluice.offline.events import (
 )
 from sluice.offline.fold import fold, offline_config, plan_specs, select_metrics
 from sluice.offline.progress import Progress, TaskProgress, Watcher, tasks_key
+from sluice.pipeline.definitions import check_definitions
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_writes import REPLY_COUNTS, run_write_script
 from sluice.pipeline.spark import expression_semantics
@@ -308,6 +309,7 @@ def backfill(
     if target is None:
         raise BackfillError("no Redis to write to: set `redis:` or pass `url`")
     client = client_for(target)
+    check_definitions(client, cfg, [m.name for m in chosen])
     now_ms = server_now_ms(client)
     until = now_ms if until_ms is None else until_ms
     if until > now_ms:

@@ -22,6 +22,7 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.graph import Graph, fold_stage, graph_topology, store_stage
+from sluice.pipeline.definitions import check_definitions
 from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.lease import Claim, Lease
 from sluice.pipeline.query import Role, StreamQuery, checkpoint_dir
@@ -127,6 +128,7 @@ class Pipeline:
             self.graph, self.queries = build_queries(
                 self.cfg, self.redis, self.spark, self.clock, self.only
             )
+            check_definitions(self.redis.client, self.cfg)  # before any slice is written
             claims = [q.claim for q in self.queries]
             self.lease = Lease(self.redis.client, claims, self.cfg.lease.ttl, self.clock)
             for q in self.queries:

@@ -75,6 +75,7 @@ LEASE_PREFIX = f"{PREFIX}:{{lease}}"
 PROCESSES_KEY = f"{LEASE_PREFIX}:processes"
 KEY_SEP = "|"
 FOLDING_KEY = f"{PREFIX}:{{stats}}:folding"
+DEFINITIONS_KEY = f"{PREFIX}:{{stats}}:definitions"  # per metric: what its slices were folded as
 BACKFILL_PREFIX = f"{PREFIX}:{{backfill}}"
 SEAMS_KEY = f"{BACKFILL_PREFIX}:seams"
 STARTS_KEY = f"{BACKFILL_PREFIX}:starts"  # per metric: the earliest slice a backfill wrote from
