@@ -39,16 +39,25 @@ from pyspark.sql.streaming import StreamingQuery
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
-from sluice.errors import PipelineError
-from sluice.graph import SPARK, FlowStage, Graph, graph_topology, reader_name
+from sluice.errors import ConfigError, PipelineError
+from sluice.files import read_text, replace_text
+from sluice.graph import (
+    SPARK,
+    FlowStage,
+    Graph,
+    KafkaSpec,
+    StreamsSpec,
+    graph_topology,
+    reader_name,
+)
 from sluice.pipeline import timing
-from sluice.pipeline.lease import Claim, Lease, checkpoint_id
+from sluice.pipeline.lease import Claim, Lease, checkpoint_id, last_planned
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import FOLDING_KEY, StatsKeys, arm_key, lease_key, stats_keys
 from sluice.redis.scripts import RECORD_BATCH, script_source
 from sluice.source.arm import GO, STOP, signal
 from sluice.source.options import FlowOptions, SourceOptions
-from sluice.source.reader import FORMAT
+from sluice.source.reader import FORMAT, START_FILE
 from sluice.status import freshness
 
 log = logging.getLogger(__name__)
@@ -67,6 +76,35 @@ def checkpoint_dir(cfg: Config, stage: str = SPARK) -> Path:
     if stage == SPARK:
         return Path(cfg.state_dir) / "checkpoint"
     return Path(cfg.state_dir) / "checkpoints" / stage.replace(":", "-")
+
+
+LOG_FILE = "sluice-log.json"  # beside a checkpoint: the log its positions are in
+
+
+def check_log(ckpt: Path, log: StreamsSpec | KafkaSpec) -> None:
+    """Refuse a checkpoint whose positions are in another log than the config's: a Kafka
+    checkpoint holds offsets per partition number, which mean nothing in another topic (read
+    from them, a new topic's records before them would be skipped for good). Redis Streams
+    positions are per stream key, so a renamed stream is simply a new one. A checkpoint that
+    planned no batch yet just forgets the old topic and where it would have started in it."""
+    if not isinstance(log, KafkaSpec):
+        return
+    path = ckpt / LOG_FILE
+    kept = read_text(path)
+    was = None if kept is None else orjson.loads(kept).get("kafka_topic")
+    if was == log.topic:
+        return
+    if was is not None and last_planned(ckpt) >= 0:
+        raise ConfigError(
+            f"the checkpoint in {ckpt} holds offsets in Kafka topic {was!r}, not {log.topic!r}:"
+            f" offsets are positions in one topic, and read from them {log.topic!r} would skip"
+            f" records. Set the topic back to {was!r}, or give {log.topic!r} a state_dir of its"
+            " own: its checkpoint then starts at `source.kafka.start`",
+            "source.kafka.topic",
+        )
+    if was is not None:
+        (ckpt / START_FILE).unlink(missing_ok=True)
+    replace_text(path, orjson.dumps({"kafka_topic": log.topic}).decode())
 
 
 def query_name(stage: str) -> str:
@@ -179,8 +217,9 @@ class StreamQuery(ABC):
 
     def prepare(self) -> None:
         """Check what needs Spark. Idempotent; raises ConfigError for a config that Spark
-        refuses."""
+        refuses, or that its checkpoint cannot be read with (`check_log`)."""
         if self._record is None:
+            check_log(self.ckpt, self.base_options().log)
             self._record = self.redis.client.register_script(script_source(RECORD_BATCH))
 
     def warm_up(self) -> None:
