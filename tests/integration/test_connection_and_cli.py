@@ -11,8 +11,10 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -268,3 +270,38 @@ def test_cli_unreachable_redis(tmp_path: Path) -> None:
     cfg = _config_file(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
     out = CliRunner().invoke(main, ["status", "-c", str(cfg)])
     assert out.exit_code != 0 and "cannot reach redis" in out.output
+
+
+def _start_at(server: EmbeddedRedis, barrier: Any, errors: list[BaseException]) -> None:
+    barrier.wait()
+    try:
+        server.start()
+    except BaseException as e:  # noqa: BLE001 - the test reports it
+        errors.append(e)
+
+
+def test_processes_starting_the_embedded_server_at_once_share_one(tmp_path: Path) -> None:
+    """`sluice run` and `sluice serve` started together on one state_dir: they take turns
+    (a lock beside the data), so one server starts and the others join it. Without the turns
+    each wrote its own port into the one redis.conf, and one waited on a port no server had."""
+    for attempt in range(3):
+        data_dir = tmp_path / f"redis-{attempt}"
+        servers = [EmbeddedRedis(data_dir) for _ in range(4)]
+        barrier = threading.Barrier(len(servers))
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_start_at, args=(s, barrier, errors)) for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        try:
+            assert not errors, errors
+            assert len({s.port for s in servers}) == 1
+            assert sum(s.owned for s in servers) == 1
+            assert redis.Redis.from_url(servers[0].url).ping()
+        finally:
+            for s in servers:
+                s.stop()
+        assert not (data_dir / "redis.port").exists()
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis.from_url(servers[0].url, socket_connect_timeout=1).ping()

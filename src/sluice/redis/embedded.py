@@ -15,6 +15,7 @@ workers): a Unix socket costs both sides fewer cycles per round trip than loopba
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -143,8 +144,18 @@ class EmbeddedRedis:
         return self.data_dir / "redis.port"
 
     def start(self, timeout_s: float = 15.0) -> EmbeddedRedis:
-        """Start (or join) the server. Blocks until it answers PING. Raises RedisUnavailable."""
+        """Start (or join) the server. Blocks until it answers PING. Raises RedisUnavailable.
+
+        Processes starting on one `data_dir` at once (`sluice run` and `sluice serve` started
+        together) take turns, under a lock on `redis.lock`: the first starts the server, the
+        others find it running and join it. Without the turns, each wrote its own port into the
+        one redis.conf, and one of them waited on a port no server listened on."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        with (self.data_dir / "redis.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> EmbeddedRedis:
         port_file = self._port_file()
         if self.port is None and port_file.exists():
             with contextlib.suppress(ValueError):
@@ -207,6 +218,7 @@ class EmbeddedRedis:
                 self._find_socket()
                 return self
             time.sleep(0.05)
+        self.owned = True  # so that `stop` ends it: a server that never answered is no one's
         self.stop()
         raise RedisUnavailable(f"embedded redis-server did not answer within {timeout_s:.0f}s")
 
