@@ -15,6 +15,7 @@ import pytest
 import redis
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
+from sluice.config import config_from_dict
 from sluice.pipeline.fold import FoldQuery
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
@@ -22,7 +23,7 @@ from sluice.redis.embedded import EmbeddedRedis
 from sluice.source.options import SourceOptions
 from sluice.source.producer import Producer
 from sluice.source.reader import FORMAT, START_FILE, LogStreamReader
-from tests.conftest import make_config
+from tests.conftest import config_data, free_port, make_config
 
 NOW = time.time_ns() // 1_000_000
 
@@ -298,3 +299,23 @@ def test_start_positions_are_kept_beside_the_checkpoint(redis_url: str, tmp_path
     moved = {"events:0": "5-0", "events:1": "7-0"}  # as if the log's start had moved since
     (ckpt / START_FILE).write_bytes(orjson.dumps(moved))
     assert _reader(cfg, redis_url, checkpoint=str(ckpt)).initialOffset()["ids"] == moved
+
+
+def test_flow_control_says_in_one_line_that_the_kafka_log_is_out_of_reach(
+    redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker out of reach is reported by the log's state (`waiting_for_log`, its reason);
+    the admission valve's failure to measure the log meanwhile is one warning, not a
+    traceback."""
+    data = config_data(redis_url, tmp_path)
+    source = {k: v for k, v in data["source"].items() if k != "shards"}
+    nobody = f"127.0.0.1:{free_port()}"  # no broker listens there
+    data["source"] = {**source, "kafka": {"bootstrap": nobody, "topic": "payments",
+                                          "group_id": "sluice-payments"}}  # fmt: skip
+    reader = _reader(config_from_dict(data), redis_url)
+    assert reader.admission is not None
+    with caplog.at_level(logging.DEBUG, logger="sluice"):
+        assert reader.admission.budget() is None  # the static limit applies meanwhile
+    [rec] = [x for x in caplog.records if x.getMessage().startswith("flow control")]
+    assert rec.levelname == "WARNING" and rec.exc_info is None
+    assert f"Kafka at {nobody} does not answer" in rec.__dict__["error"], rec.__dict__["error"]

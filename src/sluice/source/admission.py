@@ -25,7 +25,7 @@ from sluice.flow.levels import QueueLevel
 from sluice.flow.valves import AdmissionValve, IngestValve
 from sluice.graph import FlowStage
 from sluice.redis.connection import client_for
-from sluice.source.log import Log
+from sluice.source.log import Log, LogUnavailable
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 
@@ -112,11 +112,13 @@ class Admission:
             self._failed(e)
 
     def _failed(self, e: Exception) -> None:
-        """Log the first failure of a run of them: one line when Redis is out of reach (an
-        outage the rest of the pipeline reports too), with the traceback otherwise."""
+        """Log the first failure of a run of them: one line when Redis or the log is out of
+        reach (an outage the rest of the pipeline reports too: the log's state says
+        `waiting_for_log` with its reason), with the traceback otherwise."""
         if self._errors == 0:
             what = "flow control failed; admitting with the static limit until it recovers"
-            if isinstance(e, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError):
+            if isinstance(e, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError
+                          | LogUnavailable):  # fmt: skip
                 log.warning(what, extra={"error": str(e) or type(e).__name__})
             else:
                 log.exception(what)
