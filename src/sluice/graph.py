@@ -27,12 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.config import BackpressureConfig, Config, MetricConfig, SourceConfig, StageConfig
+from sluice.logs import Repeats
 from sluice.redis.keys import shard_keys
 
 INGEST = "ingest"
 SPARK = "spark"
 STORE = "store"
 ALL_SHARDS = "*"  # the readers of every shard of a log (a Kafka topic's partitions vary)
+# librdkafka's log lines: each failed try of each broker connection is a line, thousands in a
+# second when a broker is out of reach; one of a kind every 10 s says it.
+KAFKA_LOG = logging.getLogger("sluice.kafka")
+KAFKA_LOG.addFilter(Repeats())
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class KafkaSpec:
         every other log line), not straight to stderr."""
         return {
             "bootstrap.servers": self.bootstrap,
-            "logger": logging.getLogger("sluice.kafka"),
+            "logger": KAFKA_LOG,
             **dict(self.options),
             **extra,
         }

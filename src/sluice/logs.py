@@ -17,7 +17,11 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -68,6 +72,40 @@ class _StderrHandler(logging.StreamHandler):
     @stream.setter
     def stream(self, _: Any) -> None:
         pass
+
+
+class Repeats(logging.Filter):
+    """Lets one line of a kind through every `every_s` seconds, and says on the next one how
+    many like it it held back. A kind is the message with its numbers taken out: a client
+    library that logs each failed try of each of its connections (librdkafka, once per
+    broker connection and retry) says so once, not thousands of times."""
+
+    MAX_KINDS = 1000  # kinds remembered; beyond it, all are forgotten at once
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every_s, self.clock = every_s, clock
+        self._seen: dict[str, tuple[float, int]] = {}  # kind -> (last let through, held back)
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        kind = _NUMBERS.sub("#", text)
+        now = self.clock()
+        with self._lock:
+            last, held = self._seen.get(kind, (None, 0))
+            if last is not None and now - last < self.every_s:
+                self._seen[kind] = (last, held + 1)
+                return False
+            if len(self._seen) >= self.MAX_KINDS:
+                self._seen.clear()
+            self._seen[kind] = (now, 0)
+        if held:
+            record.msg, record.args = f"{text} ({held} more like it held back)", None
+        return True
+
+
+_NUMBERS = re.compile(r"\d+")
 
 
 def setup_logging(level: str = "info") -> None:
