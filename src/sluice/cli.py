@@ -327,7 +327,7 @@ def produce(config_path: str, rate: float, duration: float, profile: str, seed: 
 def query(
     config_path: str, metric: str, keys: tuple[str, ...], window: str, end: int | None
 ) -> None:
-    """Query METRIC for a key over the last WINDOW."""
+    """Query METRIC for a key over the WINDOW that ends at --end (default: now)."""
     from sluice.pipeline.definitions import check_definitions
     from sluice.query.engine import QueryEngine
 
@@ -358,6 +358,11 @@ def status(
     With --watch, a terminal shows one view redrawn in place; a pipe or file gets one block per
     interval (one JSON line each with --json).
     """
+    if not watch:
+        source = click.get_current_context().get_parameter_source
+        for name, flag in (("count", "--count"), ("interval", "--interval")):
+            if source(name) is not click.core.ParameterSource.DEFAULT:
+                raise click.UsageError(f"{flag} applies only with --watch")
     views = count if watch else 1
     redraw = watch and not as_json and sys.stdout.isatty()
     with contextlib.suppress(KeyboardInterrupt), opened(config_path) as (cfg, handle):

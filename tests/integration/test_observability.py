@@ -176,3 +176,6 @@ def test_status_watch_prints_a_block_per_interval(
     assert len(lines) == 3 and all("flow" in json.loads(line) for line in lines)
     out = runner.invoke(main, ["--log-level", "warning", "status", "-c", str(path)])
     assert out.exit_code == 0 and "events/s in / admitted / processed" in out.output
+    for flag, value in (("--count", "3"), ("--interval", "0.5")):  # without --watch: said
+        out = runner.invoke(main, ["status", "-c", str(path), flag, value])
+        assert out.exit_code == 2 and f"{flag} applies only with --watch" in out.output
