@@ -214,9 +214,12 @@ def convert_json(value: Any, typ: str, name: str, max_bytes: int) -> Any:
             raise Bad("too_long", name)
         return value
     if typ in ("long", "int"):
+        lo, hi = INT_RANGE[typ]
+        if isinstance(value, float) and value.is_integer() and not lo <= value <= hi:
+            # an integer past 64 bits, which the JSON parser reads as a double
+            raise Bad("out_of_range", name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise Bad("bad_type", name)
-        lo, hi = INT_RANGE[typ]
         if not lo <= value <= hi:
             raise Bad("out_of_range", name)
         return value
