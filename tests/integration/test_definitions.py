@@ -95,3 +95,17 @@ def test_on_a_redis_cluster_the_scan_finds_slices_on_any_master(
         check_definitions(rc, config_from_dict(changed(data, "amount_sum", agg="max")))
     rc.delete(key)
     check_definitions(rc, config_from_dict(changed(data, "amount_sum", agg="max")))
+
+
+def test_a_training_set_from_the_store_refuses_a_redefined_metric(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    from sluice.offline.training import training_set
+
+    data = config_data(redis_url, tmp_path)
+    check_definitions(r, config_from_dict(data))
+    r.hset(slice_hash_key("qty_sum", "m-1"), "60000", "1:5")
+    spine = spark.createDataFrame([("m-1", 120_000)], "merchant string, t long")
+    other = config_from_dict(changed(data, "qty_sum", slice="10s"))
+    with pytest.raises(ConfigError, match="has slices stored with slice 1m, and this config says"):
+        training_set(spark, other, spine, {"qty_sum": ["1m"]}, "t")

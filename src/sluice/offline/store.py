@@ -35,6 +35,7 @@ from sluice import formula
 from sluice.config import Config
 from sluice.errors import SluiceError
 from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_text
+from sluice.pipeline.definitions import check_definitions
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for, server_now_ms
 from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY, STARTS_KEY
@@ -187,6 +188,8 @@ def store_values(
         raise SluiceError("no store to read: set `redis:` or give the archive with --input")
     client = client_for(url)
     try:
+        bases = {m.name for f in feats for m in _bases(cfg, f.name)}
+        check_definitions(client, cfg, sorted(bases), register=False)  # slices it would misread
         now_ms = server_now_ms(client)
         seams, folding, starts = (
             {k.decode(): int(v) for k, v in client.hgetall(key).items()}
