@@ -332,7 +332,7 @@ def query(
     from sluice.query.engine import QueryEngine
 
     with opened(config_path) as (cfg, handle):
-        check_definitions(handle.client, cfg, [metric], register=False)
+        check_definitions(handle.client, cfg, cfg.stored_inputs(metric), register=False)
         out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
     # As the HTTP API encodes it: a value that is not finite (a sum of doubles past the
     # largest double) is null, since JSON has no infinity.

@@ -82,6 +82,11 @@ def test_the_query_command_refuses_a_redefined_metric_in_one_line(
     res = CliRunner().invoke(main, ["query", "-c", str(path), "amount_sum", "--key", "m-1",
                                     "--window", "1h"])  # fmt: skip
     assert res.exit_code == 0, res.output
+    # A derived metric is answered from its inputs' slices: checked as they are.
+    path.write_text(yaml.safe_dump(changed(data, "amount_sum", filter="amount > 1")))
+    res = CliRunner().invoke(main, ["query", "-c", str(path), "avg_ticket", "--key", "m-1",
+                                    "--window", "1h"])  # fmt: skip
+    assert res.exit_code == 1 and "has slices stored with filter 'amount > 0'" in res.output
 
 
 def test_on_a_redis_cluster_the_scan_finds_slices_on_any_master(

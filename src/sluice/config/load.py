@@ -20,7 +20,7 @@ from sluice.config.runtime import (
 from sluice.config.source import SourceConfig
 from sluice.config.stages import StageConfig, check_acyclic
 from sluice.errors import ConfigError
-from sluice.formula import check_derived
+from sluice.formula import check_derived, names, parse
 from sluice.redis.cluster import is_cluster_url, parse_cluster_url, seeds_to_url
 
 
@@ -165,6 +165,12 @@ class Config(_Model):
             if d.name == name:
                 return d
         return None
+
+    def stored_inputs(self, name: str) -> list[str]:
+        """The stored metrics that metric `name` is answered from: itself, or a derived
+        metric's inputs (in first-use order)."""
+        d = self.derived_metric(name)
+        return [name] if d is None else names(parse(d.expr))
 
 
 def _loc_to_path(loc: tuple[Any, ...]) -> str:

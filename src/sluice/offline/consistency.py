@@ -132,7 +132,7 @@ def recompute(
     """Per sample id, per base metric it reads: the value the archive gives for the sample's
     own cover (module docstring). `kept`, if given, gets the merged sketch sample of each
     quantile answer (`_quantiles_agree`)."""
-    names = sorted({n for s in samples for n in _inputs(cfg, s.metric)})
+    names = sorted({n for s in samples for n in cfg.stored_inputs(s.metric)})
     chosen = select_metrics(cfg, names)
     cfg_off = offline_config(cfg, chosen)
     specs = plan_specs(spark, cfg_off)
@@ -141,7 +141,7 @@ def recompute(
     )
     pieces: list[tuple[str, str, int, str, int, int, int, int, int]] = []
     for s in samples:
-        for name in _inputs(cfg, s.metric):
+        for name in cfg.stored_inputs(s.metric):
             m = cfg.metric(name)
             assert m is not None
             for order, pc in enumerate(cover(s.end_ms, s.window_ms, m.slice_lengths()).pieces):
@@ -200,7 +200,7 @@ def recompute(
             value = _answer(agg, m, integral_value(cfg, m), cells_)
         out.setdefault(row["sid"], {})[m.name] = value
     for sample in samples:  # no event in the cover: the empty answer
-        for name in _inputs(cfg, sample.metric):
+        for name in cfg.stored_inputs(sample.metric):
             if name not in out.get(sample.id, {}):
                 m = chosen[index[name]]
                 out.setdefault(sample.id, {})[name] = _answer(
@@ -250,15 +250,10 @@ def _quantiles_agree(online: Any, merged: Any, m: Any) -> bool:
     return True
 
 
-def _inputs(cfg: Config, name: str) -> list[str]:
-    d = cfg.derived_metric(name)
-    return [name] if d is None else formula.names(formula.parse(d.expr))
-
-
 def _recomputable(cfg: Config, name: str) -> bool:
     """Whether an archive of source events gives the metric `name` (a derived one: all of its
     inputs): not where it folds a stage's output stream."""
-    bases = [cfg.metric(n) for n in _inputs(cfg, name)]
+    bases = [cfg.metric(n) for n in cfg.stored_inputs(name)]
     return all(b is not None and folds_source(cfg, b) for b in bases)
 
 

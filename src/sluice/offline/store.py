@@ -31,7 +31,6 @@ import pyarrow as pa
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from sluice import formula
 from sluice.config import Config
 from sluice.errors import SluiceError
 from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_text
@@ -65,10 +64,7 @@ class _StorePlan:
 
 
 def _bases(cfg: Config, name: str) -> list[Any]:
-    d = cfg.derived_metric(name)
-    if d is None:
-        return [cfg.metric(name)]
-    return [cfg.metric(n) for n in formula.names(formula.parse(d.expr))]
+    return [cfg.metric(n) for n in cfg.stored_inputs(name)]
 
 
 def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
