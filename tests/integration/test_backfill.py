@@ -214,8 +214,8 @@ def test_bad_rows_are_counted_with_their_reasons(
     report = backfill(spark, cfg, str(path), until_ms=now_ms)
     assert report.events == 2
     # 41 identical bad rows fold into one dead-letter record, and count 41
-    assert report.dead == {"bad_type": 44, "bad_json": 1, "missing_field": 2, "not_object": 1,
-                           "invalid_utf8": 1}  # fmt: skip
+    assert report.dead == {"bad_type": 43, "out_of_range": 1, "bad_json": 1, "missing_field": 2,
+                           "not_object": 1, "invalid_utf8": 1}  # fmt: skip
     assert any("events.jsonl" in x for x in report.samples["bad_type"])
     assert "not json" in report.samples["bad_json"][0]
     # a bad line is named by its file and its line number (blank lines counted, from 1)
