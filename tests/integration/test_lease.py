@@ -14,6 +14,7 @@ from redis.crc import key_slot
 
 from sluice.clock import ManualClock
 from sluice.errors import LeaderConflict, LeaseLost
+from sluice.pipeline.health import Health
 from sluice.pipeline.lease import Claim, Keeper, Lease, last_planned
 from sluice.pipeline.query import writer_token
 from sluice.pipeline.standby import announce
@@ -21,6 +22,7 @@ from sluice.redis.keys import EPOCH_KEY, PROCESSES_KEY
 from sluice.redis.local_cluster import LocalCluster
 from sluice.server.app import create_app
 from sluice.status.roles import read_roles
+from sluice.status.snapshot import pipeline_health
 from sluice.status.views import format_status
 from tests.conftest import make_config
 
@@ -268,3 +270,27 @@ def test_on_a_cluster_the_leases_connection_follows_its_slot(
         assert b.try_acquire() is None
     finally:
         redis_cluster.migrate_slot(slot, home)
+
+
+def test_status_says_not_running_once_the_leaders_lease_lapses(
+    r: redis.Redis, tmp_path: Path
+) -> None:
+    """A leader killed with -9 leaves `running` in the health hash, with a heartbeat that is
+    only stale after HEARTBEAT_STALE_MS; its lease lapses within the ttl, and status says so."""
+    clock = ManualClock(1_000_000)
+    cfg = make_config("redis://unused", tmp_path)
+    a = _lease(r, tmp_path / "c", clock, 21)
+    assert a.try_acquire() is None
+    Health(r, clock).set("running")
+    api = TestClient(create_app(cfg, r, clock=clock))
+    assert api.get("/v1/status").json()["pipeline"]["state"] == "running"
+    assert api.get("/healthz").json()["pipeline"] == "running"
+    clock.advance(TTL_MS + 1)  # no renewal: the lease lapsed, the heartbeat is 2 s old
+    assert pipeline_health(r, clock.now_ms())["state"] == "running"  # the heartbeat alone
+    assert api.get("/v1/status").json()["pipeline"]["state"] == "not_running"
+    assert api.get("/healthz").json()["pipeline"] == "not_running"
+    assert a.try_acquire() is None  # a new term, and a live lease: running again
+    assert api.get("/v1/status").json()["pipeline"]["state"] == "running"
+    Health(r, clock).set("stopped")
+    a.release()
+    assert api.get("/v1/status").json()["pipeline"]["state"] == "stopped"

@@ -176,8 +176,8 @@ def healthz(request: Request) -> Response:
     try:
         api.client.ping()
         now_ms = api.clock.now_ms()
-        pipeline = pipeline_health(api.client, now_ms)
         roles = read_roles(api.client, api.cfg, now_ms)
+        pipeline = pipeline_health(api.client, now_ms, roles=roles)
     except redis.RedisError as e:
         if is_loading(e):
             return redis_loading(e)

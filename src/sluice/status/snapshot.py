@@ -147,6 +147,7 @@ def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict
     flow = flow_status(client, cfg, now_ms)
     processed = events / span_s if recent else 0.0
     used, cap = memory_fraction(client)
+    roles = read_roles(client, cfg, now_ms)
     return {
         "backlog": {
             "entries": level.entries if level else None,
@@ -171,10 +172,10 @@ def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
         "redis": {"state": "ok", "used_memory": used, "maxmemory": cap},
         "flow": flow,
-        "pipeline": pipeline_health(client, now_ms, log_section),
+        "pipeline": pipeline_health(client, now_ms, log_section, roles),
         "audit": audit_status(client, cfg, counters, last),
         "stages": stages_status(client, cfg, now_ms),
-        "roles": read_roles(client, cfg, now_ms),
+        "roles": roles,
         "timing": timing_status(client, now_ms, window_s),
         "consistency": read_consistency(client),
     }
@@ -233,16 +234,23 @@ HEARTBEAT_STALE_MS = 10_000
 
 
 def pipeline_health(
-    client: Any, now_ms: int, log_section: dict[str, Any] | None = None
+    client: Any,
+    now_ms: int,
+    log_section: dict[str, Any] | None = None,
+    roles: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The supervisor's published state; `not_running` when no heartbeat came for a while,
-    `waiting_for_log` while it runs but its log cannot be read (`log_section`)."""
+    """The supervisor's published state; `waiting_for_log` while it runs but its log cannot be
+    read (`log_section`). `not_running` when no heartbeat came for HEARTBEAT_STALE_MS, or at
+    once when `roles` (`status.roles.read_roles`) shows no live lease: only a leader writes
+    this state, and a killed leader's lease lapses within its ttl (a Spark query's start can
+    hold the heartbeat back for seconds; the lease is renewed by a thread of its own)."""
     raw = {k.decode(): v.decode() for k, v in client.hgetall(HEALTH_KEY).items()}
     if not raw:
         return {"state": "not_running", "consecutive_failures": 0, "restarts": 0}
     beat = int(raw.get("heartbeat_ms", 0))
     state = raw.get("state", "unknown")
-    if now_ms - beat > HEARTBEAT_STALE_MS and state != "stopped":
+    leaderless = roles is not None and not any(x["live"] for x in roles["leases"].values())
+    if state != "stopped" and (now_ms - beat > HEARTBEAT_STALE_MS or leaderless):
         state = "not_running"
     last_error = raw.get("last_error") or None
     if state == "running" and log_section is not None and log_section["state"] == "waiting":
