@@ -207,10 +207,15 @@ def test_status_health_and_prometheus(api: TestClient) -> None:
     assert "<title>Sluice</title>" in api.get("/").text
 
 
-def test_healthz_is_503_while_the_pipeline_keeps_failing(api: TestClient, r: redis.Redis) -> None:
+def test_healthz_is_503_while_the_pipeline_keeps_failing(
+    api: TestClient, r: redis.Redis, tmp_path: Path
+) -> None:
     from sluice.clock import SYSTEM_CLOCK
     from sluice.pipeline.health import FAILING_AFTER, Health
+    from sluice.pipeline.lease import Claim, Lease
 
+    lease = Lease(r, [Claim("spark", tmp_path / "c")], 60_000, SYSTEM_CLOCK)
+    assert lease.try_acquire() is None  # the leader's: it keeps its lease while it restarts
     health = Health(r, SYSTEM_CLOCK)
     for i in range(FAILING_AFTER - 1):
         health.failed(f"boom {i}")
@@ -225,6 +230,8 @@ def test_healthz_is_503_while_the_pipeline_keeps_failing(api: TestClient, r: red
     assert status["state"] == "failing" and status["consecutive_failures"] == FAILING_AFTER
     health.recovered()
     assert api.get("/healthz").json()["pipeline"] == "running"
+    lease.release()
+    assert api.get("/healthz").json()["pipeline"] == "not_running"
 
 
 def test_prometheus_exports_each_stage_flow_state(api: TestClient) -> None:
