@@ -321,15 +321,17 @@ class RedisStreamsLog(Log):
             first_id, last_id = _entry_id(first), _entry_id(last)
             first_text = None if first_id is None else _text(first_id)
             if reader is None:
-                ids = set(committed.values())
                 share = 1.0
-                n = int(length) - (first_text in ids)
+                done = first_text in set(committed.values())
             else:
                 own = committed.get(reader)
                 share = backlog_share(own, first_id, last_id)
-                n = round((int(length) - (first_text is not None and own == first_text)) * share)
-            per[s] = max(0, n)
-            total_bytes += round(int(size or 0) * share)
+                done = first_text is not None and own == first_text
+            # The stream keeps the last committed entry (it is trimmed up to it): that entry,
+            # and the bytes it holds in the stream's share, are not backlog.
+            after = max(0, int(length) - done)
+            per[s] = round(after * share)
+            total_bytes += round(int(size or 0) * share * after / length) if length else 0
         detail = {} if reader is None else {"reader": reader}
         return Backlog(sum(per.values()), total_bytes, per, detail)
 
