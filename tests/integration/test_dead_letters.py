@@ -419,6 +419,7 @@ def test_cli_table_fits_the_terminal(
     too_long = next(row for row in rows if "too_long" in row)
     assert too_long.endswith("…") and "éééé" in too_long
     assert any("line one\\nline two\\ttab" in row for row in rows)
+    assert any(row.endswith('{"amount": "x"}') for row in rows)  # quotes as they were sent
 
 
 def test_cli_limit_reason_and_json(

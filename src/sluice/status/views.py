@@ -7,7 +7,6 @@ Pure functions from the JSON of `pipeline.status.read_status` and
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 from sluice.status.consistency import RESULTS
@@ -238,13 +237,19 @@ def format_dead_summary(out: dict[str, Any], stream: str, reason: str | None) ->
     )
 
 
+def _visible(text: str) -> str:
+    """`text` on one line as it reads: quotes and backslashes as they are, only characters that
+    do not print escaped (`\\n`, `\\x1b`, `\\u2028`). `--json` gives the exact text."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_dead_letters(items: list[dict[str, Any]], width: int = 120) -> str:
     """One line per dead letter; `raw` (control characters escaped) is cut to fit `width`."""
     head = ("time (UTC)", "entry id", "idx", "reason", "field", "raw")
     rows = [head]
     for it in items:
         when = dt.datetime.fromtimestamp(it["written_ms"] / 1000, dt.UTC)
-        raw = json.dumps(it["raw"], ensure_ascii=False)[1:-1]
+        raw = _visible(it["raw"])
         rows.append(
             (
                 when.strftime("%Y-%m-%d %H:%M:%S"),
