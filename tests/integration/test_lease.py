@@ -14,6 +14,7 @@ from redis.crc import key_slot
 
 from sluice.clock import ManualClock
 from sluice.errors import LeaderConflict, LeaseLost
+from sluice.flow.board import Board
 from sluice.pipeline.health import Health
 from sluice.pipeline.lease import Claim, Keeper, Lease, last_planned
 from sluice.pipeline.query import writer_token
@@ -282,12 +283,18 @@ def test_status_says_not_running_once_the_leaders_lease_lapses(
     a = _lease(r, tmp_path / "c", clock, 21)
     assert a.try_acquire() is None
     Health(r, clock).set("running")
+    spark = {"stage": "spark", "rate": None, "measured_rate": 500.0, "updated_ms": clock.now_ms()}
+    Board(r).publish("spark/h/21", spark, False)  # the driver's admission task, last published
     api = TestClient(create_app(cfg, r, clock=clock))
-    assert api.get("/v1/status").json()["pipeline"]["state"] == "running"
+    status = api.get("/v1/status").json()
+    assert status["pipeline"]["state"] == "running"
+    assert status["rates"]["admitted_events_per_s"] == 500.0
     assert api.get("/healthz").json()["pipeline"] == "running"
     clock.advance(TTL_MS + 1)  # no renewal: the lease lapsed, the heartbeat is 2 s old
     assert pipeline_health(r, clock.now_ms())["state"] == "running"  # the heartbeat alone
-    assert api.get("/v1/status").json()["pipeline"]["state"] == "not_running"
+    status = api.get("/v1/status").json()
+    assert status["pipeline"]["state"] == "not_running"
+    assert status["rates"]["admitted_events_per_s"] == 0.0  # not its last rate, frozen
     assert api.get("/healthz").json()["pipeline"] == "not_running"
     assert a.try_acquire() is None  # a new term, and a live lease: running again
     assert api.get("/v1/status").json()["pipeline"]["state"] == "running"

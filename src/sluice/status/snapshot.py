@@ -148,6 +148,9 @@ def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict
     processed = events / span_s if recent else 0.0
     used, cap = memory_fraction(client)
     roles = read_roles(client, cfg, now_ms)
+    pipeline = pipeline_health(client, now_ms, log_section, roles)
+    # A killed driver's admission task keeps its last published rate until it goes stale.
+    admitted = 0.0 if pipeline["state"] == "not_running" else _stage_rate(flow, "spark")
     return {
         "backlog": {
             "entries": level.entries if level else None,
@@ -163,7 +166,7 @@ def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict
             # Events per second: sent by producers (the SDK and POST /v1/events, metered by
             # their ingest tasks), admitted into micro-batches, and folded into the store.
             "input_events_per_s": _stage_rate(flow, "ingest"),
-            "admitted_events_per_s": _stage_rate(flow, "spark"),
+            "admitted_events_per_s": admitted,
             "processed_events_per_s": processed,
         },
         "freshness_ms": freshness_of(recent),
@@ -172,7 +175,7 @@ def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict
         "last_batch_age_ms": (now_ms - last["done_ms"]) if last else None,
         "redis": {"state": "ok", "used_memory": used, "maxmemory": cap},
         "flow": flow,
-        "pipeline": pipeline_health(client, now_ms, log_section, roles),
+        "pipeline": pipeline,
         "audit": audit_status(client, cfg, counters, last),
         "stages": stages_status(client, cfg, now_ms),
         "roles": roles,
