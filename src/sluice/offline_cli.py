@@ -28,7 +28,7 @@ from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
 from sluice.pipeline import jvm_stderr
 from sluice.redis.connection import server_now_ms
-from sluice.units import EPOCH, iso_ms
+from sluice.units import EPOCH, duration_text, iso_ms
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -75,18 +75,6 @@ class TimeParam(click.ParamType):
 
 
 TIME = TimeParam()
-
-
-def duration_text(seconds: float) -> str:
-    """`0.8 s`, `42 s`, `3 min 05 s`, `2 h 07 min`."""
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    s = round(seconds)
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 class Interrupted(Exception):

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from sluice.commands import config_option, opened
-from sluice.offline_cli import Interrupted, check_local_inputs, duration_text, spark_for
-from sluice.units import format_duration_ms
+from sluice.offline_cli import Interrupted, check_local_inputs, spark_for
+from sluice.units import duration_text, format_duration_ms
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

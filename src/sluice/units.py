@@ -69,6 +69,20 @@ def format_duration_ms(ms: int) -> str:
     return f"{ms}ms"
 
 
+def duration_text(seconds: float) -> str:
+    """A span for people: `0.8 s`, `42 s`, `3 min 05 s`, `2 h 07 min`, `6 d 22 h`."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    if s < 86_400:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 86_400} d {s % 86_400 // 3600:02d} h"
+
+
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 

@@ -13,13 +13,13 @@ from click.testing import CliRunner
 from sluice.cli import main
 from sluice.offline.backfill import BackfillReport
 from sluice.offline_cli import (
-    duration_text,
     format_progress,
     format_summary,
     iso_ms,
     metric_names,
     parse_time_ms,
 )
+from sluice.units import duration_text
 
 NOV_1 = 1_793_491_200_000  # 2026-11-01T00:00:00Z
 
@@ -108,6 +108,7 @@ def test_durations_read_as_people_say_them() -> None:
     assert duration_text(42.4) == "42 s"
     assert duration_text(185) == "3 min 05 s"
     assert duration_text(7620) == "2 h 07 min"
+    assert duration_text(6 * 86_400 + 22 * 3600 + 59) == "6 d 22 h"
 
 
 def test_the_progress_line() -> None:

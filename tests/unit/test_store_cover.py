@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sluice.offline.store import _uncovered
+from sluice.status.coverage import Written
 
 M = 60_000  # the coarsest slice here
 
@@ -30,7 +31,7 @@ M = 60_000  # the coarsest slice here
 def test_a_window_is_answered_only_where_something_wrote_it(
     lo: int, hi: int, seam: int | None, began: int | None, start: int, why: str | None
 ) -> None:
-    got = _uncovered("m", lo, hi, M, seam, began, start)
+    got = _uncovered("m", lo, hi, M, Written(seam, began, start))
     assert (got is None) if why is None else (got is not None and why in got), got
 
 
@@ -45,7 +46,7 @@ def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it(
                                          "slice": "1m", "retention": "2h"}]})  # fmt: skip
     now = 1_000 * 3_600_000 + 30_000  # mid-slice
     plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
-                      types={}, seams={"m": now}, starts={}, folding={})  # fmt: skip
+                      types={}, written={"m": Written(seam=now)})  # fmt: skip
     held_from = now - 30_000 - 2 * 3_600_000  # the oldest slice's start every key holds
     t = now - 30_000 - 10 * M - 1  # a slice's last millisecond, before the store's clock
     edge = t + 1 - (held_from + TRIM_MARGIN_MS)  # the longest window that is answered
@@ -66,7 +67,7 @@ def test_with_resolutions_the_bound_is_the_finest_slices_one() -> None:
     hour = 3_600_000
     now = 1_000 * hour + 40 * M + 30_000  # 10:40:30 of some day
     plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
-                      types={}, seams={"m": now}, starts={}, folding={})  # fmt: skip
+                      types={}, written={"m": Written(seam=now)})  # fmt: skip
     held_from = 1_000 * hour + 40 * M - 2 * hour  # 08:40: the finest slices every key holds
     t = 1_000 * hour + 30 * M - 1  # 10:29:59.999
     edge = t + 1 - (held_from + TRIM_MARGIN_MS)

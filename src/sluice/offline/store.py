@@ -37,8 +37,8 @@ from sluice.offline.features import ROW, SLICE_T, Feature, arrow_column, key_tex
 from sluice.pipeline.definitions import check_definitions
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for, server_now_ms
-from sluice.redis.keys import FOLDING_KEY, SEAMS_KEY, STARTS_KEY
 from sluice.slices.window import slice_start
+from sluice.status.coverage import Written, read_written
 from sluice.units import format_duration_ms, iso_ms
 
 UNANSWERED = "sluice_unanswered"
@@ -58,9 +58,7 @@ class _StorePlan:
     features: tuple[tuple[str, str, int], ...]  # (column, name, window ms)
     keys: tuple[tuple[str, tuple[str, ...]], ...]  # per feature name: its key columns (as read)
     types: dict[str, str]
-    seams: dict[str, int]  # per metric: its newest backfill seam (ms)
-    starts: dict[str, int]  # per metric: the earliest slice a backfill wrote from (ms)
-    folding: dict[str, int]  # per metric: when the live fold began folding it (ms)
+    written: dict[str, Written]  # per metric: what wrote its slices, and since when
 
 
 def _bases(cfg: Config, name: str) -> list[Any]:
@@ -90,19 +88,16 @@ def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
                 f" {format_duration_ms(TRIM_MARGIN_MS)} of it (slices from"
                 f" {iso_ms(held_from + TRIM_MARGIN_MS)} on stay while this runs); give --input"
             )
-        why = _uncovered(m.name, lo, t + 1, coarsest,
-                         plan.seams.get(m.name), plan.folding.get(m.name),
-                         plan.starts.get(m.name, 0))  # fmt: skip
+        why = _uncovered(m.name, lo, t + 1, coarsest, plan.written.get(m.name, Written()))
         if why is not None:
             return why
     return None
 
 
-def _uncovered(name: str, lo: int, hi: int, coarsest: int, seam: int | None,
-               began: int | None, start: int = 0) -> str | None:  # fmt: skip
-    """Why the slices [lo, hi) of `name` are not all written by a backfill (from `start` to
-    `seam`) or the live fold (from its first whole coarsest slice after `began`), or None."""
-    live_from = None if began is None else -(-began // coarsest) * coarsest
+def _uncovered(name: str, lo: int, hi: int, coarsest: int, w: Written) -> str | None:
+    """Why the slices [lo, hi) of `name` are not all written by a backfill (from `w.start` to
+    `w.seam`) or the live fold (from its first whole coarsest slice after `w.began`), or None."""
+    seam, start, live_from = w.seam, w.start, w.live_from(coarsest)
     if seam is not None and start <= lo and hi <= seam:
         return None
     if live_from is not None and lo >= live_from:
@@ -187,10 +182,7 @@ def store_values(
         bases = {m.name for f in feats for m in _bases(cfg, f.name)}
         check_definitions(client, cfg, sorted(bases), register=False)  # slices it would misread
         now_ms = server_now_ms(client)
-        seams, folding, starts = (
-            {k.decode(): int(v) for k, v in client.hgetall(key).items()}
-            for key in (SEAMS_KEY, FOLDING_KEY, STARTS_KEY)
-        )
+        written = read_written(client)
     finally:
         client.close()
     key_cols: dict[str, tuple[str, ...]] = {}
@@ -208,9 +200,7 @@ def store_values(
         features=tuple((f.column, f.name, f.window_ms) for f in feats),
         keys=tuple(key_cols.items()),
         types=types,
-        seams=seams,
-        starts=starts,
-        folding=folding,
+        written=written,
     )
     narrow = spine_in.select(ROW, t_ms, *[c.alias(n) for n, c in wanted.items()])
     ddl = ", ".join(

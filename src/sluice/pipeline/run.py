@@ -12,6 +12,7 @@ same config stands by with a warm Spark session and takes over when the leases l
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from typing import Any
@@ -30,7 +31,10 @@ from sluice.pipeline.schemas import resolve_schemas
 from sluice.pipeline.stage import StageQuery
 from sluice.pipeline.standby import Roles
 from sluice.redis.connection import RedisHandle
+from sluice.status.coverage import new_metric_notes
 from sluice.status.roles import query_names
+
+log = logging.getLogger(__name__)
 
 POLL_SHARE = 0.125  # a standby looks at the lease every eighth of its ttl ...
 MAX_POLL_S = 0.1  # ... and at least this often (a dead leader is seen in two looks)
@@ -129,6 +133,8 @@ class Pipeline:
                 self.cfg, self.redis, self.spark, self.clock, self.only
             )
             check_definitions(self.redis.client, self.cfg)  # before any slice is written
+            for note in new_metric_notes(self.redis.client, self.cfg):
+                log.warning(note)
             claims = [q.claim for q in self.queries]
             self.lease = Lease(self.redis.client, claims, self.cfg.lease.ttl, self.clock)
             for q in self.queries:

@@ -23,6 +23,7 @@ from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 from sluice.source.waiting import read_log_state
 from sluice.status.consistency import read_consistency
+from sluice.status.coverage import metric_history
 from sluice.status.flow import flow_status
 from sluice.status.ledger import Ledger
 from sluice.status.roles import read_roles
@@ -128,6 +129,7 @@ def loading_status(cfg: Config, message: str) -> dict[str, Any]:
         "roles": {},
         "timing": {},
         "consistency": None,
+        "coverage": {},
     }  # fmt: skip
 
 
@@ -181,6 +183,7 @@ def _read_status(client: Any, cfg: Config, now_ms: int, window_s: float) -> dict
         "roles": roles,
         "timing": timing_status(client, now_ms, window_s),
         "consistency": read_consistency(client),
+        "coverage": metric_history(client, cfg, now_ms),
     }
 
 

@@ -10,6 +10,7 @@ import datetime as dt
 from typing import Any
 
 from sluice.status.consistency import RESULTS
+from sluice.units import duration_text, format_duration_ms
 
 
 def format_status(st: dict[str, Any]) -> str:
@@ -72,6 +73,7 @@ def format_status(st: dict[str, Any]) -> str:
         ]
         rows.append(("  expired", f"{b['expired']:,}"))
     rows += _consistency(st.get("consistency"))
+    rows += _history(st.get("coverage") or {})
     rows.append(("batch time (median)", _timing(st.get("timing") or {})))
     rows += _processes(st.get("roles") or {})
     width = max(len(k) for k, _ in rows)
@@ -107,6 +109,32 @@ def _consistency(report: dict[str, Any] | None) -> list[tuple[str, str]]:
     if bad:
         rows.append(("  mismatched in", ", ".join(f"{m} ({mismatched[m]:,})" for m in bad)))
     return rows
+
+
+def _history(history: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each metric whose stored history is shorter than its retention (status.coverage): its
+    long windows miss what came before, until `sluice backfill` writes it."""
+    short = {name: h for name, h in history.items() if h.get("missing_ms")}
+    if not history or not short:
+        return [("history", "complete over every metric's retention")] if history else []
+    rows = [("history", f"{len(short)} of {len(history)} metrics hold less than their"
+                        " retention; `sluice backfill` writes what came before")]  # fmt: skip
+    for name, h in short.items():
+        held = h["retention_ms"] - h["missing_ms"]
+        since = h.get("complete_from_ms")
+        text = f"{_span(held)} of its {format_duration_ms(h['retention_ms'])} retention"
+        if since is None:
+            text += ": not folded live yet"
+        else:
+            text += f", from {dt.datetime.fromtimestamp(since / 1000, dt.UTC):%Y-%m-%d %H:%M} UTC"
+        if h.get("backfilled_until_ms") is None:
+            text += " (no backfill)"
+        rows.append((f"  {name}", text))
+    return rows
+
+
+def _span(ms: int) -> str:
+    return "nothing" if ms <= 0 else duration_text(ms / 1000)
 
 
 def _timing(timing: dict[str, Any]) -> str:
