@@ -63,8 +63,12 @@ def test_each_metrics_history_is_what_the_live_fold_and_backfills_wrote(
     assert note.startswith("metric 'added' is new to this store") and "retention is 1w" in note
     assert "`sluice backfill --metrics added --input <archive>`" in note
 
-    status = TestClient(create_app(cfg, r, clock=ManualClock(NOW))).get("/v1/status").json()
+    api = TestClient(create_app(cfg, r, clock=ManualClock(NOW)))
+    status = api.get("/v1/status").json()
     assert status["coverage"]["live_only"]["missing_ms"] == 7 * D - 2 * H
+    scrape = api.get("/metrics").text
+    assert 'sluice_metric_history_missing_seconds{metric="live_only"} 597600.0' in scrape
+    assert 'sluice_metric_history_missing_seconds{metric="old"} 0.0' in scrape
     lines = format_status(status).splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("history "))
     assert lines[at].split(None, 1)[1].strip() == (

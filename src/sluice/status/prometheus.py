@@ -91,6 +91,8 @@ class StatusCollector(Collector):
             yield from self._pipeline(st["pipeline"], st.get("last_batch_age_ms"))
         if st.get("consistency"):
             yield from self._consistency(st["consistency"])
+        if st.get("coverage"):
+            yield self._coverage(st["coverage"])
 
     def _redis(self) -> Iterator[Metric]:
         h = self.redis
@@ -119,6 +121,16 @@ class StatusCollector(Collector):
             "Events admitted into micro-batches per second (the Spark task's meter)",
             rates.get("admitted_events_per_s"),
         )
+
+    def _coverage(self, coverage: dict[str, dict[str, Any]]) -> Metric:
+        g = GaugeMetricFamily(
+            "sluice_metric_history_missing_seconds",
+            "The part of a metric's retention its stored history does not reach (status.coverage)",
+            labels=["metric"],
+        )
+        for name, c in coverage.items():
+            g.add_metric([name], c["missing_ms"] / 1000)
+        return g
 
     def _backlog(self, st: dict[str, Any]) -> Iterator[Metric]:
         b = st["backlog"]
