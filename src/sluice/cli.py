@@ -44,7 +44,21 @@ from sluice.training_cli import COMMANDS as TRAINING_COMMANDS
 log = logging.getLogger("sluice")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """A Ctrl-C that no command handles itself (one while a command starts, before it installs
+    its own handling) ends the process as SIGINT ends one: a line saying so and status 130,
+    not click's `Aborted!` and status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            name = ctx.invoked_subcommand or "sluice"
+            click.echo(f"{name}: stopped by SIGINT", err=True)
+            raise SystemExit(128 + signal.SIGINT) from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--log-level",
     type=click.Choice(LEVELS, case_sensitive=False),

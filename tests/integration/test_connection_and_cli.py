@@ -305,3 +305,34 @@ def test_processes_starting_the_embedded_server_at_once_share_one(tmp_path: Path
         assert not (data_dir / "redis.port").exists()
         with pytest.raises(redis.ConnectionError):
             redis.Redis.from_url(servers[0].url, socket_connect_timeout=1).ping()
+
+
+def test_ctrl_c_while_a_command_starts_ends_it_as_sigint_does(tmp_path: Path) -> None:
+    """A Ctrl-C before a command installs its own handling (here: `backfill` waiting on a
+    Redis that accepted its connection and never answers) prints one line and exits 130, not
+    click's `Aborted!` with status 1."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        cfg = _config_file(tmp_path, f"redis://127.0.0.1:{port}/0")
+        (tmp_path / "events.jsonl").write_text("")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "backfill", "-c", str(cfg), "--input",
+             str(tmp_path / "events.jsonl"), "--until", "1000"],
+            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            silent.settimeout(60)
+            conn, _ = silent.accept()  # the command runs, and waits on its first reply
+            with conn:
+                os.killpg(proc.pid, signal.SIGINT)
+                _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "backfill: stopped by SIGINT", err
+    assert "Aborted" not in err and "Traceback" not in err, err
