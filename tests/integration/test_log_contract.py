@@ -40,6 +40,8 @@ class Harness:
     broker: KafkaBroker | None = None
     counter: Iterator[int] = field(default_factory=lambda: itertools.count())
     _producer: Any = None
+    opened: list[Log] = field(default_factory=list)  # closed after the test: no commit thread
+    # of a Kafka log outlives it (one retrying against a closed Redis logged warnings later)
 
     def options(self, reader: str = "", readers: tuple[str, ...] = ("",)) -> SourceOptions:
         return SourceOptions(
@@ -55,7 +57,9 @@ class Harness:
         )
 
     def log(self, reader: str = "", readers: tuple[str, ...] = ("",)) -> Log:
-        return open_log(self.options(reader, readers), self.client)
+        log = open_log(self.options(reader, readers), self.client)
+        self.opened.append(log)
+        return log
 
     @property
     def shards(self) -> tuple[str, str]:
@@ -81,13 +85,17 @@ class Harness:
 
 
 @pytest.fixture(params=["redis", "kafka"])
-def h(request: pytest.FixtureRequest, r: redis.Redis, redis_url: str) -> Harness:
+def h(request: pytest.FixtureRequest, r: redis.Redis, redis_url: str) -> Iterator[Harness]:
     if request.param == "redis":
-        return Harness("redis", redis_url, StreamsSpec(("c:0", "c:1")), r)
-    broker: KafkaBroker = request.getfixturevalue("kafka_broker")
-    topic = request.getfixturevalue("kafka_topic")
-    spec = KafkaSpec(broker.bootstrap, topic, "sluice-contract")
-    return Harness("kafka", redis_url, spec, r, broker)
+        harness = Harness("redis", redis_url, StreamsSpec(("c:0", "c:1")), r)
+    else:
+        broker: KafkaBroker = request.getfixturevalue("kafka_broker")
+        topic = request.getfixturevalue("kafka_topic")
+        spec = KafkaSpec(broker.bootstrap, topic, "sluice-contract")
+        harness = Harness("kafka", redis_url, spec, r, broker)
+    yield harness
+    for log in harness.opened:
+        log.close()
 
 
 def read(log: Log, spans: list[Span]) -> pa.Table:
