@@ -291,6 +291,11 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -
         ArchiveError, match=r"no column 'card'.*first lines have the keys merchant, ts"
     ):
         backfill(spark, cfg, str(tmp_path / "narrow.jsonl"), until_ms=now_ms)
+    floats = pd.DataFrame({"ts": [now_ms - 1000], "card": [1.0], "merchant": ["m"],
+                           "amount": [1.0], "qty": [1]})  # fmt: skip
+    floats.to_parquet(tmp_path / "floats.parquet")  # 1.0 is no key the live source reads
+    with pytest.raises(ArchiveError, match=r"column 'card' is double and source.schema says"):
+        backfill(spark, cfg, str(tmp_path / "floats.parquet"), until_ms=now_ms)
     nanos = pd.DataFrame({"ts": pd.to_datetime([now_ms - 1000], unit="ms"), "card": ["c"],
                           "merchant": ["m"], "amount": [1.0], "qty": [1]})  # fmt: skip
     nanos.to_parquet(tmp_path / "nanos.parquet")  # pandas writes its timestamps in ns

@@ -9,7 +9,9 @@ any URL Spark reads), and `archive_events` gives it the same columns, so that
 JSON lines are decoded by the live decoder itself (`offline.lines`): a line counts offline
 exactly when it would count read from the log, with the same dead-letter reason. Parquet and
 CSV columns are cast to each schema field's type (`try_cast`: a value that does not convert is
-null), and a row is bad, with the decoder's reasons (its id: `row_name`), when:
+null; a `string` field takes a text, binary, integer or boolean column, and refuses a
+floating-point, time or nested one at start), and a row is bad, with the decoder's reasons
+(its id: `row_name`), when:
 
     missing_field   a non-nullable field is null or absent (the time field always is non-null)
     bad_type        a value that is there but does not convert to the field's type
@@ -279,6 +281,16 @@ def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: 
     return value, F.coalesce(*reasons)
 
 
+def _not_text(dtype: T.DataType) -> bool:
+    """A column a `string` field cannot take as text: its values have no one spelling (a
+    double's, a time's) or are not scalars. Text, bytes (Parquet strings of writers that do
+    not mark them UTF-8) and integers convert; a boolean is a `bad_type` row, as online."""
+    if isinstance(dtype, T.DecimalType):
+        return dtype.scale > 0
+    return isinstance(dtype, T.FloatType | T.DoubleType | T.DateType | T.TimestampType
+                      | T.TimestampNTZType | T.ArrayType | T.MapType | T.StructType)  # fmt: skip
+
+
 def archive_events(
     raw: DataFrame,
     cfg: Config,
@@ -314,6 +326,14 @@ def archive_events(
         raise ArchiveError(
             f"`--as-known-at` column {arrival!r} is not in the input ({what} {', '.join(keys)})"
         )
+    for name, spec in schema.items():
+        if FieldType.parse(spec).type == "string" and _not_text(have.get(name, T.NullType())):
+            raise ArchiveError(
+                f"input column {name!r} is {have[name].simpleString()} and source.schema says"
+                f" {name}: {spec}: a string field reads a text, binary or integer column, whose"
+                " values have one spelling as text (a double's would be Spark's, `1.0`, not the"
+                " text events of the live source carry); write the column as text"
+            )
     if lines:
         out = decoded(raw, cfg, schema, arrival, ref_ms)
         as_text: tuple[Column, T.DataType] | None = (F.col(KNOWN), T.StringType())
