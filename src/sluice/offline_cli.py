@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+import redis
 
 from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
@@ -120,7 +121,8 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
     `Interrupted`. One while Spark starts takes effect once it has started, so that its JVM is
     stopped too. A job that failed in a Python task (a Redis that refused a
     write, a lost connection) becomes one line with the task's error, and `then` (what to do
-    next). Blocks while Spark starts (seconds)."""
+    next), as does a Redis error of the block's own calls. Blocks while Spark starts
+    (seconds)."""
     from sluice.pipeline.spark import build_spark
 
     jvm_stderr.batch_jobs()  # their failures end in one line of ours, not Spark's traces first
@@ -144,6 +146,8 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
         if isinstance(e, KeyboardInterrupt):  # a SIGINT that reached another handler
             StopSignals.quiet()
             raise Interrupted(signal.SIGINT) from None
+        if isinstance(e, redis.RedisError):  # the driver's own calls: seams, runs, progress
+            raise click.ClickException(f"redis: {e}{then}") from None
         why = task_error(e)
         if why is None:
             raise
