@@ -216,7 +216,7 @@ def test_healthz_is_503_while_the_pipeline_keeps_failing(
 
     lease = Lease(r, [Claim("spark", tmp_path / "c")], 60_000, SYSTEM_CLOCK)
     assert lease.try_acquire() is None  # the leader's: it keeps its lease while it restarts
-    health = Health(r, SYSTEM_CLOCK)
+    health = Health(r, SYSTEM_CLOCK, leased=True)
     for i in range(FAILING_AFTER - 1):
         health.failed(f"boom {i}")
     body = api.get("/healthz").json()

@@ -282,7 +282,7 @@ def test_status_says_not_running_once_the_leaders_lease_lapses(
     cfg = make_config("redis://unused", tmp_path)
     a = _lease(r, tmp_path / "c", clock, 21)
     assert a.try_acquire() is None
-    Health(r, clock).set("running")
+    Health(r, clock, leased=True).set("running")
     spark = {"stage": "spark", "rate": None, "measured_rate": 500.0, "updated_ms": clock.now_ms()}
     Board(r).publish("spark/h/21", spark, False)  # the driver's admission task, last published
     api = TestClient(create_app(cfg, r, clock=clock))
@@ -298,6 +298,8 @@ def test_status_says_not_running_once_the_leaders_lease_lapses(
     assert api.get("/healthz").json()["pipeline"] == "not_running"
     assert a.try_acquire() is None  # a new term, and a live lease: running again
     assert api.get("/v1/status").json()["pipeline"]["state"] == "running"
-    Health(r, clock).set("stopped")
+    Health(r, clock, leased=True).set("stopped")
     a.release()
     assert api.get("/v1/status").json()["pipeline"]["state"] == "stopped"
+    Health(r, clock).set("running")  # `sluice demo`'s pipeline runs under no lease
+    assert api.get("/v1/status").json()["pipeline"]["state"] == "running"

@@ -68,9 +68,10 @@ class Health:
     """The supervisor's state in Redis (`sluice:{stats}:health`). Writes never raise: a Redis
     outage is itself a state the supervisor lives through."""
 
-    def __init__(self, client: Any, clock: Clock) -> None:
+    def __init__(self, client: Any, clock: Clock, leased: bool = False) -> None:
         self.client = client
         self.clock = clock
+        self.leased = leased  # runs under a lease (`sluice run`), which status then reads too
         self.state = "starting"
         self.failures = 0
         self.restarts = 0
@@ -109,6 +110,7 @@ class Health:
             "restarts": self.restarts,
             "last_error": self.last_error or "",
             "heartbeat_ms": now,
+            "leased": int(self.leased),
         }
         if changed:
             fields["changed_ms"] = now

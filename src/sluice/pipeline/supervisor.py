@@ -64,7 +64,7 @@ class Supervisor:
 
     def run_forever(self, max_backoff_s: float = 15.0) -> None:
         """Run every query until `request_stop()` (or the lease is lost); then stop them."""
-        health = Health(self.client, self.clock)
+        health = Health(self.client, self.clock, leased=self.lease is not None)
         health.set("starting")
         progress = Progress(self.client)
         while not self._stop.is_set() and self.leading():

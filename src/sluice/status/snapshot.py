@@ -247,15 +247,20 @@ def pipeline_health(
 ) -> dict[str, Any]:
     """The supervisor's published state; `waiting_for_log` while it runs but its log cannot be
     read (`log_section`). `not_running` when no heartbeat came for HEARTBEAT_STALE_MS, or at
-    once when `roles` (`status.roles.read_roles`) shows no live lease: only a leader writes
-    this state, and a killed leader's lease lapses within its ttl (a Spark query's start can
-    hold the heartbeat back for seconds; the lease is renewed by a thread of its own)."""
+    once, for a pipeline that runs under a lease (`sluice run`; `sluice demo` has none), when
+    `roles` (`status.roles.read_roles`) shows no live lease: only the leader writes this
+    state, and a killed leader's lease lapses within its ttl (a Spark query's start can hold
+    the heartbeat back for seconds; the lease is renewed by a thread of its own)."""
     raw = {k.decode(): v.decode() for k, v in client.hgetall(HEALTH_KEY).items()}
     if not raw:
         return {"state": "not_running", "consecutive_failures": 0, "restarts": 0}
     beat = int(raw.get("heartbeat_ms", 0))
     state = raw.get("state", "unknown")
-    leaderless = roles is not None and not any(x["live"] for x in roles["leases"].values())
+    leaderless = (
+        raw.get("leased") == "1"
+        and roles is not None
+        and not any(x["live"] for x in roles["leases"].values())
+    )
     if state != "stopped" and (now_ms - beat > HEARTBEAT_STALE_MS or leaderless):
         state = "not_running"
     last_error = raw.get("last_error") or None
