@@ -48,6 +48,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return Lanes(config, log)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test leaves the process environment as it found it. A command run in-process
+    (`CliRunner`) exports its settings for the processes it starts (`--log-level` as
+    SLUICE_LOG_LEVEL): left behind, they would reach every later test's subprocesses."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
     """A real redis-server (the embedded binary) on a loopback port, for the whole run."""
