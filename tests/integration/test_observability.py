@@ -4,6 +4,7 @@ and the status command's watch mode."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -77,6 +78,53 @@ def test_freshness_histogram_counts_each_batch_once(r: redis.Redis) -> None:
     cumulative = dict(h["buckets"])
     assert cumulative[1.0] == 0 and cumulative[2.5] == 1 and cumulative[float("inf")] == 1
     assert r.hget(STATS_KEY, "events_in") == b"10"
+
+
+def test_a_request_is_counted_before_its_answer_can_reach_the_client(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A client that scrapes `/metrics` once it has its answer (from another worker, which may
+    run first) finds that request counted: the timer records it as the last body part is
+    handed to the server. Here the scrape runs inside that very send, before any byte left."""
+    app = create_app(make_config(redis_url, tmp_path), r, history=False)
+
+    async def call(path: str, query: bytes, on_last: Any = None) -> bytes:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "GET", "scheme": "http", "path": path, "raw_path": path.encode(),
+                 "query_string": query, "root_path": "", "headers": [(b"host", b"t")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+        body = bytearray()
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                body.extend(message.get("body", b""))
+                if not message.get("more_body") and on_last is not None:
+                    await on_last()
+
+        await app(scope, receive, send)
+        return bytes(body)
+
+    async def lookups_counted() -> float:
+        fams = _families((await call("/metrics", b"")).decode())
+        hist = fams["sluice_http_request_duration_seconds"]
+        return sum(s.value for s in hist.samples if s.name.endswith("_count")
+                   and s.labels["route"] == "/v1/metrics/{name}")  # fmt: skip
+
+    seen: list[float] = []
+
+    async def scrape() -> None:
+        seen.append(await lookups_counted())
+
+    async def run() -> None:
+        for _ in range(3):
+            answer = await call("/v1/metrics/txn_count", b"key=c1&window=1m", scrape)
+            assert orjson.loads(answer)["metric"] == "txn_count", answer
+
+    asyncio.run(run())
+    assert seen == [1, 2, 3]
 
 
 def test_prometheus_exposition(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.status.prometheus import RequestTimer
 
@@ -67,8 +67,12 @@ class Guard:
 class Timer:
     """Records each request's latency by route template into the Prometheus histogram.
 
-    Outermost, so it times the whole request, including the response's serialisation. The
-    route is read after the app ran: Starlette's router leaves the matched route in the scope.
+    Outermost, so it times the whole request, including the response's serialisation. It
+    records as the response's last body part is handed to the server, before its bytes can
+    reach the client: a client that scrapes `/metrics` (from any worker) once it has its answer
+    finds that request counted. The route is read then: Starlette's router leaves the matched
+    route in the scope. A request that ends with no last body part (an error) is recorded as
+    the app returns.
     """
 
     def __init__(self, app: ASGIApp, timer: RequestTimer) -> None:
@@ -79,12 +83,25 @@ class Timer:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        try:
-            await self.app(scope, receive, send)
-        finally:
+        recorded = False
+
+        def record() -> None:
+            nonlocal recorded
+            recorded = True
             route = getattr(scope.get("route"), "path", None)
             if route is not None:
                 self.timer.observe(scope["method"], route, time.perf_counter() - t0)
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                record()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            if not recorded:
+                record()
 
 
 class SluiceApp:
