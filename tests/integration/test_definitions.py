@@ -65,6 +65,30 @@ def test_a_definition_is_recorded_once_and_a_change_refused_while_its_slices_are
     assert orjson.loads(r.hget(DEFINITIONS_KEY, "qty_sum"))["agg"] == "max"
 
 
+def test_an_expression_written_otherwise_is_the_same_definition(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Spacing and the case of words are not part of a `value` or `filter`; quoted text is."""
+    data = config_data(redis_url, tmp_path)
+    data["metrics"].append({"name": "visa_sum", "key": ["card"], "agg": "sum",
+                            "value": "coalesce(amount, 0) * 2", "slice": "1m",
+                            "filter": "merchant = 'VISA' and amount > 0"})  # fmt: skip
+    check_definitions(r, config_from_dict(data))
+    r.hset(slice_hash_key("visa_sum", "c-1"), "60000", "1:5")
+    r.hset(slice_hash_key("amount_sum", "m-1"), "60000", "1:5")
+    same = changed(data, "visa_sum", value="COALESCE( amount,0 )*2",
+                   filter="merchant='VISA'  AND amount>0")  # fmt: skip
+    check_definitions(r, config_from_dict(changed(same, "amount_sum", filter="AMOUNT>0")))
+    kept = orjson.loads(r.hget(DEFINITIONS_KEY, "visa_sum"))
+    assert kept["filter"] == "merchant = 'VISA' and amount > 0"  # as first written
+    for fields, path in [({"filter": "merchant = 'visa' and amount > 0"}, "filter"),
+                         ({"value": "coalesce(amount, 1) * 2"}, "value")]:  # fmt: skip
+        other = config_from_dict(changed(data, "visa_sum", **fields))
+        with pytest.raises(ConfigError) as e:
+            check_definitions(r, other)
+        assert e.value.path.endswith(f".{path}"), e.value
+
+
 def test_the_query_command_refuses_a_redefined_metric_in_one_line(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:

@@ -8,10 +8,15 @@ records each metric's definition the first time, and refuses a config that chang
 slices of the old one are still stored; the query server refuses to serve it. Retention is not
 part of it: a longer or shorter retention reads the same slices. Once every slice of the old
 definition has expired, the name is free for a new one.
+
+A `value` or `filter` is compared as Spark reads it (`expression_form`): spacing and the case
+of names, keywords and functions are not part of it, so `amount>100` and `AMOUNT > 100` are
+one definition; what is quoted is compared as written.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +28,30 @@ from sluice.redis.keys import DEFINITIONS_KEY, KEY_SEP, SLICE_PREFIX
 from sluice.units import format_duration_ms
 
 FIELDS = ("key", "agg", "slices", "value", "filter", "from")
+EXPRESSIONS = ("value", "filter")
+
+# A Spark SQL expression's tokens: quoted text and identifiers whole, then names, numbers,
+# the operators of more than one character, and any other character on its own.
+_TOKEN = re.compile(
+    r"""'(?:[^'\\]|\\.|'')*'|"(?:[^"\\]|\\.|"")*"|`(?:[^`]|``)*`"""
+    r"|[A-Za-z_][A-Za-z0-9_]*|(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?[A-Za-z]*"
+    r"|<=>|<=|>=|<>|!=|==|\|\||\S"
+)
+
+
+def expression_form(text: str | None) -> str | None:
+    """`text` as Spark reads it: its tokens one space apart, unquoted words in lower case (Spark
+    resolves names, keywords and functions without regard to case)."""
+    if text is None:
+        return None
+    tokens = _TOKEN.findall(text)
+    return " ".join(t if t[0] in "'\"`" else t.lower() for t in tokens)
+
+
+def _same(field: str, was: Any, want: Any) -> bool:
+    if field in EXPRESSIONS:
+        return bool(expression_form(was) == expression_form(want))
+    return bool(was == want)
 
 
 def definition(m: MetricConfig) -> dict[str, Any]:
@@ -45,7 +74,7 @@ def check_definitions(client: Any, cfg: Config, names: Sequence[str] | None = No
         want = definition(m)
         if raw is not None:
             was = orjson.loads(raw)
-            changed = [f for f in FIELDS if was.get(f) != want[f]]
+            changed = [f for f in FIELDS if not _same(f, was.get(f), want[f])]
             if changed and _slices_left(client, m.name):
                 raise _redefined(cfg, m, changed, was, want)
             if not changed:
