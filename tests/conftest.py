@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -50,11 +51,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def _environment_restored() -> Iterator[None]:
-    """Each test leaves the process environment as it found it. A command run in-process
-    (`CliRunner`) exports its settings for the processes it starts (`--log-level` as
-    SLUICE_LOG_LEVEL): left behind, they would reach every later test's subprocesses."""
+    """Each test leaves the process environment and the root logger's level as it found them.
+    A command run in-process (`CliRunner`) exports its settings for the processes it starts
+    (`--log-level` as SLUICE_LOG_LEVEL) and sets the level: left behind, they would reach every
+    later test's subprocesses and in-process logs."""
     saved = dict(os.environ)
+    level = logging.getLogger().level
     yield
+    logging.getLogger().setLevel(level)
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
