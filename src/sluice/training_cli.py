@@ -224,7 +224,8 @@ def training_set(
     metavar="PATH",
     help="archived events: the history the logged answers are recomputed from",
 )
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "csv"]), default=None)
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl", "csv"]), default=None,
+              help="the input's format (default: from its suffix, else parquet)")  # fmt: skip
 @click.option("--sample", type=click.IntRange(min=1), default=1000, show_default=True,
               help="how many of the newest logged answers to check")  # fmt: skip
 @click.option("--as-known-at", "--arrival", "arrival", default=None, metavar="COLUMN",
