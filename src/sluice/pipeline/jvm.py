@@ -7,9 +7,11 @@ file: measured at 30-70 ms per batch on 2 busy cores, on the critical path of ev
 of a takeover. `LocalFs.java` (beside this module) is Hadoop's local file system for Spark's
 checkpoint manager with that one call done through java.nio instead.
 
-`local_fs_conf` compiles it once per source digest and Spark version into the user's cache
-(`$XDG_CACHE_HOME/sluice/jvm/<digest>/`, else `~/.cache/...`; javac from JAVA_HOME or PATH,
-about 2 s) and returns the Spark settings that install it. Only a process that starts its JVM
+`local_fs_conf` compiles it once per source digest and Spark version into a jar in the user's
+cache (`$XDG_CACHE_HOME/sluice/jvm/<digest>/localfs.jar`, else `~/.cache/...`; javac from
+JAVA_HOME or PATH, about 2 s) and returns the Spark settings that install it. A jar, not a
+directory of classes: the JVM's class-data sharing (`sluice.pipeline.cds`) refuses a class path
+with a non-empty directory on it. Only a process that starts its JVM
 can add a class to it, so it returns nothing when a Spark context already runs. Without a JDK,
 or if compiling fails, it returns nothing too and Spark keeps Hadoop's own class: slower
 batches, same results. Settings the user gave win.
@@ -23,6 +25,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from importlib import resources
 from pathlib import Path
 
@@ -35,6 +38,7 @@ CLASS = "sluice.hadoop.LocalFs"
 FS_KEY = "spark.hadoop.fs.AbstractFileSystem.file.impl"
 CLASSPATH_KEY = "spark.driver.extraClassPath"
 COMPILE_TIMEOUT_S = 120.0
+JAR = "localfs.jar"
 
 
 def javac() -> str | None:
@@ -57,15 +61,15 @@ def cache_dir() -> Path:
 
 
 def compiled(cache: Path) -> Path | None:
-    """The directory holding the compiled class (compiled now if needed), or None when it
-    cannot be built here. Concurrent processes each compile into a temporary directory and the
-    first rename wins."""
+    """The jar holding the compiled classes (compiled now if needed), or None when it cannot be
+    built here. Concurrent processes each compile into a temporary directory and the first
+    rename wins."""
     source = (resources.files("sluice.pipeline") / "LocalFs.java").read_bytes()
     jars = hadoop_jars()
-    digest = hashlib.sha256(source + pyspark.__version__.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + pyspark.__version__.encode() + b"jar").hexdigest()[:16]
     out = cache / digest
-    if (out / "sluice" / "hadoop" / "LocalFs.class").is_file():
-        return out
+    if (out / JAR).is_file():
+        return out / JAR
     compiler = javac()
     if compiler is None or not jars:
         log.info(
@@ -90,12 +94,16 @@ def compiled(cache: Path) -> Path | None:
             log.warning("could not compile the checkpoint file system; using Hadoop's",
                         extra={"error": done.stderr.strip()[-500:]})  # fmt: skip
             return None
+        (tmp / "out").mkdir()
+        with zipfile.ZipFile(tmp / "out" / JAR, "w") as jar:
+            for cls in sorted((tmp / "classes").rglob("*.class")):
+                jar.write(cls, cls.relative_to(tmp / "classes").as_posix())
         try:
-            (tmp / "classes").rename(out)
+            (tmp / "out").rename(out)
         except OSError:  # another process renamed its copy first
-            if not out.is_dir():
+            if not (out / JAR).is_file():
                 raise
-        return out
+        return out / JAR
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("could not compile the checkpoint file system; using Hadoop's",
                     extra={"error": str(e)})  # fmt: skip
@@ -110,7 +118,7 @@ def local_fs_conf(user_conf: dict[str, str], cache: Path | None = None) -> dict[
         return {}
     if SparkContext._active_spark_context is not None or SparkContext._gateway is not None:
         return {}  # the JVM runs already: its class path is set
-    classes = compiled(cache or cache_dir())
-    if classes is None:
+    jar = compiled(cache or cache_dir())
+    if jar is None:
         return {}
-    return {FS_KEY: CLASS, CLASSPATH_KEY: str(classes)}
+    return {FS_KEY: CLASS, CLASSPATH_KEY: str(jar)}
