@@ -17,7 +17,8 @@ from pyspark.sql import SparkSession
 
 from sluice.config import Config
 from sluice.logs import SPARK_LOG_LEVEL_ENV
-from sluice.pipeline.jvm import local_fs_conf
+from sluice.pipeline.cds import java_options
+from sluice.pipeline.jvm import CLASSPATH_KEY, local_fs_conf
 from sluice.pipeline.jvm_stderr import forward_jvm_stderr
 from sluice.pipeline.ship import is_local, package_zip
 
@@ -143,18 +144,22 @@ def build_spark(cfg: Config, app_name: str = "sluice", sources: bool = True) -> 
             "spark.driver.bindAddress", "127.0.0.1"
         )
     level = os.environ.get(SPARK_LOG_LEVEL_ENV, "ERROR").upper()
+    fs_conf = local_fs_conf(cfg.spark.conf) if local else {}  # checkpoint writes without chmod
+    for k, v in fs_conf.items():
+        builder = builder.config(k, v)
     if "spark.driver.extraJavaOptions" not in cfg.spark.conf:
         # Quiet from the JVM's first line: the default profile prints INFO and WARN lines
-        # before setLogLevel can act. Only takes effect when this call starts the JVM.
+        # before setLogLevel can act. Only takes effect when this call starts the JVM, as do
+        # the class archive's options (sluice.pipeline.cds).
         props = resources.files("sluice.pipeline") / "log4j2.properties"
+        starts_jvm = not submitted and SparkContext._gateway is None
+        classpath = cfg.spark.conf.get(CLASSPATH_KEY) or fs_conf.get(CLASSPATH_KEY)
+        archive = java_options(classpath) if starts_jvm else ""
         builder = builder.config(
             "spark.driver.extraJavaOptions",
             f"-Dlog4j2.configurationFile={props} -Dsluice.spark.logLevel={level}"
-            f" -Xss{DRIVER_THREAD_STACK}",
+            f" -Xss{DRIVER_THREAD_STACK} {archive}".rstrip(),
         )
-    if local:
-        for k, v in local_fs_conf(cfg.spark.conf).items():  # checkpoint writes without chmod
-            builder = builder.config(k, v)
     for k, v in {**cfg.spark.conf, **EXPRESSION_CONF}.items():
         builder = builder.config(k, v)
     if submitted or SparkContext._gateway is not None:
