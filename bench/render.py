@@ -38,7 +38,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["collector"],
             ["query", "query-transports"], ["durability"],
             ["burst", "burst-stepwise"], ["audit"], ["cluster"], ["spark_cluster"], ["branches"],
-            ["failover", "failover-six", "failover-highcard"],
+            ["failover", "failover-six", "failover-highcard"], ["jvm_start"],
             ["freshness", "freshness-highcard"],
             ["offline", "offline-backfill", "offline-backfill-conf", "offline-backfill-rerun",
              "offline-training",
