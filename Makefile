@@ -14,10 +14,10 @@ $(STAMP): pyproject.toml setup.py src/sluice/slices/_sums.c src/sluice/redis/_du
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $@
 
-# The driver JVM's class archive (sluice.pipeline.cds): built once per environment, it takes
-# several seconds off every start of Spark.
+# The driver JVM's class archive (sluice.pipeline.cds, docs/spark.md): built once per
+# environment, it takes several seconds off every start of Spark.
 jvm-archive: $(STAMP)
-	$(PY) -m sluice.pipeline.cds
+	$(PY) -m sluice.pipeline.cds_build
 
 demo: jvm-archive
 	$(VENV)/bin/sluice demo

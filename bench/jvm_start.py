@@ -140,7 +140,7 @@ def main() -> None:
     if not archive.is_file():
         log("building the class archive first")
         t0 = time.monotonic()
-        subprocess.run([sys.executable, "-m", "sluice.pipeline.cds"], check=True)
+        subprocess.run([sys.executable, "-m", "sluice.pipeline.cds_build"], check=True)
         built_s = time.monotonic() - t0
     ws = Workspace()
     rounds: list[dict[str, Any]] = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sluice.pipeline.cds import ENV, archive_path, java_options
-from sluice.pipeline.jvm import CLASSPATH_KEY, local_fs_conf
+from sluice.pipeline.jvm import cache_dir, compiled
 
 CHILD = """
 from sluice.config import config_from_dict
@@ -27,13 +27,15 @@ spark.stop()
 
 @pytest.mark.spark
 def test_the_archive_is_built_and_a_new_jvm_maps_it() -> None:
-    """`python -m sluice.pipeline.cds` (what `make setup` runs) leaves the archive where every
-    local run looks for it; a JVM started by `build_spark` maps it. `-Xshare:on` makes a JVM
-    that cannot map its archive fail to start, so the child's answer proves the mapping."""
+    """`python -m sluice.pipeline.cds_build` (what `make jvm-archive` runs) leaves the archive
+    where every local run looks for it; a JVM started by `build_spark` maps it. `-Xshare:on`
+    makes a JVM that cannot map its archive fail to start, so the child's answer proves the
+    mapping."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
-    built = subprocess.run([sys.executable, "-m", "sluice.pipeline.cds"], env=env,
+    built = subprocess.run([sys.executable, "-m", "sluice.pipeline.cds_build"], env=env,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    path = archive_path(local_fs_conf({}).get(CLASSPATH_KEY))
+    jar = compiled(cache_dir())  # the class path a local Spark started here would have
+    path = archive_path(str(jar) if jar else None)
     assert path is not None
     assert built.returncode == 0 and f"JVM class archive: {path}" in built.stdout, built
     assert path.stat().st_size > 10_000_000

@@ -152,7 +152,7 @@ def build_spark(cfg: Config, app_name: str = "sluice", sources: bool = True) -> 
         # before setLogLevel can act. Only takes effect when this call starts the JVM, as do
         # the class archive's options (sluice.pipeline.cds).
         props = resources.files("sluice.pipeline") / "log4j2.properties"
-        starts_jvm = not submitted and SparkContext._gateway is None
+        starts_jvm = local and SparkContext._gateway is None
         classpath = cfg.spark.conf.get(CLASSPATH_KEY) or fs_conf.get(CLASSPATH_KEY)
         archive = java_options(classpath) if starts_jvm else ""
         builder = builder.config(
