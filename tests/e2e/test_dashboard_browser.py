@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -277,8 +278,10 @@ def test_the_demo_runs_the_real_pipeline_and_its_dashboard_says_so(
     from selenium.webdriver.common.by import By
 
     port = free_port()
+    # Stopped once checked (SIGTERM, as a service manager stops it): a fixed duration would be
+    # a race with Spark's start, which takes longer on a loaded machine.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "demo", "--duration", "40", "--port", str(port),
+        [sys.executable, "-m", "sluice.cli", "demo", "--duration", "240", "--port", str(port),
          "--rate", "500", "--state-dir", str(tmp_path / "demo")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -288,24 +291,31 @@ def test_the_demo_runs_the_real_pipeline_and_its_dashboard_says_so(
     lines: list[str] = []
     checked = False
     deadline = time.monotonic() + 150
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.search(r"total ([\d,]+)", line)
-        if checked or not m or int(m.group(1).replace(",", "")) == 0:
-            if time.monotonic() > deadline:
-                break
-            continue
-        answer = httpx.get(f"{base}/v1/metrics/txn_count",
-                           params={"key": "card-0", "window": "5m"}).json()  # fmt: skip
-        assert answer["value"] > 0, answer
-        status = httpx.get(f"{base}/v1/status").json()
-        assert status["pipeline"]["state"] == "running", status["pipeline"]
-        assert status["pipeline"]["heartbeat_age_ms"] is not None
-        browser.get(f"{base}/")
-        badge = "document.getElementById('pipeline-state')"
-        _wait(browser, f"{badge}.textContent === 'pipeline running'", 30, "the running badge")
-        assert "running" in browser.find_element(By.ID, "pipeline-state").get_attribute("class")
-        checked = True
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"total ([\d,]+)", line)
+            if checked or not m or int(m.group(1).replace(",", "")) == 0:
+                if not checked and time.monotonic() > deadline:
+                    proc.send_signal(signal.SIGTERM)
+                    deadline = float("inf")  # read on until it has stopped
+                continue
+            answer = httpx.get(f"{base}/v1/metrics/txn_count",
+                               params={"key": "card-0", "window": "5m"}).json()  # fmt: skip
+            assert answer["value"] > 0, answer
+            status = httpx.get(f"{base}/v1/status").json()
+            assert status["pipeline"]["state"] == "running", status["pipeline"]
+            assert status["pipeline"]["heartbeat_age_ms"] is not None
+            browser.get(f"{base}/")
+            badge = "document.getElementById('pipeline-state')"
+            _wait(browser, f"{badge}.textContent === 'pipeline running'", 30, "the running badge")
+            assert "running" in browser.find_element(By.ID, "pipeline-state").get_attribute("class")
+            checked = True
+            proc.send_signal(signal.SIGTERM)
+    except BaseException:
+        proc.kill()  # a failed check leaves no demo running
+        proc.wait(timeout=60)
+        raise
     assert proc.wait(timeout=90) == 0, "".join(lines)
     text = "".join(lines)
     assert checked, text
