@@ -253,15 +253,17 @@ def consistency(
         raise click.BadParameter(str(e), param_hint="'--settle'") from None
     try:
         with opened(config_path) as (cfg, handle):
-            from sluice.offline.consistency import check
+            from sluice.offline.consistency import check, nothing_logged
             from sluice.offline.events import read_archive, read_failures
 
             check_local_inputs(inputs)
-            with spark_for(cfg, "sluice-consistency") as spark:
-                events = read_archive(spark, list(inputs), fmt, cfg.source.schema_)
-                with read_failures():
-                    report = check(spark, cfg, handle.client, events, ", ".join(inputs), sample,
-                                   arrival, settle_ms)  # fmt: skip
+            report = nothing_logged(handle.client, ", ".join(inputs))
+            if report is None:
+                with spark_for(cfg, "sluice-consistency") as spark:
+                    events = read_archive(spark, list(inputs), fmt, cfg.source.schema_)
+                    with read_failures():
+                        report = check(spark, cfg, handle.client, events, ", ".join(inputs),
+                                       sample, arrival, settle_ms)  # fmt: skip
     except Interrupted as e:
         _interrupted("consistency", e)
     if not as_json:

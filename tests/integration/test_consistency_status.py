@@ -117,3 +117,17 @@ def test_the_status_command_shows_the_report(
     assert json.loads(CliRunner().invoke(main, [*status, "--json"]).output)["consistency"] == REPORT
     text = CliRunner().invoke(main, status).output
     assert "1,230 matched, 4 mismatched, 3 missing of 1,240 sampled answers" in text
+
+
+def test_a_store_with_no_logged_answer_is_reported_without_spark(r: redis.Redis) -> None:
+    """`sluice consistency` asks the store first: with no logged answer it stores an empty
+    report (status then says nothing was checked) and starts no Spark; with one, it goes on."""
+    from sluice.offline.consistency import nothing_logged
+    from sluice.redis.keys import ANSWERS_KEY
+
+    report = nothing_logged(r, "archive/a.parquet")
+    assert report is not None and report.samples == 0
+    stored = orjson.loads(r.get(CONSISTENCY_KEY) or b"{}")
+    assert stored["samples"] == 0 and stored["input"] == "archive/a.parquet"
+    r.xadd(ANSWERS_KEY, {"metric": "txn_count"})
+    assert nothing_logged(r, "archive/a.parquet") is None

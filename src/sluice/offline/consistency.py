@@ -257,6 +257,16 @@ def _recomputable(cfg: Config, name: str) -> bool:
     return all(b is not None and folds_source(cfg, b) for b in bases)
 
 
+def nothing_logged(client: Any, input_name: str) -> Report | None:
+    """The empty report, stored as `check` stores its reports, when the store holds no logged
+    answer at all: then there is nothing to recompute, and no Spark need start to say so."""
+    if client.xlen(ANSWERS_KEY):
+        return None
+    report = Report(at_ms=int(time.time() * 1000), input=input_name)
+    client.set(CONSISTENCY_KEY, orjson.dumps(report.as_dict()))
+    return report
+
+
 def check(
     spark: SparkSession, cfg: Config, client: Any, events: DataFrame, input_name: str,
     sample: int = 1000, arrival: str | None = None, settle_ms: int = SETTLE_MS,
