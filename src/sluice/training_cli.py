@@ -257,8 +257,10 @@ def consistency(
             from sluice.offline.events import read_archive, read_failures
 
             check_local_inputs(inputs)
-            report = nothing_logged(handle.client, ", ".join(inputs))
-            if report is None:
+            empty = nothing_logged(handle.client, ", ".join(inputs))
+            if empty is not None:
+                report = empty
+            else:
                 with spark_for(cfg, "sluice-consistency") as spark:
                     events = read_archive(spark, list(inputs), fmt, cfg.source.schema_)
                     with read_failures():
