@@ -1,16 +1,27 @@
 """The driver JVM's class archive (`sluice.pipeline.cds`): built by a real Spark run, mapped by
-the next JVM, keyed by what it depends on, and off when asked."""
+the next JVM, keyed by what it depends on, off when asked, and removed once nothing can use it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
-from sluice.pipeline.cds import ENV, archive_path, java_options
+from sluice.pipeline.cds import (
+    ENV,
+    archive_inputs,
+    archive_path,
+    build_log,
+    digest,
+    inputs_file,
+    java_options,
+    prune,
+)
 from sluice.pipeline.jvm import cache_dir, compiled
 
 CHILD = """
@@ -39,6 +50,7 @@ def test_the_archive_is_built_and_a_new_jvm_maps_it() -> None:
     assert path is not None
     assert built.returncode == 0 and f"JVM class archive: {path}" in built.stdout, built
     assert path.stat().st_size > 10_000_000
+    assert orjson.loads(inputs_file(path).read_bytes()) == archive_inputs(str(jar) if jar else None)
     child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
                            env={**env, "JAVA_TOOL_OPTIONS": "-Xshare:on"}, timeout=300)  # fmt: skip
     assert child.returncode == 0, child.stderr[-3000:]
@@ -75,3 +87,40 @@ def test_the_options_follow_the_environment_and_what_the_archive_depends_on(
     opts = java_options(str(jar_a), cache)
     assert opts.startswith(f"-XX:SharedArchiveFile={a} ")
     assert "-Xlog:cds=off" in opts  # a JVM that cannot map it starts without it, quietly
+
+
+def test_a_build_removes_the_archives_that_no_environment_can_use(tmp_path: Path) -> None:
+    """An archive whose Spark was upgraded in place, or whose virtualenv was deleted, is never
+    mapped again: the next build removes it with its files. One in use stays, and so does one
+    whose inputs were never recorded."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def made(jar: Path, **changes: object) -> Path:
+        inputs = {**(archive_inputs(str(jar)) or {}), **changes}
+        path = cache / digest(inputs)
+        path.write_bytes(b"\0" * 16)
+        inputs_file(path).write_bytes(orjson.dumps(inputs))
+        build_log(path).write_text("built\n")
+        return path
+
+    used, upgraded = tmp_path / "used.jar", tmp_path / "upgraded.jar"
+    used.write_bytes(b"u")
+    upgraded.write_bytes(b"4.2")
+    in_use = made(used)
+    replaced = made(upgraded)
+    upgraded.write_bytes(b"4.3.0")  # the same path, another Spark
+    venv = tmp_path / "venv" / "jars"
+    venv.mkdir(parents=True)
+    (venv / "spark-core.jar").write_bytes(b"core")
+    deleted = made(used, jars=str(venv))
+    shutil.rmtree(venv.parent)  # the virtualenv deleted
+    unrecorded = cache / "cds-0123456789abcdef.jsa"
+    unrecorded.write_bytes(b"\0")
+    new = made(upgraded)
+
+    assert sorted(prune(cache, keep=new)) == sorted([replaced, deleted])
+    left = sorted(p.name for p in cache.iterdir())
+    assert left == sorted([in_use.name, f"{in_use.name}.inputs", f"{in_use.name}.log",
+                           new.name, f"{new.name}.inputs", f"{new.name}.log",
+                           unrecorded.name])  # fmt: skip

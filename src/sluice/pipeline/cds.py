@@ -21,7 +21,8 @@ binary, the Spark jars and the extra class path (the checkpoint file system's ja
 of any of them makes another. A JVM that cannot use the archive (another heap size that turns
 compressed pointers off, say) starts as it would without it; the JVM's notices about that are
 turned off. About 190 MB per environment (virtualenv) under `$XDG_CACHE_HOME/sluice/jvm` (else
-`~/.cache`). `SLUICE_JVM_ARCHIVE=off` turns all of it off.
+`~/.cache`); each build removes the archives whose inputs have changed or are gone since they
+were built (`prune`). `SLUICE_JVM_ARCHIVE=off` turns all of it off.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pyspark
 from pyspark.find_spark_home import _find_spark_home
 
@@ -62,22 +65,57 @@ def _identity(path: Path) -> bytes:
     return f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()
 
 
-def archive_path(extra_classpath: str | None, cache: Path | None = None) -> Path | None:
-    """Where the archive for this JVM, Spark and class path lives (None without a java)."""
+def archive_inputs(extra_classpath: str | None) -> dict[str, Any] | None:
+    """What an archive is made for: this Spark, java binary and extra class path (None without
+    a java). Written beside the archive (`inputs_file`), so that a later build can tell which
+    archives no environment can use any more (`prune`)."""
     java = _java()
     if java is None:
         return None
-    h = hashlib.sha256(pyspark.__version__.encode())
+    return {"spark": pyspark.__version__, "java": str(java),
+            "jars": str(Path(_find_spark_home()) / "jars"),
+            "classpath": extra_classpath.split(os.pathsep) if extra_classpath else []}  # fmt: skip
+
+
+def digest(inputs: dict[str, Any]) -> str:
+    """The archive's name for `inputs`: it changes when any file they name changes."""
+    java = Path(inputs["java"])
+    h = hashlib.sha256(inputs["spark"].encode())
     h.update(_identity(java))
     for lib in sorted(java.parent.parent.glob("lib/server/libjvm.so")):
         h.update(_identity(lib))
-    jars = Path(_find_spark_home()) / "jars"
-    for jar in sorted(jars.glob("*.jar")):
+    for jar in sorted(Path(inputs["jars"]).glob("*.jar")):
         h.update(_identity(jar))
-    if extra_classpath:
-        for part in extra_classpath.split(os.pathsep):
-            h.update(_identity(Path(part)))
-    return (cache or cache_dir()) / f"cds-{h.hexdigest()[:16]}.jsa"
+    for part in inputs["classpath"]:
+        h.update(_identity(Path(part)))
+    return f"cds-{h.hexdigest()[:16]}.jsa"
+
+
+def archive_path(extra_classpath: str | None, cache: Path | None = None) -> Path | None:
+    """Where the archive for this JVM, Spark and class path lives (None without a java)."""
+    inputs = archive_inputs(extra_classpath)
+    return None if inputs is None else (cache or cache_dir()) / digest(inputs)
+
+
+def prune(cache: Path, keep: Path) -> list[Path]:
+    """Remove the archives (and their lock, log and failure files) whose inputs have changed or
+    are gone, as after a Spark upgrade or with a deleted virtualenv: no JVM maps them again.
+    An archive whose inputs were not recorded, and `keep`, stay. Returns what was removed."""
+    gone = []
+    for record in cache.glob("cds-*.jsa.inputs"):
+        archive = record.with_suffix("")
+        if archive == keep:
+            continue
+        try:
+            stale = digest(orjson.loads(record.read_bytes())) != archive.name
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if stale and not _locked(archive):
+            for f in (archive, failed_marker(archive), build_log(archive), lock_file(archive),
+                      record):  # fmt: skip
+                f.unlink(missing_ok=True)
+            gone.append(archive)
+    return gone
 
 
 def java_options(extra_classpath: str | None, cache: Path | None = None) -> str:
@@ -112,6 +150,10 @@ def _start_build(path: Path, extra_classpath: str | None) -> None:
         log.info("building the JVM's class archive in the background", extra={"path": str(path)})
     except OSError as e:
         log.debug("cannot start the class archive's build", extra={"error": str(e)})
+
+
+def inputs_file(path: Path) -> Path:
+    return path.with_name(path.name + ".inputs")
 
 
 def failed_marker(path: Path) -> Path:

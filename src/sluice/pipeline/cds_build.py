@@ -15,12 +15,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from sluice.pipeline.cds import (
     ENV,
     HADOOP_LOCAL_FS,
+    archive_inputs,
     archive_path,
+    digest,
     failed_marker,
+    inputs_file,
     lock_file,
+    prune,
 )
 from sluice.pipeline.jvm import CLASSPATH_KEY, FS_KEY
 
@@ -41,14 +47,26 @@ def build(path: Path, extra_classpath: str | None) -> bool:
         try:
             error = _run_and_exit(tmp, extra_classpath)
             if error is None and tmp.is_file() and tmp.stat().st_size > 0:
+                record(path, extra_classpath)
                 tmp.rename(path)
                 failed_marker(path).unlink(missing_ok=True)
                 _forget_dead_builds(path.parent)
+                for gone in prune(path.parent, keep=path):
+                    print(f"removed a class archive no environment uses now: {gone}")
                 return True
             failed_marker(path).write_text(error or "the JVM wrote no archive\n")
             return False
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def record(path: Path, extra_classpath: str | None) -> None:
+    """Write what the archive at `path` is made for beside it (`cds.prune` reads it), when
+    `path` has the name those inputs give (not an archive written elsewhere with `--archive`)."""
+    inputs = archive_inputs(extra_classpath)
+    if inputs is not None and path.name == digest(inputs) and not inputs_file(path).exists():
+        with contextlib.suppress(OSError):
+            inputs_file(path).write_bytes(orjson.dumps(inputs))
 
 
 def _forget_dead_builds(cache: Path) -> None:
@@ -142,11 +160,16 @@ def main() -> None:
         print("no java found: no class archive")
         return
     if path.is_file():
+        record(path, classpath or None)  # one built before its inputs were recorded
         print(f"JVM class archive: {path}")
         return
     print("building the JVM's class archive (once per JVM and Spark, about a minute)...",
           flush=True)  # fmt: skip
-    ok = build(path, classpath or None)
+    try:
+        ok = build(path, classpath or None)
+    except OSError as e:  # an optimization: say why there is none, and let the caller go on
+        print(f"no class archive: cannot write {path}: {e.strerror or e}")
+        return
     print(
         f"JVM class archive: {path}"
         if ok
