@@ -254,7 +254,7 @@ def test_csv_quoted_as_pandas_writes_it_keeps_its_keys_in_the_archive_and_the_sp
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_a_row_older_than_every_retention_is_named_in_its_sample(
-    spark: Any, redis_url: str, tmp_path: Path, now_ms: int, fmt: str
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int, fmt: str
 ) -> None:
     """An `expired` row is found so by the fold's plan, not by the decoder; its sample still
     names it by its file and row (Parquet) or line (JSON lines), as a bad row's does."""
@@ -273,7 +273,9 @@ def test_a_row_older_than_every_retention_is_named_in_its_sample(
     assert named.endswith("events.parquet#1" if fmt == "parquet" else "events.jsonl:0@2"), named
 
 
-def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path, now_ms: int) -> None:
+def test_clear_errors(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
     cfg = make_config(redis_url, tmp_path)
     with pytest.raises(ArchiveError, match="cannot read parquet input"):
         backfill(spark, cfg, str(tmp_path / "nowhere"), until_ms=now_ms)
@@ -324,7 +326,7 @@ def test_a_file_spark_cannot_read_is_named_and_a_rerun_without_it_finishes(
 
 
 def test_until_after_now_or_before_every_retention_is_refused(
-    spark: Any, redis_url: str, tmp_path: Path, now_ms: int
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int
 ) -> None:
     from sluice.offline.backfill import BackfillError
 
@@ -369,7 +371,7 @@ def test_a_file_rewritten_in_place_is_read_again_and_rows_outside_the_bounds_are
 
 
 def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
-    spark: Any, redis_url: str, tmp_path: Path, now_ms: int
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, now_ms: int
 ) -> None:
     import gzip
 
