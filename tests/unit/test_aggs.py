@@ -33,7 +33,7 @@ def test_every_script_state_is_whole(name: str) -> None:
     """A Lua-merged agg encodes a folded row into `width` numbers, merges them in Python, and
     has a merge under its state's name in _merge.lua."""
     agg = AGGS[name]
-    assert agg.encode is not None and agg.merge_columns is not None
+    assert agg.numbers is not None and agg.merge_columns is not None
     folded = [{"t": 1, "v": 2.5} if f.column in ("last", "first") else 2.5 for f in agg.folds]
     assert len(agg.encode(3, *folded)) == agg.width
     assert f"agg == '{agg.state}'" in LUA_SOURCE

@@ -150,17 +150,26 @@ def test_chunks_end_at_hash_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_the_search_per_key_agrees_with_the_composite_one() -> None:
+    """Queries before, inside and after each key's times; the composite search, and the search
+    per key that a span too wide for one number takes, both give the brute force's rows."""
     rng = np.random.default_rng(5)
     kid = np.sort(rng.integers(0, 50, 2_000))
     t = np.concatenate([np.sort(rng.integers(0, 10**6, int((kid == k).sum()))) for k in range(50)])
     q_kid, q_t = rng.integers(0, 50, 500), rng.integers(-10, 10**6 + 10, 500)
-    fast = prefix._first_at_or_after(kid, t, q_kid, q_t)
-    # A query far in the future makes the composite key overflow: the search goes per key.
-    far = prefix._first_at_or_after(kid, t, np.append(q_kid, 49), np.append(q_t, 1 << 61))
-    assert (far[:-1] == fast).all() and far[-1] == len(t)
-    for i in range(500):
-        want = next((j for j in range(len(t)) if (kid[j], t[j]) >= (q_kid[i], q_t[i])), len(t))
-        assert fast[i] == want
+    q_kid, q_t = np.append(q_kid, [49, 0, 0]), np.append(q_t, [1 << 61, -(1 << 61), 1 << 61])
+    fast = prefix._Search(kid, t)
+    assert fast.comp is not None
+    wide_t = t.copy()
+    wide_t[-1] = 1 << 61  # the last key's last row, far in the future: no composite fits
+    wide = prefix._Search(kid, wide_t)
+    assert wide.comp is None
+    for search, times in ((fast, t), (wide, wide_t)):
+        got = search.first(q_kid, q_t)
+        for i in range(len(q_t)):
+            want = next(
+                (j for j in range(len(t)) if (kid[j], times[j]) >= (q_kid[i], q_t[i])), len(t)
+            )
+            assert got[i] == want, (i, q_kid[i], q_t[i])
 
 
 def test_the_composite_sort_agrees_with_the_sort_on_three_columns() -> None:

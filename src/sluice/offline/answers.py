@@ -44,7 +44,7 @@ def _texts(agg: Agg, n: pa.Array, folds: list[pa.Array]) -> list[bytes | None]:
         return [None] * len(n)  # members, not numbers: see `_members`
     if agg.state == BLOB:
         return [None if b is None else b"0:" + b for b in folds[0].to_pylist()]
-    assert agg.encode is not None
+    assert agg.numbers is not None
     texts = pc.binary_join_element_wise("0", *agg.encode(n, *folds), ":")
     ok = pc.fill_null(pc.greater(n, 0), False)
     return [t.encode() if t is not None else None for t in pc.if_else(ok, texts, None).to_pylist()]

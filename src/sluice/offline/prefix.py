@@ -25,7 +25,7 @@ so one pass answers every window of every running metric of a key group:
       ─▶ per partition, in numpy: running totals of each summed state column; per spine row
          and window, the first row at or after cs (a binary search); the difference of the
          totals, or the range's least or greatest
-      ─▶ the merged state's numbers as `Agg.encode` writes them, answered later by
+      ─▶ the merged state's numbers (`Agg.numbers`, what the store holds), answered later by
          `Agg.finalize` (`offline.answers`), as the query server answers a merged state.
 
 The window cover is the online one (`slices.window.slice_start` at the metric's finest slice),
@@ -228,24 +228,33 @@ def _sort_order(codes: np.ndarray, t: np.ndarray, is_spine: np.ndarray) -> np.nd
     return np.lexsort((is_spine, t, codes))
 
 
-def _first_at_or_after(kid: np.ndarray, t: np.ndarray, q_kid: np.ndarray,
-                       q_t: np.ndarray) -> np.ndarray:  # fmt: skip
-    """For each query (q_kid, q_t): the first row index with (kid, t) >= it, rows sorted by
-    (kid, t). One binary search over a composite key when it fits in 63 bits, else per key."""
-    if not len(t):
-        return np.zeros(len(q_t), dtype=np.int64)
-    lo = min(int(t.min()), int(q_t.min()) if len(q_t) else 0)
-    span = max(int(t.max()), int(q_t.max()) if len(q_t) else 0) - lo + 1
-    if int(kid[-1]) * span + span < (1 << 62):
-        comp = kid * span + (t - lo)
-        return np.searchsorted(comp, q_kid * span + (q_t - lo), side="left")
-    out = np.empty(len(q_t), dtype=np.int64)
-    starts = np.searchsorted(kid, np.arange(int(kid[-1]) + 2), side="left")
-    for key in np.unique(q_kid):
-        a, b = starts[key], starts[key + 1]
-        at = q_kid == key
-        out[at] = a + np.searchsorted(t[a:b], q_t[at], side="left")
-    return out
+class _Search:
+    """Binary searches over a chunk's rows sorted by (kid, t), built once and asked for every
+    window: `first(q_kid, q_t)`, for each query, the first row index with (kid, t) >= it. One
+    search over a composite 63-bit key where it fits, else one per key. A query time outside
+    the chunk's times is clipped to one step past them, where it finds the same row."""
+
+    def __init__(self, kid: np.ndarray, t: np.ndarray) -> None:
+        self.kid, self.t = kid, t
+        self.lo = int(t.min()) if len(t) else 0
+        self.hi = int(t.max()) + 1 if len(t) else 1  # past every row of a key
+        self.span = self.hi - self.lo + 1
+        fits = len(t) and (int(kid[-1]) + 1) * self.span < (1 << 62)
+        self.comp = kid * self.span + (t - self.lo) if fits else None
+
+    def first(self, q_kid: np.ndarray, q_t: np.ndarray) -> np.ndarray:
+        if not len(self.t):
+            return np.zeros(len(q_t), dtype=np.int64)
+        q = np.clip(q_t, self.lo, self.hi) - self.lo
+        if self.comp is not None:
+            return np.searchsorted(self.comp, q_kid * self.span + q, side="left")
+        out = np.empty(len(q_t), dtype=np.int64)
+        starts = np.searchsorted(self.kid, np.arange(int(self.kid[-1]) + 2), side="left")
+        for key in np.unique(q_kid):
+            a, b = starts[key], starts[key + 1]
+            at = q_kid == key
+            out[at] = a + np.searchsorted(self.t[a:b] - self.lo, q[at], side="left")
+        return out
 
 
 def _merges(agg: Agg) -> dict[str, str]:
@@ -367,15 +376,18 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
     cols: list[pa.Array] = [pc.take(row_col, pa.array(spine)).combine_chunks()]
     names = [ROW]
     starts: dict[int, np.ndarray] = {}
+    search = _Search(kid, t)
     for m in members:
         cols.append(pa.array(ok))
         names.append(part_column(m.mi, "", "ok"))
         merges = _merges(m.agg)
         columns: dict[str, Any] = {}
+        upto: dict[str, np.ndarray] = {}  # a summed column's running total at each spine row
         for name, type_ in zip(m.agg.columns, m.state_types, strict=True):
             column = table.column(_state(m.mi, name))
             if merges[name] == "sum":
                 columns[name] = _running(column, type_)
+                upto[name] = columns[name][spine + 1]
             elif pa.types.is_struct(column.type):
                 columns[name] = _ranked(column, merges[name])
             else:
@@ -383,12 +395,12 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
         for wi, w_ms in enumerate(m.windows):
             if w_ms not in starts:
                 cs = np.asarray(slice_start(t_row - w_ms + 1, slice_ms))
-                starts[w_ms] = _first_at_or_after(kid, t, k_row, cs)
+                starts[w_ms] = search.first(k_row, cs)
             first = starts[w_ms]
             merged = {}
             for name, col in columns.items():
                 if merges[name] == "sum":
-                    merged[name] = col[spine + 1] - col[first]
+                    merged[name] = upto[name] - col[first]
                 elif isinstance(col, _Ranked):  # (time, value): the range's least/greatest rank
                     merged[name] = col.pairs(col.rank.query(first, spine + 1), merged["n"] > 0)
                 else:  # the events from `first` to the spine row (whose state is the identity)
@@ -396,14 +408,14 @@ def _answer(members: list[PrefixMember], slice_ms: int, table: pa.Table, kid: np
                     # `n` (first of the columns) counts the values: none, no number to write
                     merged[name] = np.where(merged["n"] > 0, least, 0).astype(col.dtype)
             n = merged["n"]
-            numbers = m.agg.encode(  # type: ignore[misc]
+            numbers = m.agg.numbers(  # type: ignore[misc]
                 pa.array(n.astype(np.int64)),
                 *[_arrow(merged[f.column]) for f in m.agg.folds],
             )
             cols.append(pa.array((n > 0) & ok))
             names.append(part_column(m.mi, PART_PREFIX, "has", wi))
-            for j, text in enumerate(numbers):
-                cols.append(pc.cast(text, pa.float64()))
+            for j, number in enumerate(numbers):
+                cols.append(pc.cast(number, pa.float64()))
                 names.append(part_column(m.mi, PART_PREFIX, f"x{j}", wi))
     if passed is not None:  # the spine's columns ride along
         column, order = passed

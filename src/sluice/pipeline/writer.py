@@ -251,7 +251,7 @@ def apply_lua(
     if not len(idx):
         return lambda: [0] * REPLY_COUNTS
     agg = AGGS[sp.agg]
-    assert agg.encode is not None
+    assert agg.numbers is not None
     take = pa.array(idx)
     prefix = slice_hash_key(sp.name, "\x00", sp.resolution_ms).split("\x00")
     keys = pc.binary_join_element_wise(prefix[0], rows.col("k").take(take), prefix[1], "")

@@ -94,9 +94,9 @@ class Agg:
     finalize: Finalize
     folds: tuple[Fold, ...] = ()
     width: int = 1  # numbers in a stored state after its token
-    # The Lua args of folded rows, on Arrow columns: (n, *folded columns in `folds` order) ->
-    # `width` string columns, each number as exact text (see `slices.state.number_text`).
-    encode: Callable[..., list[Any]] | None = None
+    # A state's numbers, on Arrow columns: (n, *folded columns in `folds` order) -> the `width`
+    # columns stored after the token, in order (`encode` writes them as text).
+    numbers: Callable[..., list[Any]] | None = None
     merge_columns: MergeColumns | None = None  # Lua-merged states
     # `merge` itself on HMGET's replies, where that is quicker (count, sum).
     merge_states: MergeStates | None = None
@@ -116,6 +116,10 @@ class Agg:
     # whether any slice had data and of each merged number. Every `running` agg has one;
     # tests/unit/test_aggs.py holds it to `finalize` on every state.
     finalize_columns: FinalizeColumns | None = None
+
+    def encode(self, n: Any, *folded: Any) -> list[Any]:
+        """The Lua args of folded rows: `numbers` as exact text (`slices.state.number_text`)."""
+        return [number_text(c) for c in self.numbers(n, *folded)]  # type: ignore[misc]
 
     @property
     def lua(self) -> bool:
@@ -221,29 +225,13 @@ SET = Fold("set", lambda F, v, t: F.collect_set(v))
 KLL = Fold("kll", lambda F, v, t: F.kll_sketch_agg_double(v))
 
 
-# -- encoders: folded columns -> the Lua args of their states ------------------------------------
+# -- a state's numbers: folded columns -> the numbers stored after its token --------------------
 
 
-def _encode_count(n: Any) -> list[Any]:
-    return [number_text(n)]
-
-
-def _encode_value(n: Any, x: Any) -> list[Any]:
-    return [number_text(x)]
-
-
-def _encode_avg(n: Any, total: Any) -> list[Any]:
-    return [number_text(n), number_text(total)]
-
-
-def _encode_var(n: Any, mean: Any, m2: Any) -> list[Any]:
-    return [number_text(n), number_text(mean), number_text(m2)]
-
-
-def _encode_timed(n: Any, timed: Any) -> list[Any]:
+def _numbers_timed(n: Any, timed: Any) -> list[Any]:
     import pyarrow.compute as pc
 
-    return [number_text(pc.struct_field(timed, "t")), number_text(pc.struct_field(timed, "v"))]
+    return [pc.struct_field(timed, "t"), pc.struct_field(timed, "v")]
 
 
 # -- finalizers: merged state -> answer ----------------------------------------------------------
@@ -404,7 +392,7 @@ def _one_number(name: str, fold: Fold, merge: MergeColumns, finalize: Finalize,
         finalize=finalize,
         finalize_columns=columns,
         folds=(fold,),
-        encode=_encode_value,
+        numbers=lambda n, x: [x],
         merge_columns=merge,
         merge_states=merge_states,
         value_kind="number",
@@ -421,7 +409,7 @@ def _timed_value(name: str, fold: Fold, merge: MergeColumns) -> Agg:
         finalize_columns=_columns_number(1),
         folds=(fold,),
         width=2,
-        encode=_encode_timed,
+        numbers=_numbers_timed,
         merge_columns=merge,
         value_kind="number",
         answer_kind="number",
@@ -436,7 +424,7 @@ def _moments(name: str, finalize: Finalize) -> Agg:
         finalize=finalize,
         folds=(MEAN, M2),
         width=3,
-        encode=_encode_var,
+        numbers=lambda n, mean, m2: [n, mean, m2],
         merge_columns=merge_var,
     )
 
@@ -449,7 +437,7 @@ AGGS: dict[str, Agg] = {
             state="count",
             finalize=_finalize_count,
             finalize_columns=_columns_count,
-            encode=_encode_count,
+            numbers=lambda n: [n],
             merge_columns=merge_add,
             merge_states=merge_add_states,
             value_kind="long",
@@ -469,7 +457,7 @@ AGGS: dict[str, Agg] = {
             finalize_columns=_columns_avg,
             folds=(SUM,),
             width=2,
-            encode=_encode_avg,
+            numbers=lambda n, total: [n, total],
             merge_columns=merge_avg,
         ),
         Agg(
