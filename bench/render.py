@@ -43,6 +43,7 @@ SECTIONS = [["throughput"], ["ingest", "ingest-bare-audit", "ingest-bare-audit.c
             ["offline", "offline-backfill", "offline-backfill-conf", "offline-backfill-rerun",
              "offline-training",
              "offline-training-zipf", "offline-stages", "offline-minmax"],
+            ["training-windows"],
             ["soak"]]  # fmt: skip
 ALSO = {"durability": (ROOT / "docs" / "durability.md", "## Measured (bench/durability.py)")}
 
