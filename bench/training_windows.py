@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lib.offline import cpu_s, parties
 from lib.offline_training import (
     WINDOWS,
     features,
@@ -46,25 +47,10 @@ LISTS = (1, 5, 20)
 END_MS = 1_800_000_000_000 - 1_800_000_000_000 % 60_000
 
 
-def cpu_s(pid: int) -> float:
-    """A process's CPU seconds, with those of the children it reaped."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
-def python_workers_s(jvm: int) -> float:
-    """CPU seconds of the JVM's live Python descendants (the worker daemon and its workers)."""
-    total, todo = 0.0, [jvm]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            for child in map(int, task.read_text().split()):
-                todo.append(child)
-                try:
-                    if b"python" in Path(f"/proc/{child}/cmdline").read_bytes():
-                        total += cpu_s(child)
-                except OSError:
-                    pass  # it has exited
-    return total
+def python_workers_s() -> float:
+    """CPU seconds of the live Python processes under this process's JVM (`lib.offline.parties`:
+    the worker daemon and its workers)."""
+    return sum(map(cpu_s, parties(None)["python_workers"]))
 
 
 def worker(job_path: Path) -> None:
@@ -84,11 +70,11 @@ def worker(job_path: Path) -> None:
     for n in [3, *LISTS]:
         events = read_archive(spark, job["events"], None, cfg.source.schema_)
         table_dir = Path(job["tables"]) / f"w{n}"
-        j0, p0, t0 = cpu_s(jvm), python_workers_s(jvm), time.perf_counter()
+        j0, p0, t0 = cpu_s(jvm), python_workers_s(), time.perf_counter()
         table = training_set(spark, cfg, spine, features(WINDOWS[n]), "ts", events=events)
         table.write.mode("overwrite").parquet(str(table_dir))
         wall = time.perf_counter() - t0
-        python = python_workers_s(jvm) - p0
+        python = python_workers_s() - p0
         if n != 3:  # the warm-up
             out[str(n)] = {"wall_s": wall, "jvm_cpu_s": cpu_s(jvm) - j0 - python,
                            "python_cpu_s": python, "load_1m": os.getloadavg()[0]}  # fmt: skip
