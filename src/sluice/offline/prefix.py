@@ -245,15 +245,15 @@ class _Search:
     def first(self, q_kid: np.ndarray, q_t: np.ndarray) -> np.ndarray:
         if not len(self.t):
             return np.zeros(len(q_t), dtype=np.int64)
-        q = np.clip(q_t, self.lo, self.hi) - self.lo
+        q = np.clip(q_t, self.lo, self.hi)
         if self.comp is not None:
-            return np.searchsorted(self.comp, q_kid * self.span + q, side="left")
+            return np.searchsorted(self.comp, q_kid * self.span + (q - self.lo), side="left")
         out = np.empty(len(q_t), dtype=np.int64)
         starts = np.searchsorted(self.kid, np.arange(int(self.kid[-1]) + 2), side="left")
         for key in np.unique(q_kid):
             a, b = starts[key], starts[key + 1]
             at = q_kid == key
-            out[at] = a + np.searchsorted(self.t[a:b] - self.lo, q[at], side="left")
+            out[at] = a + np.searchsorted(self.t[a:b], q[at], side="left")
         return out
 
 
