@@ -15,6 +15,7 @@ import numpy as np
 import orjson
 import pandas as pd
 import pytest
+import redis
 
 from sluice.config import Config
 from sluice.pipeline.fold import FoldQuery
@@ -304,3 +305,27 @@ def test_an_added_master_can_give_its_slots_away_and_take_them_back(tmp_path: Pa
             assert all(client.hget(key, "f") == key.encode() for key in keys)
         with cluster._client(added) as node:
             assert node.execute_command("ROLE")[0] in (b"master", "master")
+
+
+def test_an_ask_to_a_master_the_client_has_not_met_is_followed(tmp_path: Path) -> None:
+    """A master joins after the client read the slot map, and a slot starts migrating onto it:
+    a command on a key that has already left (or never was) gets ASK to the new master, which
+    the client follows (redis-py alone fails there with AttributeError)."""
+    with LocalCluster(tmp_path / "cluster", masters=3) as cluster:
+        client = client_for(cluster.url)
+        key = "sluice:ask-probe"
+        slot = key_slot(key)
+        src = cluster.node_of_slot(slot)
+        assert client.set("sluice:other", b"1")  # the client has read the slot map
+        new = cluster.add_master()
+        ids = []
+        for port in (cluster.ports[src], cluster.ports[new]):
+            with redis.Redis(port=port) as node:
+                ids.append(node.execute_command("CLUSTER MYID").decode())
+        with redis.Redis(port=cluster.ports[new]) as b, redis.Redis(port=cluster.ports[src]) as a:
+            b.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[0])
+            a.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[1])
+        assert client.set(key, b"on the new master")  # not on the source: ASK to the new one
+        with redis.Redis(port=cluster.ports[new]) as b:
+            assert b.execute_command("ASKING") and b.get(key) == b"on the new master"
+        client.close()

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, RedisCluster
 from redis.retry import Retry
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -115,12 +115,28 @@ def redact_cluster_url(url: str) -> str:
     return f"{scheme}{sep}{auth.split(':', 1)[0]}:***@{hosts}"
 
 
+class _Cluster(RedisCluster):
+    """`RedisCluster` that follows an ASK to a master it has not met yet. A master that joined
+    since the client last read the slot map (a machine added, then slots migrated onto it)
+    answers an ASK redirect; redis-py looks the redirect's node up by name in its cache, finds
+    none and fails with AttributeError, where a MOVED adds the node. Here the named node is
+    added as a master, as a MOVED would add it."""
+
+    def get_node(self, host: Any = None, port: Any = None, node_name: Any = None) -> Any:
+        node = super().get_node(host, port, node_name)
+        if node is None and node_name and ":" in node_name:
+            h, p = node_name.rsplit(":", 1)
+            new = ClusterNode(h, int(p), PRIMARY)
+            node = self.nodes_manager.nodes_cache.setdefault(new.name, new)
+        return node
+
+
 def cluster_client(url: str, timeout_s: float, connect_timeout_s: float | None = None) -> Any:
     """A `RedisCluster` (bytes replies) for a cluster URL. Connects to a seed to read the slot
     map, so it blocks and raises redis.RedisClusterException / ConnectionError when no seed
     answers."""
     addr = parse_cluster_url(url)
-    return RedisCluster(
+    return _Cluster(
         startup_nodes=[ClusterNode(h, p) for h, p in addr.nodes],
         username=addr.username,
         password=addr.password,
