@@ -50,3 +50,13 @@ def test_partitions_a_rerun_skipped_do_not_set_a_task_s_length() -> None:
     tasks = [task(20.0, took=0.1, skipped=True), task(20.0, took=0.1, skipped=True),
              task(10.0, 0.5), task(10.0, 0.5)]  # fmt: skip
     assert time_left(tasks, 4, 2, NOW) == pytest.approx(10.0)
+
+
+def test_a_task_past_a_task_s_length_with_nothing_written_gives_no_estimate() -> None:
+    # Three ended after 10 s; the fourth has run 15 s and written nothing yet: it may be taking
+    # in a larger partition, so no time is said (not "0 s left").
+    tasks = [task(30.0, took=10.0), task(30.0, took=10.0), task(20.0, took=10.0), task(15.0)]
+    assert time_left(tasks, 4, 2, NOW) is None
+    # Once it has written a third of its cells, its own share says the rest.
+    tasks[-1] = task(15.0, 1 / 3)
+    assert time_left(tasks, 4, 2, NOW) == pytest.approx(30.0)

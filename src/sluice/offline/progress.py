@@ -8,7 +8,8 @@ its cells they are, and when it ended.
 
 The time left is a schedule, not a ratio of tasks: a task takes as long as the tasks that
 ended took (their median), or, before any ended, as long as the running ones' share written so
-far says; one that runs longer has what its own share says left. The partitions not started
+far says; one that runs longer has what its own share says left (and while it has written
+nothing, there is no estimate: it may still be taking its rows in). The partitions not started
 yet run after the running ones, as many at once as Spark has task slots. Until the write starts
 there is no estimate: how long the read takes says little about how long the write will.
 """
@@ -79,7 +80,10 @@ def time_left(tasks: list[dict[str, Any]], partitions: int, slots: int,
     if not took:
         return None
     each = statistics.median(took)
-    free = [_rest(t, each, now) for t in running]
+    rests = [_rest(t, each, now) for t in running]
+    if None in rests:  # a task past a task's length with nothing written: no telling
+        return None
+    free = [r for r in rests if r is not None]
     free += [0.0] * max(slots - len(free), 0)  # idle slots
     heapq.heapify(free)
     for _ in range(max(partitions - len(tasks), 0)):
@@ -134,13 +138,13 @@ class Watcher(threading.Thread):
                 log.debug("backfill progress", extra={"error": str(e)})
 
 
-def _rest(task: dict[str, Any], each: float, now: float) -> float:
+def _rest(task: dict[str, Any], each: float, now: float) -> float | None:
     """What is left of a running task: of a task's length, or once it runs longer than that,
-    what its own share written says (0 before it wrote)."""
+    what its own share written says (None before it wrote: it may still be taking in)."""
     share, age = task["share"], now - task["t0"]
     if age < each:
         return each - age
-    return age * (1 - share) / share if share > 0 else 0.0
+    return age * (1 - share) / share if share > 0 else None
 
 
 def _rounded(seconds: float | None) -> int | None:
