@@ -104,6 +104,9 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
     with opened(config_path) as (cfg, handle):
         check_only(cfg, stages)  # before Spark: a misspelt name is said at once
         refuse_other_checkpoint(cfg, handle.client, stages)
+        if signals.stopping:  # before Spark: its JVM would start only to be stopped
+            log.info("stopped before the pipeline started")
+            return
         spark = build_spark(cfg)
         try:
             pipeline = Pipeline(cfg, handle, spark, only=stages)

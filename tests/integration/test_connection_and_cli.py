@@ -370,3 +370,48 @@ def test_ctrl_c_while_a_command_starts_ends_it_as_sigint_does(tmp_path: Path) ->
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "backfill: stopped by SIGINT", err
     assert "Aborted" not in err and "Traceback" not in err, err
+
+
+def _signalled_at_import(module: str, args: list[str],
+                         cwd: Path) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """The `sluice` command (its console entry point, `sluice.launch:main`) with `args`, sent a
+    real SIGINT by itself at the moment Python starts importing `module`."""
+    code = (
+        "import os, signal, sys\n"
+        "class Signal:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {module!r}:\n"
+        "            sys.meta_path.remove(self)\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, Signal())\n"
+        f"sys.argv = ['sluice', *{args!r}]\n"
+        "from sluice.launch import main\n"
+        "main()\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_ctrl_c_while_the_command_line_is_imported_is_one_line_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """In the second the command line takes to import, a Ctrl-C ends `sluice` as SIGINT does:
+    one line, status 130."""
+    done = _signalled_at_import("sluice.status.dead_letters", ["--help"], tmp_path)
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert done.stderr == "sluice: stopped by SIGINT\n"
+    assert "Usage" not in done.stdout
+
+
+def test_ctrl_c_before_spark_starts_stops_run_without_starting_spark(tmp_path: Path) -> None:
+    """`sluice run` asked to stop while it opens its config and Redis stops there: no JVM is
+    started only to be stopped."""
+    cfg = _config_file(tmp_path, "")
+    text = yaml.safe_load(cfg.read_text())
+    del text["redis"]  # the embedded one, under state_dir
+    cfg.write_text(yaml.safe_dump(text))
+    done = _signalled_at_import("sluice.pipeline.spark", ["run", "-c", str(cfg)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "stopping after the batch in flight" in done.stderr
+    assert "stopped before the pipeline started" in done.stderr
+    assert "pipeline starting" not in done.stderr and "Traceback" not in done.stderr

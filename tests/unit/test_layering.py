@@ -23,7 +23,7 @@ LAYERS = {
     "pipeline": 7, "query": 7, "web": 7,
     "server": 8, "offline": 8,
     "cli": 9, "commands": 9, "offline_cli": 9, "training_cli": 9, "demo": 9, "demo_offline": 9,
-    "submit": 9, "testing": 9, "__init__": 9,
+    "submit": 9, "testing": 9, "__init__": 9, "launch": 9,
 }  # fmt: skip
 COMMANDS = 9  # the top layer's packages (the commands) may import one another
 MAX_AGAINST = 2  # issue 14's bound
