@@ -22,6 +22,18 @@ class Lookup(BaseModel):
     window: str = Field(description="window length, e.g. 15m", examples=["15m"])
     end: int | None = Field(None, description="window end in epoch ms; default now")
 
+    @field_validator("metric", "key", "window")
+    @classmethod
+    def _utf8(cls, v: Any) -> Any:
+        """A lone surrogate (`"\\ud800"`, which Python's JSON parser accepts) has no UTF-8
+        bytes, so it can name no metric or key: refused here, not a 500 where it is sent."""
+        for text in [v] if isinstance(v, str) else v:
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise ValueError(f"{text!r} is not valid Unicode (a lone surrogate)") from None
+        return v
+
     @field_validator("end", mode="before")
     @classmethod
     def _no_bool(cls, v: Any) -> Any:
