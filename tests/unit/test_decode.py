@@ -423,3 +423,20 @@ def test_an_entry_of_one_of_several_streams_is_named_with_its_stream(fmt: str) -
         for batches in (decoder.decode([bad]), decoder.decode_reply(reply)):
             (row,) = [r for b in batches for r in b.to_pylist()]
             assert row["_err"] is not None and row["_eid"] == want, row
+
+
+def test_the_sdk_writes_a_non_finite_value_that_the_decoder_refuses_as_non_finite() -> None:
+    """orjson writes NaN and ±infinity as `null`: the producer's line for such an event keeps
+    them (`NaN`, `Infinity`), so the event is the `non_finite` dead letter of the value it had,
+    not an event missing it (or, in an optional field, an event with no value)."""
+    from sluice.source.producer import event_line
+
+    lines = [event_line({"ts": T0 + i, "card": f"c{i}", "amount": v})
+             for i, v in enumerate([float("nan"), float("inf"), -float("inf"), 2.5])]  # fmt: skip
+    assert b"null" not in b"".join(lines)
+    rows = decode([[f"{T0}-0".encode(), [b"d", b"\n".join(lines)]]], "jsonl")
+    assert [(r["_err"], r["_field"]) for r in rows] == [("non_finite", "amount")] * 3 + [
+        (None, None)
+    ]
+    assert rows[3]["amount"] == 2.5
+    assert event_line({"card": None}) == b'{"card":null}'  # a null as such stays one

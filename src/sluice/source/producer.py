@@ -30,6 +30,8 @@ input rate is taken from it.
 
 from __future__ import annotations
 
+import json
+import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
@@ -57,6 +59,22 @@ def shard_of(value: Any, shards: int) -> int:
     if shards == 1:
         return 0
     return zlib.crc32(str(value).encode()) % shards
+
+
+def event_line(event: Mapping[str, Any]) -> bytes:
+    """One event as a JSON line. orjson writes a NaN or ±infinity as `null`, which would turn a
+    bad value into a missing one (or into no value at all, in an optional field); such an
+    event is written with Python's `NaN`, `Infinity` and `-Infinity` instead, which the
+    decoder reads as the `non_finite` dead letter, as it does a `fields` event's `nan`."""
+    try:
+        line = orjson.dumps(event)
+        if b"null" in line and any(
+            isinstance(v, float) and not math.isfinite(v) for v in event.values()
+        ):
+            line = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
+    except (TypeError, ValueError) as e:
+        raise SluiceError(f"event is not JSON-serialisable: {e}") from None
+    return line
 
 
 class Producer:
@@ -124,10 +142,7 @@ class Producer:
         if self.format == "fields":
             self._fields[i].append(event)
         else:
-            try:
-                self._buf[i].append(orjson.dumps(event))
-            except TypeError as e:
-                raise SluiceError(f"event is not JSON-serialisable: {e}") from None
+            self._buf[i].append(event_line(event))
         if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
             self.flush()
 
