@@ -51,6 +51,31 @@ def test_rate_meter_sparse_lumps_are_lump_over_gap_not_zero() -> None:
     m.add(8_000)
     clock.advance(1_000)
     assert m.rate() == pytest.approx(8_000 / 5.0)
+    clock.advance(3_000)  # 4 s after the newest: as long as the gap before it, not overdue yet
+    assert m.rate() == pytest.approx(8_000 / 8.0)
+
+
+def test_rate_meter_is_zero_once_the_next_lump_is_overdue() -> None:
+    """The input stopped: once the newest lump is older than the window and than the gap
+    before it, the rate is 0, not the lump over an ever longer gap."""
+    clock = ManualClock()
+    m = RateMeter(clock, window_s=2.0)
+    m.add(8_000)
+    clock.advance(1_000)
+    m.add(8_000)  # a second apart: the window (2 s) is the longer
+    clock.advance(2_001)
+    assert m.rate() == 0.0
+    clock.advance(30_000)
+    assert m.rate() == 0.0
+    m.add(100)  # input again
+    assert m.rate() > 0
+    lone = RateMeter(clock, window_s=2.0)  # one lump 10 s after birth: overdue 10 s after it
+    clock.advance(10_000)
+    lone.add(4_016)
+    clock.advance(9_000)
+    assert lone.rate() == pytest.approx(4_016 / 19.0)
+    clock.advance(1_001)
+    assert lone.rate() == 0.0
 
 
 def test_ratio_meter_counts_throttled_time_in_its_window() -> None:

@@ -15,7 +15,9 @@ class RateMeter:
     """Events per second over the last `window_s`, from counts added as they happen.
 
     The two newest additions are always kept, so a task that emits in sparse lumps (a Spark
-    batch every few seconds) still measures lump / gap rather than 0.
+    batch every few seconds) still measures lump / gap rather than 0. Once the newest lump is
+    older than both the window and the gap before it (the next one is overdue: the input has
+    stopped), the rate is 0, not a lump over an ever longer gap.
     """
 
     def __init__(self, clock: Clock, window_s: float = 2.0) -> None:
@@ -40,6 +42,9 @@ class RateMeter:
         if recent < 2 and self._events and now - self._born >= self.window_s:
             # Sparse: the newest lump over the gap since the one before it (or since birth).
             t_prev = self._events[0][0] if len(self._events) == 2 else self._born
+            t_last = self._events[-1][0]
+            if now - t_last > max(self.window_s, t_last - t_prev):
+                return 0.0
             return self._events[-1][1] / max(now - t_prev, 1e-3)
         in_window = sum(n for t, n in self._events if t >= now - self.window_s)
         # A meter younger than its window divides by its age, not by the full window.
