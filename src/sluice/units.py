@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from decimal import Decimal
 
 _DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
 _SIZE_BYTES = {
@@ -15,8 +16,9 @@ _SIZE_BYTES = {
     "mib": 1024**2,
     "gib": 1024**3,
 }
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE)
+# ASCII digits only: `\d` alone would also take other scripts' digits ("١m").
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$", re.ASCII)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*$", re.IGNORECASE | re.ASCII)
 
 
 def parse_duration_ms(value: str | int | float) -> int:
@@ -36,7 +38,7 @@ def parse_duration_ms(value: str | int | float) -> int:
         raise ValueError(
             f"expected a duration such as '500ms', '2s', '1m', '1h' or '7d', got {value!r}"
         )
-    ms = float(m.group(1)) * _DURATION_MS[m.group(2)]
+    ms = Decimal(m.group(1)) * _DURATION_MS[m.group(2)]  # exact: 1.001s is 1001 ms
     if ms != int(ms):
         raise ValueError(f"duration {value!r} is not a whole number of milliseconds")
     return int(ms)
@@ -54,7 +56,7 @@ def parse_size_bytes(value: str | int) -> int:
     if not m:
         raise ValueError(f"expected a size such as '500KB', '50MB' or '1GiB', got {value!r}")
     unit = (m.group(2) or "b").lower()
-    size = float(m.group(1)) * _SIZE_BYTES[unit]
+    size = Decimal(m.group(1)) * _SIZE_BYTES[unit]
     if size != int(size):
         raise ValueError(f"size {value!r} is not a whole number of bytes")
     return int(size)

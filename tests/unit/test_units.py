@@ -25,6 +25,10 @@ FAST = settings(max_examples=100, deadline=None, database=None)
         ("1.5m", 90_000),
         (" 2 s ", 2_000),
         ("10 ms", 10),
+        ("1.001s", 1_001),  # exact decimals: not 1000.9999999999999 as a float product
+        ("4.35m", 261_000),
+        ("0.001s", 1),
+        ("2.5h", 9_000_000),
     ],
 )
 def test_parse_duration_spellings(text: str, ms: int) -> None:
@@ -39,7 +43,8 @@ def test_parse_duration_bare_number_is_milliseconds(value: float, ms: int) -> No
 
 
 @pytest.mark.parametrize(
-    "text", ["", "ms", "10", "1 minute", "1M", "1S", "-1s", "1sec", "5mb", "1m2s"]
+    "text",
+    ["", "ms", "10", "1 minute", "1M", "1S", "-1s", "1sec", "5mb", "1m2s", "\u0661m", "1_0s"],
 )
 def test_parse_duration_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError, match=r"expected a duration such as '500ms'"):
@@ -153,3 +158,20 @@ def test_format_then_parse_round_trips(ms: int) -> None:
 )
 def test_parse_duration_integer_times_unit(n: int, unit: str) -> None:
     assert parse_duration_ms(f"{n}{unit}") == n * UNIT_MS[unit]
+
+
+def test_a_size_is_exact_and_in_ascii_digits() -> None:
+    assert parse_size_bytes("1.001KB") == 1001
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_size_bytes("\u0661MB")
+
+
+@pytest.mark.parametrize("text", ["1_796_236_974_671", "+1796236974671", "\u0661\u0662",
+                                  " 12", "1e12", "12.0"])  # fmt: skip
+def test_an_end_is_an_integer_or_its_ascii_digits(text: str) -> None:
+    from sluice.errors import BadQuery
+    from sluice.query.engine import parse_end
+
+    with pytest.raises(BadQuery, match="epoch milliseconds"):
+        parse_end(text, 0)
+    assert parse_end("1796236974671", 0) == parse_end(1796236974671, 0) == 1796236974671

@@ -78,7 +78,9 @@ def parse_end(value: Any, now_ms: int) -> int:
         return now_ms
     if isinstance(value, bool):
         raise BadQuery(f"`end` must be epoch milliseconds, got {value!r}", "end")
-    try:
+    try:  # an int, or its ASCII digits: not int()'s "1_000", "+1" or other scripts' digits
+        if isinstance(value, str) and not (value.isascii() and value.isdigit()):
+            raise ValueError(value)
         end = int(value)
     except (ValueError, TypeError):
         raise BadQuery(

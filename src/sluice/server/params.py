@@ -103,10 +103,7 @@ def parse_limit(value: str | None) -> int:
     """The `limit` query parameter: an integer from 1 to MAX_LIMIT, or BadQuery (400)."""
     if value is None:
         return DEFAULT_LIMIT
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
+    n = int(value) if value.isascii() and value.isdigit() else 0  # not int()'s "1_0", "+1"
     if not 1 <= n <= MAX_LIMIT:
         raise BadQuery(f"`limit` must be an integer from 1 to {MAX_LIMIT}, got {value!r}", "limit")
     return n
