@@ -138,6 +138,9 @@ def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -
     assert [x["value"] for x in results] == [5, 0, None]
     _error(api.post("/v1/query", json={"queries": [{"metric": "txn_count"}]}), 400, "queries[0]")
     _error(api.post("/v1/query", json={"q": []}), 400, "queries")
+    query = {"metric": "txn_count", "key": [["c1"]], "window": "1m"}
+    err = _error(api.post("/v1/query", json={"queries": [query]}), 400, "queries[0].key[0]")
+    assert err["message"].startswith("`queries[0].key[0]`: Input should be a valid string"), err
     for end in (True, 1.5):  # an epoch ms is an integer (or its text), never a boolean
         query = {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": end}
         _error(api.post("/v1/query", json={"queries": [query]}), 400, "queries[0].end")

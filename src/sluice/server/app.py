@@ -107,6 +107,9 @@ async def _backpressure(_: Request, e: Exception) -> Response:
     return error(429, "backpressure", str(e), headers={"Retry-After": str(retry)})
 
 
+_MEMBERS = frozenset({"str", "int", "list[str]"})  # the union members of `params.Lookup`
+
+
 async def _validation(_: Request, e: Exception) -> Response:
     assert isinstance(e, RequestValidationError)
     err = e.errors()[0]
@@ -114,7 +117,9 @@ async def _validation(_: Request, e: Exception) -> Response:
         why = (err.get("ctx") or {}).get("error")
         return error(400, "bad_request", f"body is not valid JSON: {why}" if why else
                      "body is not valid JSON")  # fmt: skip
-    parts = [p for p in err.get("loc", ()) if p not in ("query", "body", "path")]
+    # Not the request's parts, nor pydantic's names of a union's members (`key.list[str][0]`).
+    parts = [p for p in err.get("loc", ())
+             if p not in ("query", "body", "path") and p not in _MEMBERS]  # fmt: skip
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
     return error(400, "bad_request", f"`{where or 'body'}`: {err.get('msg', 'invalid')}")
 
