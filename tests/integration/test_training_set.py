@@ -19,7 +19,7 @@ import redis
 
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.offline.backfill import backfill
-from sluice.offline.events import read_archive
+from sluice.offline.events import ArchiveError, read_archive
 from sluice.offline.store import UNANSWERED
 from sluice.offline.training import training_set
 from sluice.pipeline.spark import expression_semantics
@@ -602,6 +602,19 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path) -> None:
         training_set(spark, cfg, spine, ["merchant_txn:1h"], ts="t", events=ev)
     with pytest.raises(BadQuery, match=r"or keys=\{'merchant': COLUMN\} in Python"):
         training_set(spark, cfg, spine, ["merchant_txn:1h"], ts="t", events=ev)
+    # Columns Sluice adds itself, keys that name no key field, and a double for a string key.
+    with pytest.raises(BadQuery, match="'_sluice_row', a name Sluice uses"):
+        training_set(spark, cfg, spine.withColumn("_sluice_row", spine.t), ["txn_count:1h"],
+                     ts="t", events=ev)  # fmt: skip
+    with pytest.raises(BadQuery, match="'sluice_unanswered', which a training set from the"):
+        training_set(spark, cfg, spine.withColumn("sluice_unanswered", spine.t),
+                     ["txn_count:1h"], ts="t")  # fmt: skip
+    with pytest.raises(BadQuery, match="keys name 'card_no', which is no metric's key field"):
+        training_set(spark, cfg, spine, ["txn_count:1h"], ts="t", keys={"card_no": "card"},
+                     events=ev)  # fmt: skip
+    floats = spark.createDataFrame(pd.DataFrame({"card": [7.0, np.nan], "t": [1, 1]}))
+    with pytest.raises(BadQuery, match="'card' is double, and key field 'card' is a string"):
+        training_set(spark, cfg, floats, ["txn_count:1h"], ts="t", events=ev)
     # A pandas spine, or events of another kind, are named for what they are.
     with pytest.raises(TypeError, match=r"a Spark DataFrame, not DataFrame \(spark.createData"):
         training_set(spark, cfg, spine.toPandas(), ["txn_count:1h"], ts="t", events=ev)
@@ -621,3 +634,49 @@ def test_events_may_be_the_archives_path(
     by_frame = training_set(spark, cfg, spine, ["txn_count:1h"], "t", keys, events=frame)
     got, want = by_path.toPandas(), by_frame.toPandas()
     assert got["txn_count_1h"].sum() > 0 and got.equals(want)
+
+
+def test_archive_keys_and_times_are_read_as_written(
+    spark: Any, redis_url: str, tmp_path: Path, now_ms: int
+) -> None:
+    """Hive partitions `card=0042`, `card=042`, `card=42` are three cards (Spark's inference
+    would read one integer); inputs that take in one file twice are refused; and times with no
+    zone are UTC on a session set to another zone."""
+    cfg = make_config(redis_url, tmp_path)
+    t = slice_start(now_ms - HOUR, 60_000) - 1
+    cards = ["0042", "042", "42"]
+    events = pd.DataFrame({"ts": [t - 1000 * i for i in range(30)], "card": cards * 10,
+                           "merchant": "m", "amount": 1.0, "qty": 1})  # fmt: skip
+    hive = tmp_path / "hive"
+    events.to_parquet(hive, partition_cols=["card"], index=False)
+    spine = spark.createDataFrame(pd.DataFrame({"card": cards, "t": [t] * 3}))
+    got = training_set(spark, cfg, spine, ["txn_count:1h"], "t", events=str(hive)).toPandas()
+    assert got["txn_count_1h"].tolist() == [10, 10, 10]
+    one = next(hive.glob("card=42/*.parquet"))
+    with pytest.raises(ArchiveError, match=r"both take in .*: its events would count twice"):
+        read_archive(spark, [str(hive), str(one)], None, cfg.source.schema_)
+    assert read_archive(spark, [str(one), str(one)], None, cfg.source.schema_).count() == 10
+    # Naive times (pandas writes them as timestamp_ntz) and zone-less ISO text, on a session
+    # in New York: read as UTC, as the CLI's session reads them.
+    naive = events.assign(ts=pd.to_datetime(events["ts"], unit="ms"))
+    naive.to_parquet(tmp_path / "naive.parquet", index=False, coerce_timestamps="ms")
+    iso = pd.DataFrame({"card": cards, "t": [pd.Timestamp(t, unit="ms").isoformat()] * 3})
+    events.to_parquet(tmp_path / "epoch.parquet", index=False)
+    before = spark.conf.get("spark.sql.session.timeZone")
+    spark.conf.set("spark.sql.session.timeZone", "America/New_York")
+    try:  # each time form against epoch ms on the other side
+        naive_events = training_set(
+            spark, cfg, spine, ["txn_count:1h"], "t", events=str(tmp_path / "naive.parquet")
+        ).toPandas()
+        iso_spine = training_set(
+            spark,
+            cfg,
+            spark.createDataFrame(iso),
+            ["txn_count:1h"],
+            "t",
+            events=str(tmp_path / "epoch.parquet"),
+        ).toPandas()
+    finally:
+        spark.conf.set("spark.sql.session.timeZone", before)
+    assert naive_events["txn_count_1h"].tolist() == [10, 10, 10]
+    assert iso_spine["txn_count_1h"].tolist() == [10, 10, 10]

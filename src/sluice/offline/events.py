@@ -117,9 +117,11 @@ def read_archive(
 ) -> DataFrame:
     """The archive as Spark reads it, before any cast: JSON lines as their lines (decoded by
     the live decoder in `archive_events`, `offline.lines`), CSV with a header and every value
-    as text, Parquet as it is typed. Raises ArchiveError for a path that does not exist or a
-    format Sluice does not read."""
-    paths = [path] if isinstance(path, str) else list(path)
+    as text, Parquet as it is typed. Directories partitioned Hive-style (`card=0042/`) give
+    their partition values as text, as written: Spark's type inference would read `0042`,
+    `042` and `42` as one integer key. Raises ArchiveError for a path that does not exist, a
+    format Sluice does not read, or inputs that name one file twice (it would count twice)."""
+    paths = list(dict.fromkeys([path] if isinstance(path, str) else path))
     if fmt is None and len({guess_format(p) for p in paths}) > 1:
         raise ArchiveError(
             f"inputs of more than one format ({', '.join(paths)}): run one backfill per"
@@ -129,13 +131,48 @@ def read_archive(
     if fmt not in FORMATS:
         raise ArchiveError(f"unknown input format {fmt!r}; expected one of {', '.join(FORMATS)}")
     try:
-        if fmt == "parquet":
-            return spark.read.parquet(*paths)
-        if fmt == "csv":
-            return spark.read.options(**CSV_OPTIONS, inferSchema="false").csv(paths)
-        return read_lines(spark, paths)
+        with _partition_values_as_text(spark):
+            if len(paths) > 1:
+                _no_overlap(spark, paths)
+            if fmt == "parquet":
+                return spark.read.parquet(*paths)
+            if fmt == "csv":
+                return spark.read.options(**CSV_OPTIONS, inferSchema="false").csv(paths)
+            return read_lines(spark, paths)
     except (AnalysisException, IllegalArgumentException, Py4JJavaError) as e:
         raise ArchiveError(f"cannot read {fmt} input {', '.join(paths)}: {_why(e)}") from None
+
+
+PARTITION_INFERENCE = "spark.sql.sources.partitionColumnTypeInference.enabled"
+
+
+@contextlib.contextmanager
+def _partition_values_as_text(spark: SparkSession) -> Iterator[None]:
+    """Partition columns typed as text while the reads are planned (a read keeps the schema
+    it was planned with), and the caller's setting back after."""
+    before = spark.conf.get(PARTITION_INFERENCE, None)
+    spark.conf.set(PARTITION_INFERENCE, "false")
+    try:
+        yield
+    finally:
+        if before is None:
+            spark.conf.unset(PARTITION_INFERENCE)
+        else:
+            spark.conf.set(PARTITION_INFERENCE, before)
+
+
+def _no_overlap(spark: SparkSession, paths: list[str]) -> None:
+    """Raises ArchiveError when two inputs take in one file (a glob and one of its files, a
+    directory and a file under it): Spark would read it once for each."""
+    owner: dict[str, str] = {}
+    for p in paths:
+        for file in spark.read.format("text").load(p).inputFiles():
+            if file in owner:
+                raise ArchiveError(
+                    f"inputs {owner[file]!r} and {p!r} both take in {file}: its events would"
+                    " count twice; give each file once"
+                )
+            owner[file] = p
 
 
 def _why(e: Exception) -> str:
@@ -281,7 +318,7 @@ def _checked(name: str, ftype: FieldType, src: Column, dtype: T.DataType, time: 
     return value, F.coalesce(*reasons)
 
 
-def _not_text(dtype: T.DataType) -> bool:
+def not_text(dtype: T.DataType) -> bool:
     """A column a `string` field cannot take as text: its values have no one spelling (a
     double's, a time's) or are not scalars. Text, bytes (Parquet strings of writers that do
     not mark them UTF-8) and integers convert; a boolean is a `bad_type` row, as online."""
@@ -327,7 +364,7 @@ def archive_events(
             f"`--as-known-at` column {arrival!r} is not in the input ({what} {', '.join(keys)})"
         )
     for name, spec in schema.items():
-        if FieldType.parse(spec).type == "string" and _not_text(have.get(name, T.NullType())):
+        if FieldType.parse(spec).type == "string" and not_text(have.get(name, T.NullType())):
             raise ArchiveError(
                 f"input column {name!r} is {have[name].simpleString()} and source.schema says"
                 f" {name}: {spec}: a string field reads a text, binary or integer column, whose"

@@ -16,6 +16,7 @@ from pyspark.sql import functions as F
 from sluice import formula
 from sluice.config import Config, FieldType
 from sluice.errors import BadQuery, UnknownMetric
+from sluice.offline.events import not_text
 from sluice.query.engine import integral_value, parse_window
 from sluice.slices.aggs import AGGS, Agg, N
 from sluice.source.values import SPARK_TYPES
@@ -95,22 +96,42 @@ def windows_by_metric(cfg: Config, feats: list[Feature]) -> dict[str, list[int]]
 
 def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
                    metrics: Sequence[str], feats: list[Feature]) -> None:  # fmt: skip
-    """Raises BadQuery for a spine that lacks the time column or a key column, or whose columns
-    a feature would overwrite; TypeError for a spine that is no Spark DataFrame."""
+    """Raises BadQuery for a spine that lacks the time column or a key column, has a column a
+    feature or Sluice's row id would overwrite, a key column that is no text for a `string`
+    key field (a double's `7.0` would be no key `7`), or `keys` that name no metric's key field;
+    TypeError for a spine that is no Spark DataFrame."""
     if not isinstance(spine, DataFrame):
         made = " (spark.createDataFrame(it) makes one of a pandas one)" if hasattr(
             spine, "to_numpy") else ""  # fmt: skip
         raise TypeError(f"the spine must be a Spark DataFrame, not {type(spine).__name__}{made}")
     have = set(spine.columns)
+    if ROW in have:
+        raise BadQuery(f"the spine has a column {ROW!r}, a name Sluice uses for its own row ids:"
+                       " rename it", "spine")  # fmt: skip
     if ts not in have:
         raise BadQuery(
             f"the spine has no time column {ts!r}; its columns are {', '.join(spine.columns)}", "ts"
         )
+    fields = {f for m in cfg.metrics for f in m.key}  # a map kept for every metric is fine
+    stray = [f for f in keys if f not in fields]
+    if stray:
+        raise BadQuery(
+            f"keys name {', '.join(map(repr, stray))}, which is no metric's key field"
+            f" (key fields: {', '.join(sorted(fields))})", "key",
+        )  # fmt: skip
     for name in metrics:
         m = cfg.metric(name)
         assert m is not None
         for field in m.key:
             col = keys.get(field, field)
+            text = FieldType.parse(cfg.source.schema_[field]).type == "string"
+            if col in have and text and not_text(dtype := spine.schema[col].dataType):
+                raise BadQuery(
+                    f"the spine's column {col!r} is {dtype.simpleString()}, and key field"
+                    f" {field!r} is a string: 7.0 would be the key '7.0', not '7', as the archive"
+                    " reads refuse such a column too. Give the keys as text or integers (pandas:"
+                    " `.astype('Int64').astype(str)`)", "key",
+                )  # fmt: skip
             if col not in have:
                 raise BadQuery(
                     f"the spine has no column {col!r} for key field {field!r} of {name!r};"

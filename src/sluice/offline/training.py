@@ -43,6 +43,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from sluice.config import Config, MetricConfig
+from sluice.errors import BadQuery
 from sluice.offline.answers import AnswerPlan, answer_batches
 from sluice.offline.events import TimeBounds, archive_events, read_archive, to_ms
 from sluice.offline.features import (
@@ -62,7 +63,7 @@ from sluice.offline.features import (
 )
 from sluice.offline.fold import offline_config, plan_specs, select_metrics
 from sluice.offline.prefix import prefix_part
-from sluice.offline.store import store_values
+from sluice.offline.store import UNANSWERED, store_values
 from sluice.pipeline.plan import MetricSpec, explode_updates, key_column
 from sluice.pipeline.spark import expression_semantics
 from sluice.query.engine import integral_value
@@ -326,6 +327,9 @@ def training_set(
     t_ms = t.alias(SLICE_T)
     types = feature_types(cfg, feats)
     if events is None:
+        if UNANSWERED in spine.columns:
+            raise BadQuery(f"the spine has a column {UNANSWERED!r}, which a training set from"
+                           " the store adds: rename it", "spine")  # fmt: skip
         spine_in = spine_in.localCheckpoint()
         return store_values(spark, cfg, spine_in, t_ms, keys, feats, types, url or cfg.redis)
     cfg_off = offline_config(cfg, chosen, finest_only=True)

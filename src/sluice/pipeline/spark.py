@@ -42,8 +42,9 @@ ARROW_NO_BYTE_BOUND = 2**31 - 1
 # fails its whole batch, again on every retry. The live fold's session has this from the start,
 # whatever `spark.conf` says (`build_spark`); the offline entry points set it for the plans they
 # build on a session their caller brings (`expression_semantics`), so that both fold the same
-# events the same way.
-EXPRESSION_CONF = {"spark.sql.ansi.enabled": "false"}
+# events the same way. Times without a zone (a `timestamp_ntz` column, ISO 8601 text with no
+# offset) are read as UTC, whatever zone the caller's session is in.
+EXPRESSION_CONF = {"spark.sql.ansi.enabled": "false", "spark.sql.session.timeZone": "UTC"}
 
 P = ParamSpec("P")
 R = TypeVar("R")
