@@ -393,6 +393,9 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
     (tmp_path / "empty").mkdir()
     with pytest.raises(ArchiveError, match="no data found in it"):
         backfill(spark, cfg, str(tmp_path / "empty"), until_ms=now_ms)
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(ArchiveError, match="no columns: it is empty, or a CSV file without"):
+        backfill(spark, cfg, str(tmp_path / "empty.csv"), until_ms=now_ms)
     # Parquet's own types: a fraction where an integer is due is no integer (a cast would drop
     # it), a boolean is no number; whole doubles convert
     typed = pd.DataFrame({"ts": [t + 0.5, float(t), float(t), float(t)],

@@ -352,6 +352,9 @@ def archive_events(
     sampled = sample_keys(raw) if lines else None
     keys = (sorted(sampled) if sampled is not None else None) if lines else list(have)
     what = "its first lines have the keys" if lines else "its columns are"
+    if keys == []:  # Spark reads an empty CSV file (or directory) as no columns at all
+        raise ArchiveError("input has no columns: it is empty, or a CSV file without its header"
+                           " line (the header names the columns)")  # fmt: skip
     for name, spec in schema.items():
         required = not FieldType.parse(spec).nullable or name == time_field
         if keys is not None and name not in keys and required:
