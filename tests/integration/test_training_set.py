@@ -313,15 +313,17 @@ def test_no_event_after_t_counts(
     monkeypatch.setattr(training, "BROADCAST_BYTES", training.BROADCAST_BYTES if broadcast else 0)
     cfg = make_config(redis_url, tmp_path)
     t = 1_700_000_005_000  # mid-slice of txn_count's 10 s slices
+    old = t - 3 * 86_400_000  # past txn_count's retention: the archive still counts it
+    assert cfg.metric("txn_count").retention < 4 * 86_400_000
     ev = pd.DataFrame({
-        "ts": [t - 20_000, t - 1, t, t + 1, t + 4_000, t + 60_000],
-        "card": ["c"] * 6, "merchant": ["m"] * 6, "amount": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
-        "qty": [1, 2, 3, 4, 5, 6],
+        "ts": [t - 20_000, t - 1, t, t + 1, t + 4_000, t + 60_000, old],
+        "card": ["c"] * 7, "merchant": ["m"] * 7, "amount": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+        "qty": [1, 2, 3, 4, 5, 6, 7],
     })  # fmt: skip
     spine = spark.createDataFrame(pd.DataFrame({"card": ["c", "c"], "merchant": ["m", "m"],
                                                 "t": [t, t - 1]}))  # fmt: skip
     out = training_set(
-        spark, cfg, spine, ["txn_count:1s,10s,1h", "card_max:1h", "card_last:1h", "qty_sum:1h"],
+        spark, cfg, spine, ["txn_count:1s,10s,1h,4d", "card_max:1h", "card_last:1h", "qty_sum:1h"],
         ts="t", events=spark.createDataFrame(ev),
     ).toPandas().set_index("t")  # fmt: skip
     assert out.loc[t, "txn_count_1s"] == 2  # slice [t - 5 s, t]: t - 1 and t
@@ -329,6 +331,7 @@ def test_no_event_after_t_counts(
     assert out.loc[t, "card_max_1h"] == 3 and out.loc[t, "card_last_1h"] == 3.0
     assert out.loc[t, "qty_sum_1h"] == 6
     assert out.loc[t - 1, "txn_count_1h"] == 2 and out.loc[t - 1, "card_last_1h"] == 2.0
+    assert out.loc[t, "txn_count_4d"] == 4 and out.loc[t - 1, "txn_count_4d"] == 3
 
 
 def test_a_value_expression_that_fails_or_is_not_finite_is_folded_as_online(
