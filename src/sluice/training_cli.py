@@ -156,7 +156,12 @@ def training_set(
                 read_failures,
                 to_ms,
             )
-            from sluice.offline.features import key_columns, parse_features, spine_problems
+            from sluice.offline.features import (
+                events_reach,
+                key_columns,
+                parse_features,
+                spine_problems,
+            )
             from sluice.offline.store import UNANSWERED
             from sluice.offline.training import training_set as build
 
@@ -192,7 +197,12 @@ def training_set(
                     if UNANSWERED in written.columns else 0
                 )  # fmt: skip
                 added = [c for c in written.columns if c not in rows.columns]
-                bad = bad_rows(archive_events(events, cfg, arrival=arrival)) if events else {}
+                bad = {}
+                if events is not None:  # of the event times the table read (`events_reach`)
+                    bounds = rows.select(F.min(t), F.max(t)).first() if ts in rows.columns \
+                        else None  # fmt: skip
+                    reach = events_reach(cfg, feats, *(bounds or (None, None)))
+                    bad = bad_rows(archive_events(events, cfg, reach, arrival=arrival))
     except Interrupted as e:
         _interrupted("training-set", e)
     elapsed_s = round(time.monotonic() - t0, 1)

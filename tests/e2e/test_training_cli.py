@@ -98,7 +98,7 @@ def test_as_known_at_reads_stream_entry_ids_and_reports_rows_it_cannot_place(
 ) -> None:
     """A JSON-lines archive whose arrival column holds Redis Stream entry ids: each counts from
     its entry's time; a row with no arrival, or one that is no time, counts nowhere and is
-    reported with its reason."""
+    reported with its reason where the table read its time (not one from 10 h before)."""
     import duckdb
 
     from sluice.slices.window import slice_start
@@ -115,6 +115,8 @@ def test_as_known_at_reads_stream_entry_ids_and_reports_rows_it_cannot_place(
     cards = [f"c{i}" for i in rng.integers(0, 6, n)]
     ids: list[str | None] = [f"{a}-{i % 3}" for i, a in enumerate(arrived)]
     ids[5], ids[17], ids[40] = None, "soon", "12-x"
+    ts[[5, 17, 40]] = now - 60_000  # within what the table reads: counted
+    ts[60], ids[60] = now - 36_000_000, "old"  # 10 h back, before any row's window: not read
     with (tmp_path / "events.jsonl").open("w") as f:
         for i in range(n):
             rec = {"ts": int(ts[i]), "card": cards[i], "merchant": "m0", "amount": 1.0,
@@ -132,7 +134,7 @@ def test_as_known_at_reads_stream_entry_ids_and_reports_rows_it_cannot_place(
     assert summary["bad_rows"] == {"missing_field": 1, "bad_type": 2}, summary
     assert "bad input rows: 3" in res.stderr and "e.g. seen:" in res.stderr, res.stderr
     ev = pd.DataFrame({"ts": ts, "card": cards, "arrived": arrived})
-    ev = ev.drop(index=[5, 17, 40])
+    ev = ev.drop(index=[5, 17, 40, 60])
     con = duckdb.connect()
     con.register("ev", ev)
     got = pd.read_parquet(out)

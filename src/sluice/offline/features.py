@@ -16,9 +16,10 @@ from pyspark.sql import functions as F
 from sluice import formula
 from sluice.config import Config, FieldType
 from sluice.errors import BadQuery, UnknownMetric
-from sluice.offline.events import not_text
+from sluice.offline.events import TimeBounds, not_text
 from sluice.query.engine import integral_value, parse_window
 from sluice.slices.aggs import AGGS, Agg, N
+from sluice.slices.window import slice_start
 from sluice.source.values import SPARK_TYPES
 
 ROW = "_sluice_row"
@@ -92,6 +93,23 @@ def windows_by_metric(cfg: Config, feats: list[Feature]) -> dict[str, list[int]]
             if f.window_ms not in ws:
                 ws.append(f.window_ms)
     return out
+
+
+def events_reach(
+    cfg: Config, feats: list[Feature], lo_ms: int | None, hi_ms: int | None
+) -> TimeBounds:
+    """The event times a feature of any row timed `lo_ms` to `hi_ms` can count: from the
+    earliest row's widest window's covered start (each metric's at its finest slice, which a
+    training set reads) to the latest row's time. Unbounded for rows with no time at all."""
+    if lo_ms is None or hi_ms is None:
+        return TimeBounds()
+    finest = {m.name: m.slice_lengths()[0] for m in cfg.metrics}
+    start = min(
+        slice_start(lo_ms - w + 1, finest[name])
+        for name, ws in windows_by_metric(cfg, feats).items()
+        for w in ws
+    )
+    return TimeBounds(int(start), int(hi_ms) + 1)
 
 
 def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],

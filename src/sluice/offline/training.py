@@ -53,7 +53,9 @@ from sluice.offline.features import (
     ROW,
     SLICE_T,
     SPINE,
+    Feature,
     check_spine,
+    events_reach,
     feature_types,
     fold_aggs,
     key_value,
@@ -68,7 +70,6 @@ from sluice.pipeline.plan import MetricSpec, explode_updates, key_column
 from sluice.pipeline.spark import expression_semantics
 from sluice.query.engine import integral_value
 from sluice.slices.aggs import AGGS, Agg
-from sluice.slices.window import slice_start
 
 # Answers up to this size (8 bytes per feature and row id, per spine row) are broadcast back to
 # the spine's partitions (`training_set`).
@@ -244,15 +245,19 @@ class _Spine(NamedTuple):
 
 
 def _events_needed(
-    spine: DataFrame, t: Column, metrics: Sequence[_Metric], key_cols: Mapping[str, str]
+    cfg: Config,
+    feats: list[Feature],
+    spine: DataFrame,
+    t: Column,
+    metrics: Sequence[_Metric],
+    key_cols: Mapping[str, str],
 ) -> _Spine:
-    """The event times a feature of any spine row can count (`t`: a row's time in ms): from
-    the earliest row's widest window's covered start (per metric, at its slice) to the latest
-    row's time. Events outside are never read past the scan (a spine of last week on an archive
-    of a year shuffles a week). No bound for a spine with no time at all: every feature of it
-    is null. With them, in the same job, the spine's row count and time span, and per key set
-    of the metrics an estimate of its distinct keys (for `_reach`; `key_cols`: the spine
-    column of each key field)."""
+    """The event times a feature of any spine row can count (`t`: a row's time in ms;
+    `features.events_reach`). Events outside are never read past the scan (a spine of last
+    week on an archive of a year shuffles a week). No bound for a spine with no time at all:
+    every feature of it is null. With them, in the same job, the spine's row count and time
+    span, and per key set of the metrics an estimate of its distinct keys (for `_reach`;
+    `key_cols`: the spine column of each key field)."""  # fmt: skip
     sets = sorted({tuple(m.cfg.key) for m in metrics})
     distinct = [
         F.approx_count_distinct(F.struct(*[F.col(f"`{key_cols.get(f, f)}`") for f in ks]))
@@ -263,8 +268,7 @@ def _events_needed(
     keys = {ks: int(n or 0) for ks, n in zip(sets, counts, strict=False)}
     if lo is None or hi is None:
         return _Spine(TimeBounds(), int(rows or 0), 0, keys)
-    start = min(slice_start(lo - w + 1, m.slice_ms) for m in metrics for w in m.windows)
-    return _Spine(TimeBounds(int(start), int(hi) + 1), int(rows), int(hi) - int(lo), keys)
+    return _Spine(events_reach(cfg, feats, lo, hi), int(rows), int(hi) - int(lo), keys)
 
 
 def _reaches_less(members: list[tuple[int, _Metric]], spine: _Spine) -> bool:
@@ -344,7 +348,8 @@ def training_set(
         mm = _Metric(m, sp, integral_value(cfg, m), tuple(windows[m.name]))
         plan_metrics.append((m, mm.integral, mm.windows))
         groups.setdefault(sp.group, []).append((mi, mm))
-    known = _events_needed(spine, t, [m for ms in groups.values() for _, m in ms], keys)
+    known = _events_needed(cfg, feats, spine, t, [m for ms in groups.values() for _, m in ms],
+                           keys)  # fmt: skip
     spine_rows = known.rows
     exploded = explode_updates(
         archive_events(events, cfg_off, known.needed, arrival), cfg_off, specs
