@@ -496,8 +496,8 @@ def test_the_store_answers_only_what_a_backfill_or_the_live_fold_wrote(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
 ) -> None:
     """From the store, a window after a backfill's seam is refused while nothing folded live,
-    and one in the gap between the seam and a later start of the live fold; a window before the
-    seam is answered as the archive answers it."""
+    and one in the gap between the seam and a later start of the live fold, or between two
+    backfills' spans; a window before the seam is answered as the archive answers it."""
     from sluice.redis.keys import FOLDING_KEY
 
     path, events = archive
@@ -537,6 +537,24 @@ def test_the_store_answers_only_what_a_backfill_or_the_live_fold_wrote(
     assert pd.isna(stored.loc[0, "merchant_txn_10m"]) and offline.loc[0, "merchant_txn_10m"] > 0
     reasons = list(stored.loc[0, UNANSWERED])
     assert len(reasons) == 1 and "before the history a backfill wrote" in reasons[0]
+    # Two runs that leave a gap between them: a window reaching into it is refused, one after it
+    # answered; a third run that fills the gap joins the spans.
+    later = seam + 10 * 60_000
+    backfill(spark, cfg, str(path), metrics=["merchant_txn"], start_ms=later,
+             until_ms=now_ms - 5 * 60_000)  # fmt: skip
+    t = later + 5 * 60_000 - 1
+    spine = spark.createDataFrame(pd.DataFrame({"merchant": [merchant], "t": [t]}))
+    offline = training_set(spark, cfg, spine, feats, ts="t",
+                           events=spark.read.parquet(str(path))).toPandas()  # fmt: skip
+    stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+    assert stored.loc[0, "merchant_txn_5m"] == offline.loc[0, "merchant_txn_5m"] > 0
+    assert pd.isna(stored.loc[0, "merchant_txn_10m"]) and offline.loc[0, "merchant_txn_10m"] > 0
+    (reason,) = stored.loc[0, UNANSWERED]
+    assert "which no backfill of 'merchant_txn' wrote" in reason, reason
+    backfill(spark, cfg, str(path), metrics=["merchant_txn"], start_ms=seam, until_ms=later)
+    stored = training_set(spark, cfg, spine, feats, ts="t").toPandas()
+    assert stored.loc[0, "merchant_txn_10m"] == offline.loc[0, "merchant_txn_10m"]
+    assert list(stored.loc[0, UNANSWERED]) == []
 
 
 def test_a_spine_key_of_another_type_is_read_as_its_field(

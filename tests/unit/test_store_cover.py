@@ -31,8 +31,42 @@ M = 60_000  # the coarsest slice here
 def test_a_window_is_answered_only_where_something_wrote_it(
     lo: int, hi: int, seam: int | None, began: int | None, start: int, why: str | None
 ) -> None:
-    got = _uncovered("m", lo, hi, M, Written(seam, began, start))
+    spans = ((start, seam),) if seam is not None else ()
+    got = _uncovered("m", lo, hi, M, Written(seam, began, spans))
     assert (got is None) if why is None else (got is not None and why in got), got
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "began", "why"),
+    [
+        (10 * M, 20 * M, None, None),  # within the first run's span
+        (50 * M, 60 * M, None, None),  # within the second's
+        (20 * M, 45 * M, None, "[1970-01-01T00:30:00Z, 1970-01-01T00:40:00Z), which no backf"),
+        (35 * M, 45 * M, None, "[1970-01-01T00:35:00Z, 1970-01-01T00:40:00Z)"),
+        (20 * M, 45 * M, 25 * M, None),  # the live fold wrote the gap
+        (20 * M, 45 * M, 32 * M, "[1970-01-01T00:30:00Z, 1970-01-01T00:32:00Z)"),
+        (50 * M, 70 * M, None, "past 'm''s backfill seam"),
+    ],
+)
+def test_a_gap_between_two_backfills_spans_is_not_answered(
+    lo: int, hi: int, began: int | None, why: str | None
+) -> None:
+    """Runs over [0, 30m) and [40m, 60m): the 10 minutes between them hold nothing."""
+    w = Written(60 * M, began, ((0, 30 * M), (40 * M, 60 * M)))
+    got = _uncovered("m", lo, hi, M, w)
+    assert (got is None) if why is None else (got is not None and why in got), got
+    assert w.complete_from(M) == (None if began is None else (0 if began <= 30 * M else 32 * M))
+
+
+def test_spans_merge_where_they_meet_and_read_as_stored() -> None:
+    from sluice.status.coverage import merged, parse_spans, spans_text, stored_spans
+
+    assert merged([(40, 60), (0, 30), (30, 35), (50, 55)]) == ((0, 35), (40, 60))
+    assert parse_spans(spans_text(((0, 35), (40, 60)))) == ((0, 35), (40, 60))
+    # Stored before spans were kept: the earliest start to the newest seam, one span.
+    assert stored_spans(None, b"60", b"10") == ((10, 60),)
+    assert stored_spans(None, b"60", None) == ((0, 60),) and stored_spans(None, None, None) == ()
+    assert stored_spans(b"0:30,40:60", b"60", b"0") == ((0, 30), (40, 60))
 
 
 def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it() -> None:
@@ -46,7 +80,7 @@ def test_a_window_near_the_retention_edge_is_refused_while_the_fold_may_trim_it(
                                          "slice": "1m", "retention": "2h"}]})  # fmt: skip
     now = 1_000 * 3_600_000 + 30_000  # mid-slice
     plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
-                      types={}, written={"m": Written(seam=now)})  # fmt: skip
+                      types={}, written={"m": Written(now, None, ((0, now),))})  # fmt: skip
     held_from = now - 30_000 - 2 * 3_600_000  # the oldest slice's start every key holds
     t = now - 30_000 - 10 * M - 1  # a slice's last millisecond, before the store's clock
     edge = t + 1 - (held_from + TRIM_MARGIN_MS)  # the longest window that is answered
@@ -67,7 +101,7 @@ def test_with_resolutions_the_bound_is_the_finest_slices_one() -> None:
     hour = 3_600_000
     now = 1_000 * hour + 40 * M + 30_000  # 10:40:30 of some day
     plan = _StorePlan(cfg=cfg, url="redis://unused", now_ms=now, features=(), keys=(),
-                      types={}, written={"m": Written(seam=now)})  # fmt: skip
+                      types={}, written={"m": Written(now, None, ((0, now),))})  # fmt: skip
     held_from = 1_000 * hour + 40 * M - 2 * hour  # 08:40: the finest slices every key holds
     t = 1_000 * hour + 30 * M - 1  # 10:29:59.999
     edge = t + 1 - (held_from + TRIM_MARGIN_MS)

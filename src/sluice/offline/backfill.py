@@ -66,11 +66,14 @@ from sluice.redis.keys import (
     BACKFILL_RUNS_KEY,
     FOLDING_KEY,
     SEAMS_KEY,
+    SPANS_KEY,
     STARTS_KEY,
     slice_hash_key,
 )
+from sluice.redis.scripts import SWAP_FIELD, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import slice_start
+from sluice.status.coverage import merged, spans_text, stored_spans
 from sluice.units import iso_ms
 
 log = logging.getLogger(__name__)
@@ -425,18 +428,29 @@ def _seam_warnings(client: Any, seams: dict[str, int]) -> list[str]:
 
 
 def _record(client: Any, report: BackfillReport) -> None:
-    """Raise each metric's recorded seam (it never moves back), lower its recorded start (the
-    earliest slice a backfill wrote from: 0 for a run without `--start`, which wrote the whole
-    archive) and keep the summary."""
+    """Add the span this run wrote of each metric, [its first slice, its seam) (from 0 for a
+    run without `--start`, which wrote the whole archive), to the metric's spans; raise its
+    seam, which never moves back (the live fold leaves the slices before it to backfills); keep
+    the summary. Each field changes by compare and swap: backfills that end together all
+    count."""
+    swap = client.register_script(script_source(SWAP_FIELD))
+    for name, seam in report.seams.items():
+        first = report.first_slices.get(name) or 0
+        while True:
+            pipe = client.pipeline(transaction=False)
+            for key in (SPANS_KEY, SEAMS_KEY, STARTS_KEY):
+                pipe.hget(key, name)
+            raw, old_seam, start = pipe.execute()
+            now = merged([*stored_spans(raw, old_seam, start), (first, seam)])
+            if swap(keys=[SPANS_KEY], args=[name, raw or b"", spans_text(now)]):
+                break
+        while True:
+            (old,) = client.hmget(SEAMS_KEY, name)
+            if old is not None and int(old) >= seam:
+                break
+            if swap(keys=[SEAMS_KEY], args=[name, old or b"", seam]):
+                break
     pipe = client.pipeline(transaction=False)
-    old = client.hmget(SEAMS_KEY, list(report.seams))
-    for (name, seam), prev in zip(report.seams.items(), old, strict=True):
-        if prev is None or int(prev) < seam:
-            pipe.hset(SEAMS_KEY, name, seam)
-    old = client.hmget(STARTS_KEY, list(report.first_slices))
-    for (name, first), prev in zip(report.first_slices.items(), old, strict=True):
-        if prev is None or int(prev) > (first or 0):
-            pipe.hset(STARTS_KEY, name, first or 0)
     pipe.lpush(BACKFILL_RUNS_KEY, orjson.dumps(report.as_dict()))
     pipe.ltrim(BACKFILL_RUNS_KEY, 0, RUNS_KEPT - 1)
     pipe.execute()

@@ -8,13 +8,12 @@ the metric's finest slice), and only while the window lies within the metric's r
 measured from the store's clock now. Every other value is null, and the row's
 `sluice_unanswered` column says which feature and why, rather than answering wrongly.
 
-The store holds a metric's history only where something wrote it: a backfill the slices from
-its start (`--start`; `sluice:{backfill}:starts`, the earliest over the runs, 0 for a run over
-the whole archive) to its seam (`sluice:{backfill}:seams`), the live fold those from its first
-whole slice after it began folding the metric (`sluice:{stats}:folding`). A window is answered
-only where they cover it: within the backfill's, after the live fold's start, or from the
-earlier of the two starts on when the live fold began at or before the seam. A window in the
-gap between a seam and a later start, or one that reaches before or past what either wrote,
+The store holds a metric's history only where something wrote it: each backfill run the
+slices from its start (`--start`, 0 for a run over the whole archive) to its seam, the live
+fold those from its first whole slice after it began folding the metric
+(`sluice:{stats}:folding`). A window is answered only where their union covers it with no gap
+(`status.coverage.Written`). A window in a gap (between two runs, or between a seam and a
+later start of the live fold), or one that reaches before or past what they wrote,
 is refused with its reason, as is a window that starts less than `TRIM_MARGIN_MS` after the
 oldest slice every key still holds (the live fold may trim it while the job reads), and a t
 less than `SETTLE_MS` before the store's clock (its slices may still be filling).
@@ -38,7 +37,7 @@ from sluice.pipeline.definitions import check_definitions
 from sluice.query.engine import Lookup, QueryEngine
 from sluice.redis.connection import client_for, server_now_ms
 from sluice.slices.window import slice_start
-from sluice.status.coverage import Written, read_written
+from sluice.status.coverage import Spans, Written, read_written
 from sluice.units import format_duration_ms, iso_ms
 
 UNANSWERED = "sluice_unanswered"
@@ -95,36 +94,46 @@ def _why_not(plan: _StorePlan, name: str, t: int, w_ms: int) -> str | None:
 
 
 def _uncovered(name: str, lo: int, hi: int, coarsest: int, w: Written) -> str | None:
-    """Why the slices [lo, hi) of `name` are not all written by a backfill (from `w.start` to
-    `w.seam`) or the live fold (from its first whole coarsest slice after `w.began`), or None."""
-    seam, start, live_from = w.seam, w.start, w.live_from(coarsest)
-    if seam is not None and start <= lo and hi <= seam:
+    """Why the slices [lo, hi) of `name` are not all written by backfills (each run from its
+    start to its seam: `w.spans`) or the live fold (from its first whole coarsest slice after
+    `w.began`), or None."""
+    gap = w.gap(lo, hi, coarsest)
+    if gap is None:
         return None
-    if live_from is not None and lo >= live_from:
-        return None
-    if live_from is not None and seam is not None and live_from <= seam and start <= lo:
-        return None  # the backfill's slices, then the live fold's, with no gap between
-    if seam is not None and lo < start and (live_from is None or lo < live_from):
-        return (
-            f"the window starts before the history a backfill wrote of {name!r} (from"
-            f" {iso_ms(start)}: it ran with --start); give --input"
-        )
+    at, until = gap
+    seam, live_from = w.seam, w.live_from(coarsest)
     if seam is None and live_from is None:
         return f"the store holds nothing of {name!r}: no backfill and no live fold wrote it"
-    if live_from is None:
-        return (
-            f"the window reaches past {name!r}'s backfill seam ({iso_ms(seam or 0)}) and the"
-            " live fold has not folded it; give --input"
-        )
     if seam is None:
         return (
             f"the window starts before the live fold began folding {name!r}"
-            f" ({iso_ms(live_from)}) and no backfill wrote its history; give --input"
+            f" ({iso_ms(live_from or 0)}) and no backfill wrote its history; give --input"
+        )
+    first = w.spans[0][0]
+    if at < first and (live_from is None or at < live_from):
+        return (
+            f"the window starts before the history a backfill wrote of {name!r} (from"
+            f" {iso_ms(first)}: it ran with --start); give --input"
+        )
+    if at >= seam and live_from is None:
+        return (
+            f"the window reaches past {name!r}'s backfill seam ({iso_ms(seam)}) and the"
+            " live fold has not folded it; give --input"
+        )
+    if at >= seam:
+        return (
+            f"the window reaches into the gap between {name!r}'s backfill seam ({iso_ms(seam)})"
+            f" and the live fold's first slice of it ({iso_ms(live_from or 0)}); give --input"
         )
     return (
-        f"the window reaches into the gap between {name!r}'s backfill seam ({iso_ms(seam)})"
-        f" and the live fold's first slice of it ({iso_ms(live_from)}); give --input"
+        f"the window reaches into [{iso_ms(at)}, {iso_ms(until)}), which no backfill of"
+        f" {name!r} wrote (its runs wrote {_spans_said(w.spans)}) and the live fold did not;"
+        " give --input, or backfill that span"
     )
+
+
+def _spans_said(spans: Spans) -> str:
+    return ", ".join(f"[{iso_ms(a)}, {iso_ms(b)})" for a, b in spans)
 
 
 def _answer(plan: _StorePlan, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -19,6 +19,7 @@ EMIT = "emit"
 RELEASE = "release"
 RELEASE_OFFSET = "release_offset"
 LEASE = "lease"
+SWAP_FIELD = "swap_field"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)
