@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +215,44 @@ def check_local_inputs(paths: tuple[str, ...], what: str = "input") -> None:
             continue
         if not Path(p).exists():
             raise ArchiveError(f"{what} {p!r} does not exist (no such file or directory)")
+
+
+def check_out_apart(out: str, reads: dict[str, tuple[str, ...]]) -> None:
+    """Fail before Spark starts where `--out`, which an overwrite deletes before the job reads
+    anything, is a path the job reads (`reads`: what each is called -> its paths), holds one or
+    lies inside one, or matches a glob of them. Local paths only."""
+    if "://" in out:
+        return
+    target = Path(out.removeprefix("file:")).expanduser().resolve()
+    for what, paths in reads.items():
+        for p in paths:
+            if "://" in p:
+                continue
+            p_local = p.removeprefix("file:")
+            glob = _GLOB.search(p_local)
+            if glob:  # the folder before the glob's first wild part, and the pattern below it
+                cut = p_local.rfind("/", 0, glob.start()) + 1
+                base = Path(p_local[:cut] or ".").expanduser().resolve()
+                wild = p_local[cut:].split("/")
+                # --out holds the folder, or lies along the pattern: it holds a path the glob
+                # matches, is one, or lies inside one
+                hit = (
+                    target == base
+                    or target in base.parents
+                    or (
+                        base in target.parents
+                        and all(map(fnmatchcase, target.relative_to(base).parts, wild))
+                    )
+                )
+            else:
+                base = Path(p_local).expanduser().resolve()
+                hit = base == target or target in base.parents or base in target.parents
+            if hit:
+                raise click.BadParameter(
+                    f"{out!r} would overwrite the {what} {p!r}, which the job reads (an"
+                    " overwrite deletes it before anything is read): write elsewhere",
+                    param_hint="'--out'",
+                )
 
 
 def metric_names(values: tuple[str, ...]) -> list[str] | None:

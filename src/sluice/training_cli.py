@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from sluice.commands import config_option, opened
-from sluice.offline_cli import Interrupted, check_local_inputs, spark_for
+from sluice.offline_cli import Interrupted, check_local_inputs, check_out_apart, spark_for
 from sluice.units import duration_text, format_duration_ms
 
 if TYPE_CHECKING:
@@ -142,6 +142,7 @@ def training_set(
     if arrival and not inputs:
         raise click.BadParameter("needs --input: the store does not keep arrival times",
                                  param_hint="'--as-known-at'")  # fmt: skip
+    check_out_apart(out, {"spine": (spine,), "input": inputs})
     if Path(out).exists() and not overwrite:
         raise click.ClickException(f"{out} exists; pass --overwrite to replace it")
     t0 = time.monotonic()

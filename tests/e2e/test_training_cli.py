@@ -85,6 +85,9 @@ def test_the_command_writes_the_api_s_table_and_refuses_bad_usage(
     assert got[cols].values.tolist() == want[cols].values.tolist()
     again = sluice(*args)
     assert again.returncode == 1 and "exists; pass --overwrite" in again.stderr
+    over = sluice(*args[:-2], "--out", str(tmp_path / "events.parquet"), "--overwrite")
+    assert over.returncode == 2 and "would overwrite the input" in over.stderr, over.stderr
+    assert (tmp_path / "events.parquet").is_file()  # not deleted
     bad = sluice(*args[:-2], "--out", str(tmp_path / "o2"), "--key", "card")
     assert bad.returncode == 2 and "FIELD=COLUMN" in bad.stderr
     unknown = sluice(*[a if a != "qty_sum:1h" else "nope:1h" for a in args[:-2]], "--out",

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from sluice.cli import main
 from sluice.offline.backfill import BackfillReport
 from sluice.offline_cli import (
+    check_out_apart,
     format_progress,
     format_summary,
     iso_ms,
@@ -101,6 +102,36 @@ def test_metric_names_are_comma_separated_and_repeatable() -> None:
     for empty in [("",), ("a,",), ("a,,b",), ("a", " ")]:  # never "every metric" by accident
         with pytest.raises(click.BadParameter, match="empty metric name"):
             metric_names(empty)
+
+
+@pytest.mark.parametrize(
+    ("out", "read", "refused"),
+    [
+        ("/d/ev", "/d/ev", True),  # the input itself
+        ("/d/ev/o", "/d/ev", True),  # inside a folder read whole
+        ("/d", "/d/ev", True),  # a folder that holds it
+        ("/d/ev2", "/d/ev", False),
+        ("/d/x.parquet", "/d/*.parquet", True),  # a path the glob matches
+        ("/d/x.parquet/y", "/d/*.parquet", True),
+        ("/d", "/d/*.parquet", True),
+        ("/", "/d/*.parquet", True),
+        ("/d/o", "/d/*.parquet", False),  # beside the matches, not one of them
+        ("/d/p=1", "/d/*/*.parquet", True),  # holds matches
+        ("/d/p=1/o", "/d/*/*.parquet", False),
+        ("/d/ev-1/o", "/d/ev*", True),
+        ("/d/other", "/d/ev*", False),
+        ("file:/d/ev", "/d/ev", True),
+        ("s3a://b/o", "s3a://b", False),  # not a local path: the file system's to say
+    ],
+)
+def test_out_may_not_be_or_hold_what_the_job_reads(out: str, read: str, refused: bool) -> None:
+    """An overwrite deletes --out before the job reads its inputs: a training set written over
+    its archive or spine deleted them."""
+    if refused:
+        with pytest.raises(click.BadParameter, match="which the job reads"):
+            check_out_apart(out, {"input": (read,)})
+    else:
+        check_out_apart(out, {"input": (read,)})
 
 
 def test_durations_read_as_people_say_them() -> None:
