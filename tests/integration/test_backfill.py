@@ -221,6 +221,17 @@ def test_bad_rows_are_counted_with_their_reasons(
     # a bad line is named by its file and its line number (blank lines counted, from 1)
     assert json.loads(report.samples["bad_json"][0])["id"].endswith("events.jsonl:0@4")
     assert QueryEngine(cfg, r).query("merchant_txn", "m1", "10m", t)["value"] == 2
+    # A line the decoder refuses is bounded by its time key as the rest are: one before --start
+    # (rounded down to the coarsest slice, 1 h) or after --until is counted there, not as bad.
+    bad = {"card": "c9", "merchant": "m9", "amount": "x", "qty": 1}
+    (tmp_path / "bounded.jsonl").write_text("\n".join(json.dumps(x) for x in [
+        {**bad, "amount": 1.0, "ts": t}, {**bad, "ts": t}, {**bad, "ts": t - 3 * 3_600_000},
+        {**bad, "ts": t + 30_000},
+    ]))  # fmt: skip
+    report = backfill(spark, cfg, str(tmp_path / "bounded.jsonl"), start_ms=t - 30_000,
+                      until_ms=t + 10_000)  # fmt: skip
+    assert (report.events, report.dead) == (1, {"bad_type": 1}), report
+    assert (report.before_start, report.after_until) == (1, 1), report
 
 
 def test_csv_quoted_as_pandas_writes_it_keeps_its_keys_in_the_archive_and_the_spine(
@@ -394,8 +405,12 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
     with pytest.raises(ArchiveError, match="no data found in it"):
         backfill(spark, cfg, str(tmp_path / "empty"), until_ms=now_ms)
     (tmp_path / "empty.csv").write_text("")
-    with pytest.raises(ArchiveError, match="no columns: it is empty, or a CSV file without"):
+    with pytest.raises(ArchiveError, match=r"no columns: it is empty \(or only blank lines\), or"):
         backfill(spark, cfg, str(tmp_path / "empty.csv"), until_ms=now_ms)
+    for text in ("", "\n  \n"):  # nothing to fold: no seam is recorded
+        (tmp_path / "empty.jsonl").write_text(text)
+        with pytest.raises(ArchiveError, match=r"no columns: it is empty \(or only blank lines\)"):
+            backfill(spark, cfg, str(tmp_path / "empty.jsonl"), until_ms=now_ms)
     # Parquet's own types: a fraction where an integer is due is no integer (a cast would drop
     # it), a boolean is no number; whole doubles convert
     typed = pd.DataFrame({"ts": [t + 0.5, float(t), float(t), float(t)],

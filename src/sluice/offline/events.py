@@ -48,7 +48,15 @@ from pyspark.sql import types as T
 
 from sluice.config import Config, FieldType
 from sluice.errors import ConfigError, SluiceError
-from sluice.offline.lines import KNOWN, LINE, decoded, json_value, read_lines, sample_keys
+from sluice.offline.lines import (
+    KNOWN,
+    LINE,
+    WHEN,
+    decoded,
+    json_value,
+    read_lines,
+    sample_keys,
+)
 from sluice.pipeline.schemas import CSV_OPTIONS
 from sluice.source.options import named_bounds
 from sluice.source.values import SPARK_TYPES
@@ -352,9 +360,9 @@ def archive_events(
     sampled = sample_keys(raw) if lines else None
     keys = (sorted(sampled) if sampled is not None else None) if lines else list(have)
     what = "its first lines have the keys" if lines else "its columns are"
-    if keys == []:  # Spark reads an empty CSV file (or directory) as no columns at all
-        raise ArchiveError("input has no columns: it is empty, or a CSV file without its header"
-                           " line (the header names the columns)")  # fmt: skip
+    if keys == []:  # an empty file, a JSON-lines one of blank lines, a CSV one with no header
+        raise ArchiveError("input has no columns: it is empty (or only blank lines), or"
+                           " a CSV file without its header line (which names them)")  # fmt: skip
     for name, spec in schema.items():
         required = not FieldType.parse(spec).nullable or name == time_field
         if keys is not None and name not in keys and required:
@@ -375,7 +383,8 @@ def archive_events(
                 " text events of the live source carry); write the column as text"
             )
     if lines:
-        out = decoded(raw, cfg, schema, arrival, ref_ms)
+        when = event_time(raw, cfg)  # the time key's text as `outside` reads it
+        out = decoded(raw, cfg, schema, arrival, F.lit(None) if when is None else when, ref_ms)
         as_text: tuple[Column, T.DataType] | None = (F.col(KNOWN), T.StringType())
         return _bounded(out, cfg, bounds, as_text if arrival else None, arrival, ref_ms, schema)
     values: list[Column] = []
@@ -456,9 +465,10 @@ def _bounded(out: DataFrame, cfg: Config, bounds: TimeBounds,
             "_eid",
             ems.alias("_arrival"),
         )
-    ts = F.col(f"`{time_field}`")
-    # A bad row's time is the event time when it converted; else it is bounded by nothing.
-    out = out.withColumn("_ts", ts.cast("bigint"))
+    ts = F.col(f"`{time_field}`").cast("bigint")
+    # A bad row's time is the event time when it converted (of a JSON line the decoder refused,
+    # its time key read as `outside` reads it); else it is bounded by nothing.
+    out = out.withColumn("_ts", F.coalesce(ts, F.col(WHEN)) if WHEN in out.columns else ts)
     out = out.where(F.col("_ts").isNull() | bounds.condition(F.col("_ts")))
     ems_col = F.col("_arrival") if ems is not None else F.col("_ts")
     ref = F.lit(ref_ms).cast("bigint") if ref_ms is not None else F.col("_ts")

@@ -35,6 +35,7 @@ LINE = "_sluice_line"
 FILE = "_sluice_file"
 BLOCK = "_sluice_block"  # the byte where the task's part of the file starts
 KNOWN = "_sluice_known"  # the arrival column's text, carried past the decoder
+WHEN = "_sluice_when"  # the time key's text as ms, carried past it: a bad line's time
 SAMPLE_LINES = 64
 
 
@@ -54,13 +55,15 @@ def json_value(name: str) -> Column:
 
 
 def sample_keys(lines: DataFrame) -> set[str] | None:
-    """The keys of the first lines that are JSON objects (None: none of them is), to tell a
-    schema mismatch before any work."""
+    """The keys of the first lines that are JSON objects (None: none of them is; none at all
+    where there is no line but blank ones), to tell a schema mismatch before any work."""
     keys: set[str] = set()
+    rows = lines.where(F.trim(F.col(LINE)) != F.lit("")).select(LINE).limit(SAMPLE_LINES)
+    got = rows.collect()
+    if not got:
+        return keys
     seen = False
-    for row in (
-        lines.where(F.trim(F.col(LINE)) != F.lit("")).select(LINE).limit(SAMPLE_LINES).collect()
-    ):
+    for row in got:
         try:
             obj = json.loads(row[0])
         except ValueError:
@@ -76,11 +79,14 @@ def decoded(
     cfg: Config,
     schema: dict[str, str],
     arrival: str | None,
+    when: Column,
     ref_ms: int | None = None,
 ) -> DataFrame:
-    """The lines as events: the schema's fields typed, `_err`, `_field`, `_raw`, `_eid`, and
-    with `arrival`, that key's text as `KNOWN`. With `ref_ms` (the plan's reference time), the
-    lines the plan will find out of time are named too, as the live decoder names them."""
+    """The lines as events: the schema's fields typed, `_err`, `_field`, `_raw`, `_eid`, with
+    `arrival`, that key's text as `KNOWN`, and `when` (a line's time key read as ms, null where
+    it is none) as `WHEN`, which bounds a line the decoder refused as the input's other rows
+    are bounded. With `ref_ms` (the plan's reference time), the lines the plan will find out of
+    time are named too, as the live decoder names them."""
     opts = dataclasses.replace(
         SourceOptions.from_config(cfg, url="redis://unused"),
         format="json",
@@ -91,8 +97,8 @@ def decoded(
     if ref_ms is None:
         opts = dataclasses.replace(opts, named_ahead_ms=None, named_behind_ms=None)
     arrives = (json_value(arrival) if arrival else F.lit(None)).alias(KNOWN)
-    src = lines.select(LINE, FILE, BLOCK, arrives)
-    ddl = f"{spark_schema_ddl(opts)}, {KNOWN} string"
+    src = lines.select(LINE, FILE, BLOCK, arrives, when.cast("bigint").alias(WHEN))
+    ddl = f"{spark_schema_ddl(opts)}, {KNOWN} string, {WHEN} bigint"
     out = src.mapInArrow(partial(_decode, opts, ref_ms or 0), ddl)
     time_field = cfg.source.time_field
     no_time = F.col("_err").isNull() & F.col(f"`{time_field}`").isNull()
@@ -103,6 +109,7 @@ def decoded(
         "_raw",
         "_eid",
         KNOWN,
+        WHEN,
     )
 
 
@@ -110,8 +117,8 @@ def _decode(
     opts: SourceOptions, ref_ms: int, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """mapInArrow body: each run of one file part's lines decoded as records of the `json`
-    format (one event per non-blank line, in order), named by their line numbers, the arrival
-    text passed along."""
+    format (one event per non-blank line, in order), named by their line numbers, the carried
+    columns (the arrival text, the time) passed along."""
     decoder = Decoder(opts, ref_ms=ref_ms, stream="archive")
     part: tuple[str, int] | None = None  # the (file, block) whose lines are being read
     read = 0  # its lines read so far
@@ -119,7 +126,10 @@ def _decode(
         n = batch.num_rows
         if not n:
             continue
-        text, files, blocks, known = (batch.column(j) for j in range(4))
+        text, files, blocks = (batch.column(j) for j in range(3))
+        carried = [
+            (batch.schema.field(j).name, batch.column(j)) for j in range(3, batch.num_columns)
+        ]
         values = text.cast(pa.binary()).to_pylist()
         # Blank as the live decoder has it (`bytes.strip`): bytes, so that a line cut inside a
         # UTF-8 character (a file truncated mid-write) is a bad row, not a failed task.
@@ -135,10 +145,12 @@ def _decode(
             read += b - a
             if not len(rows):
                 continue
-            kept = known.take(pa.array(rows))
+            kept = [(name, column.take(pa.array(rows))) for name, column in carried]
             at = 0  # one row per record, in order
             for rb in decoder.decode_records([values[i] for i in rows], numbers,
                                              [0] * len(rows), *here):  # fmt: skip
-                yield rb.append_column(KNOWN, kept.slice(at, len(rb)))
+                for name, column in kept:
+                    rb = rb.append_column(name, column.slice(at, len(rb)))
+                yield rb
                 at += len(rb)
             assert at == len(rows), f"the decoder gave {at} rows for {len(rows)} json records"
