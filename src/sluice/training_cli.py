@@ -308,6 +308,14 @@ def consistency(
             err=True,
         )
         sys.exit(4)  # a check of nothing is no pass
+    if not report.matched:
+        click.echo(
+            f"consistency: no answer was compared: {report.missing:,} missing,"
+            f" {report.skipped:,} skipped (is --input the archive of these events, and does it"
+            " cover the times they were served at?)",
+            err=True,
+        )
+        sys.exit(4)
 
 
 @click.command("demo-offline")

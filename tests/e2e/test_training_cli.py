@@ -159,8 +159,8 @@ def test_a_csv_spine_keeps_its_keys_as_written_and_its_problems_are_reported(
 ) -> None:
     """Keys `0042`, `42` and `00100` stay three cards (not numbers); a row whose two-field key
     lacks a part gets nulls, not zeros; rows with no time or an unreadable one are counted.
-    `consistency` with no logged answer (`r` empties the store) exits 4: a check of nothing is
-    no pass."""
+    `consistency` with no logged answer (`r` empties the store), or none it can check, exits 4:
+    a check of nothing is no pass."""
     data = config_data(redis_url, tmp_path / "state", derived=[])
     data["metrics"] = [m for m in data["metrics"] if m["name"] in ("txn_count", "pair_count")]
     path = tmp_path / "sluice.yaml"
@@ -194,6 +194,22 @@ def test_a_csv_spine_keeps_its_keys_as_written_and_its_problems_are_reported(
     nothing = sluice("consistency", "-c", str(path), "--input", str(tmp_path / "events.parquet"))
     assert nothing.returncode == 4, nothing.stderr[-2000:]
     assert "nothing was checked: the store holds no logged answers" in nothing.stderr
+    # Answers logged, but none that can be checked (their metric is no longer configured): all
+    # missing, exit 4.
+    from sluice.config import config_from_dict
+    from tests.integration.test_consistency import ask
+
+    ask(r, config_from_dict(data), now + 5_000,
+        [{"metric": "txn_count", "key": ["42"], "window": "1h", "end": now - 1}])  # fmt: skip
+    fewer = tmp_path / "fewer.yaml"
+    fewer.write_text(
+        yaml.safe_dump(
+            {**data, "metrics": [m for m in data["metrics"] if m["name"] == "pair_count"]}
+        )
+    )
+    nothing = sluice("consistency", "-c", str(fewer), "--input", str(tmp_path / "events.parquet"))
+    assert nothing.returncode == 4, nothing.stderr[-2000:]
+    assert "no answer was compared: 1 missing, 0 skipped" in nothing.stderr, nothing.stderr
     nowhere = str(tmp_path / "nope.csv")
     missing = sluice("training-set", "-c", str(path), "--spine", nowhere, "--ts", "t",
                      "--features", "txn_count:1h", "--out", str(tmp_path / "o"))  # fmt: skip
