@@ -206,6 +206,19 @@ def test_variance_and_stddev_share_a_state_and_answer_apart() -> None:
     assert stddev == pytest.approx(math.sqrt(8 / 3))
 
 
+@pytest.mark.parametrize("m2", [b"nan", b"inf"])
+def test_moments_past_the_largest_double_answer_null_not_0(m2: bytes) -> None:
+    """1e308, -1e308 and 5 fold to M2 = NaN (Spark's moments overflow): not finite, so null in
+    JSON, as a sum past the largest double is; it was clamped to 0.0."""
+    import orjson
+
+    merged = AGGS["variance"].merge([b"1:3:1.67:" + m2])
+    for name in ("variance", "stddev"):
+        got = AGGS[name].finalize(merged, _metric(name), False)
+        assert got is not None and not math.isfinite(got), (name, got)
+        assert orjson.dumps({"value": got}) == b'{"value":null}'
+
+
 def test_a_hyperloglog_is_not_merged_here() -> None:
     with pytest.raises(ValueError, match="merged in Redis only"):
         AGGS["distinct"].merge([b"x"])

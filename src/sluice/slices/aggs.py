@@ -295,11 +295,13 @@ def _columns_avg(has: Any, numbers: Sequence[Any], integral: bool) -> tuple[Any,
 
 
 def _sample_variance(merged: Any) -> float | None:
-    """M2 / (n - 1), as Spark's `variance`; null below two values."""
+    """M2 / (n - 1), as Spark's `variance`; null below two values. Moments past the largest
+    double are not finite (NaN or infinity, answered as null), never clamped to 0."""
     vals = _numbers(merged)
     if not vals or vals[0] < 2:
         return None
-    return max(0.0, vals[2] / (vals[0] - 1))
+    variance = vals[2] / (vals[0] - 1)
+    return variance if math.isnan(variance) else max(0.0, variance)
 
 
 def _finalize_variance(merged: Any, m: MetricConfig, integral: bool) -> float | None:
