@@ -160,6 +160,11 @@ BAD_FIELDS: list[tuple[str, list[bytes], str, str | None]] = [
     ("missing amount", [b"card", b"c"], "missing_field", "amount"),
     ("amount not a number", [b"card", b"c", b"amount", b"lots"], "bad_type", "amount"),
     ("ts not an integer", [b"ts", b"1.5", b"card", b"c", b"amount", b"1"], "bad_type", "ts"),
+    # Numerals only Python reads: an underscore, other scripts' digits
+    ("ts with _", [b"ts", b"1_700", b"card", b"c", b"amount", b"1"], "bad_type", "ts"),
+    ("amount with _", [b"card", b"c", b"amount", b"1_0.5"], "bad_type", "amount"),
+    ("full-width ts", [b"ts", "５".encode(), b"card", b"c", b"amount", b"1"], "bad_type", "ts"),
+    ("Arabic-Indic amount", [b"card", b"c", b"amount", "١.٥".encode()], "bad_type", "amount"),
     ("non-UTF-8 card", [b"card", b"\xff\xfe", b"amount", b"1"], "invalid_utf8", "card"),
     ("NaN amount", [b"card", b"c", b"amount", b"nan"], "non_finite", "amount"),
     ("inf amount", [b"card", b"c", b"amount", b"inf"], "non_finite", "amount"),

@@ -176,6 +176,8 @@ def convert_text(value: bytes, typ: str, name: str, max_bytes: int) -> Any:
         if len(value) > max_bytes:
             raise Bad("too_long", name)
         return text
+    if typ != "boolean" and ("_" in text or not text.isascii()):
+        raise Bad("bad_type", name)  # Python reads 1_000 and other scripts' digits; no one else
     if typ in ("long", "int"):
         try:
             v = int(text.strip())
