@@ -59,6 +59,10 @@ class BadQuery(QueryError):
         self.code = "bad_request" if status == 400 else "unprocessable"
 
 
+class BadEvent(SluiceError):
+    """An event a producer cannot write as it is (not a mapping, not JSON, nothing to write)."""
+
+
 class BackpressureError(SluiceError):
     """Raised while the input is backpressured. Retry after `retry_after_s` seconds."""
 

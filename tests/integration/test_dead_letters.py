@@ -460,3 +460,28 @@ def test_cli_bad_options(r: redis.Redis, redis_url: str, tmp_path: Path) -> None
     assert "future, expired" in out.output
     out = CliRunner().invoke(main, ["dead-letters", "-c", path, "--reason", "future"])
     assert out.exit_code == 0, out.output
+
+
+def test_a_fields_event_with_nothing_to_write_is_refused_and_blocks_nothing(
+    r: redis.Redis, cfg: Config
+) -> None:
+    """A stream entry cannot be empty: an event with no field, or only nulls, is refused by
+    `send` (BadEvent), so the events buffered with it still flush; over HTTP the request is a
+    400 naming the event, and nothing of it is written (it was a 503 that a retry never ended)."""
+    from sluice.errors import BadEvent
+    from sluice.source.producer import Producer
+
+    fields = cfg.model_copy(update={"source": cfg.source.model_copy(update={"format": "fields"})})
+    producer = Producer.from_config(fields, r, flow=False)
+    producer.send({"ts": T0, "card": "c1", "merchant": "m1", "amount": 1.0})
+    for empty in ({}, {"card": None}):
+        with pytest.raises(BadEvent, match="needs a field with a value"):
+            producer.send(empty)
+    assert producer.pending() == 1
+    before = _stream_events(r, fields)
+    assert producer.flush() == 1 and _stream_events(r, fields) == before + 1
+    api = TestClient(create_app(fields, r))
+    body = [{"ts": T0, "card": "c2", "merchant": "m1", "amount": 1.0}, {}]
+    _error(api.post("/v1/events", json=body), 400, "event 1: an event in the `fields` format")
+    assert _stream_events(r, fields) == before + 1  # nothing of it
+    assert api.post("/v1/events", json=body[:1]).status_code == 202

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sluice.clock import Clock
 from sluice.config import Config
-from sluice.errors import BackpressureError, QueryError
+from sluice.errors import BackpressureError, BadEvent, QueryError
 from sluice.flow.valves import IngestValve
 from sluice.query.engine import QueryEngine
 from sluice.redis.loading import is_loading
@@ -132,6 +132,11 @@ async def ingest(request: Request) -> dict[str, Any]:
         if wait > 0:
             raise BackpressureError(wait, "input is backpressured; retry later")
         producer = Producer.from_config(api.cfg, api.client, flow=False)
+        for i, event in enumerate(events):  # an event it cannot write: 400, none written
+            try:
+                producer.check(event)
+            except BadEvent as e:
+                raise QueryError(f"event {i}: {e}", "body") from None
         producer.send_many(events)
         producer.flush()
 

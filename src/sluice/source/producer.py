@@ -41,7 +41,7 @@ import orjson
 from confluent_kafka import Producer as KafkaProducer
 
 from sluice.config import Config
-from sluice.errors import SluiceError
+from sluice.errors import BadEvent, SluiceError
 from sluice.graph import KafkaSpec, log_spec
 from sluice.redis.keys import STATS_KEY, shard_keys
 from sluice.source.admission import ingest_valve
@@ -73,7 +73,7 @@ def event_line(event: Mapping[str, Any]) -> bytes:
         ):
             line = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
     except (TypeError, ValueError) as e:
-        raise SluiceError(f"event is not JSON-serialisable: {e}") from None
+        raise BadEvent(f"event is not JSON-serialisable: {e}") from None
     return line
 
 
@@ -109,7 +109,7 @@ class Producer:
         self.shard_by = shard_by
         self.batch_events = batch_events
         self._buf: list[list[bytes]] = [[] for _ in self.keys]
-        self._fields: list[list[Mapping[str, Any]]] = [[] for _ in self.keys]
+        self._fields: list[list[dict[str, bytes | str]]] = [[] for _ in self.keys]
         self._rr = 0
         self.sent_events = 0
         self.sent_entries = 0
@@ -135,16 +135,26 @@ class Producer:
         return self._rr
 
     def send(self, event: Mapping[str, Any]) -> None:
-        """Buffer one event. Raises SluiceError if it is not a JSON-serialisable mapping."""
-        if not isinstance(event, Mapping):
-            raise SluiceError(f"an event must be a mapping, got {type(event).__name__}")
+        """Buffer one event. Raises BadEvent if it is not a JSON-serialisable mapping, or in
+        the `fields` format has no field with a value (a stream entry cannot be empty)."""
+        written = self._written(event)  # before a shard is chosen: a refusal changes nothing
         i = self._shard(event)
-        if self.format == "fields":
-            self._fields[i].append(event)
+        if isinstance(written, dict):
+            self._fields[i].append(written)
         else:
-            self._buf[i].append(event_line(event))
+            self._buf[i].append(written)
         if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
             self.flush()
+
+    def check(self, event: Mapping[str, Any]) -> None:
+        """Raise BadEvent where `send` would refuse `event`; buffer nothing."""
+        self._written(event)
+
+    def _written(self, event: Mapping[str, Any]) -> dict[str, bytes | str] | bytes:
+        """`event` as the log gets it: a `fields` entry's fields, or a JSON line."""
+        if not isinstance(event, Mapping):
+            raise BadEvent(f"an event must be a mapping, got {type(event).__name__}")
+        return _entry_fields(event) if self.format == "fields" else event_line(event)
 
     def send_many(self, events: Iterable[Mapping[str, Any]]) -> None:
         for e in events:
@@ -192,8 +202,8 @@ class Producer:
                 pipe.xadd(key, {"d": b"\n".join(part), "n": len(part)})
                 entries += 1
                 events += len(part)
-            for ev in self._fields[i]:
-                pipe.xadd(key, {k: _field_value(v) for k, v in ev.items() if v is not None})
+            for entry in self._fields[i]:
+                pipe.xadd(key, entry)
                 entries += 1
                 events += 1
         if entries:
@@ -297,6 +307,26 @@ class KafkaSink:
                 f"{len(errors)} of {len(records)} records to Kafka topic {self.spec.topic!r}"
                 f" were not delivered: {errors[0]}"
             )
+
+
+def _entry_fields(event: Mapping[str, Any]) -> dict[str, bytes | str]:
+    """A `fields` entry's fields: the event's fields that have a value, as text. Raises
+    BadEvent for a name that is not text, a value JSON cannot carry, or no field at all."""
+    out: dict[str, bytes | str] = {}
+    for k, v in event.items():
+        if not isinstance(k, str):
+            raise BadEvent(f"a field name must be text, got {k!r}")
+        if v is not None:
+            try:
+                out[k] = _field_value(v)
+            except TypeError as e:
+                raise BadEvent(f"field {k!r} cannot be written: {e}") from None
+    if not out:
+        raise BadEvent(
+            f"an event in the `fields` format needs a field with a value (a stream entry"
+            f" cannot be empty), got {dict(event)!r}"
+        )
+    return out
 
 
 def _field_value(v: Any) -> bytes | str:
