@@ -281,3 +281,32 @@ def test_the_server_freezes_what_it_built_at_start(
             assert got.status_code == 200
     finally:
         gc.unfreeze()
+
+
+def test_a_key_as_long_as_the_fold_takes_is_looked_up(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """`source.max_string_bytes` bounds a key value in the fold and in a lookup alike, in UTF-8
+    bytes: a 5,000-character key folded under 8192 could not be looked up (a fixed 4096
+    characters)."""
+    cfg = make_config(redis_url, tmp_path)
+    source = cfg.source.model_copy(update={"max_string_bytes": 8192})
+    cfg = cfg.model_copy(update={"source": source})
+    newest = time.time_ns() // 1_000_000 // 10_000 * 10_000
+    long_key = "k" * 5000
+    r.hset(slice_hash_key("txn_count", encode_key([long_key])),
+           mapping={str(newest): "1:4", "_m": f"{newest}:0"})  # fmt: skip
+    api = TestClient(create_app(cfg, r))
+    for how in ("get", "post"):
+        if how == "get":
+            resp = api.get("/v1/metrics/txn_count", params={"key": long_key, "window": "1m"})
+        else:
+            body = {"queries": [{"metric": "txn_count", "key": long_key, "window": "1m"}]}
+            resp = api.post("/v1/query", json=body)
+        assert resp.status_code == 200, resp.text
+        got = resp.json() if how == "get" else resp.json()["results"][0]
+        assert got["value"] == 4, got
+    for too_long in ("k" * 8193, "é" * 4097):  # 8193 and 8194 bytes
+        resp = api.get("/v1/metrics/txn_count", params={"key": too_long, "window": "1m"})
+        assert resp.status_code == 400, resp.text
+        assert "longer than 8192 bytes in UTF-8" in resp.json()["error"]["message"]

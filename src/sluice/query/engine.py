@@ -153,6 +153,10 @@ class QueryEngine:
         self._bases: dict[str, list[MetricConfig]] = {m.name: [m] for m in cfg.metrics}
         for name, expr in self._derived.items():
             self._bases[name] = [m for n in formula.names(expr) if (m := cfg.metric(n))]
+        # A key value is as long as the fold takes one (`source.max_string_bytes`, in UTF-8
+        # bytes); a text of a quarter as many characters is never longer.
+        self._key_bytes = cfg.source.max_string_bytes
+        self._key_chars = self._key_bytes // 4
         # Per name with base metrics: (keys it takes, the shortest retention), for `lookup`.
         self._plain = {
             name: (len(base[0].key), min(m.retention for m in base))
@@ -170,7 +174,8 @@ class QueryEngine:
         plain = self._plain.get(metric) if type(metric) is str else None
         if plain is not None and type(window) is str and len(window) <= 32:
             keys = (key,) if type(key) is str else tuple(key) if type(key) is list else ()
-            if len(keys) == plain[0] and all(type(k) is str and len(k) <= 4096 for k in keys):
+            short = self._key_chars
+            if len(keys) == plain[0] and all(type(k) is str and len(k) <= short for k in keys):
                 window_ms = _parse_window_text(window, "window")
                 now_ms = self.clock.now_ms()
                 end_ms = parse_end(end, now_ms)
@@ -195,8 +200,12 @@ class QueryEngine:
                 "key",
             )
         keys = [str(k) for k in keys]
-        if any(len(k) > 4096 for k in keys):
-            raise BadQuery("`key` value is longer than 4096 characters", "key")
+        if any(len(k.encode("utf-8", "surrogatepass")) > self._key_bytes for k in keys):
+            raise BadQuery(
+                f"`key` value is longer than {self._key_bytes} bytes in UTF-8"
+                " (source.max_string_bytes: the fold takes no longer one)",
+                "key",
+            )
         window_ms = parse_window(window)
         now_ms = self.clock.now_ms()
         end_ms = parse_end(end, now_ms)
