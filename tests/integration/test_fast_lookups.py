@@ -167,6 +167,43 @@ def test_fast_path_alone_answers_a_lookup_and_passes_errors_on(
     asyncio.run(scenario())
 
 
+def test_fast_path_answers_a_redis_error_itself(redis_url: str, tmp_path: Path) -> None:
+    """A Redis that cannot answer (here: nothing listens) is a 503 from the fast path, not
+    passed on to the application, which would wait on Redis a second time (a frozen Redis took
+    twice the socket timeout to answer)."""
+    cfg = make_config(redis_url, tmp_path)
+    down = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.5, socket_timeout=0.5)
+    reached: list[str] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    fast = FastLookups(inner, QueryEngine(cfg, down), AsyncClients(down))
+
+    async def call(scope: dict[str, Any], body: bytes) -> tuple[int, Any]:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body}
+
+        await fast(scope, receive, send)
+        return sent[0]["status"], orjson.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+    async def scenario() -> None:
+        status, answer = await call(_scope("/v1/metrics/txn_count", b"key=c1&window=1m"), b"")
+        assert status == 503 and answer["error"]["code"] == "unavailable", answer
+        batch = {**_scope("/v1/query", b""), "method": "POST"}
+        body = orjson.dumps({"queries": [{"metric": "txn_count", "key": "c1", "window": "1m"}]})
+        status, answer = await call(batch, body)
+        assert status == 503 and answer["error"]["code"] == "unavailable", answer
+        assert reached == []
+
+    asyncio.run(scenario())
+
+
 def test_fast_path_keeps_the_bearer_token_and_the_latency_histogram(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:

@@ -31,7 +31,6 @@ from sluice.logs import LOG_LEVEL_ENV, setup_logging
 from sluice.query.answers import AnswerLog
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import client_for
-from sluice.redis.loading import is_loading
 from sluice.server.clients import AsyncClients
 from sluice.server.fast import FastLookups
 from sluice.server.middleware import (
@@ -40,7 +39,7 @@ from sluice.server.middleware import (
     SluiceApp,
     Timer,
     error,
-    redis_loading,
+    unavailable,
 )
 from sluice.server.routes import Api, router
 from sluice.source.log import LogUnavailable
@@ -138,9 +137,7 @@ async def _http(request: Request, e: Exception) -> Response:
 
 
 async def _unavailable(_: Request, e: Exception) -> Response:
-    if is_loading(e):
-        return redis_loading(e)
-    return error(503, "unavailable", f"the slice store is unavailable: {e}")
+    return unavailable(e)
 
 
 async def _log_unavailable(_: Request, e: Exception) -> Response:

@@ -22,9 +22,11 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 import orjson
+import redis
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.query.engine import MAX_BATCH
+from sluice.server.middleware import unavailable
 
 PREFIX = "/v1/metrics/"
 ROUTE = PREFIX + "{name}"
@@ -158,7 +160,10 @@ class FastLookups:
             lookup = self.engine.lookup(*parsed)
             (result,) = await self.engine.arun([lookup], self.clients.get())
             body = orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY)
-        except Exception:  # noqa: BLE001 - the full application answers every error
+        except redis.RedisError as e:  # answered here: the application would wait on it again
+            scope["route"] = _LOOKUP_ROUTE
+            return await unavailable(e)(scope, receive, send)
+        except Exception:  # noqa: BLE001 - the full application answers every other error
             return await self.app(scope, receive, send)
         scope["route"] = _LOOKUP_ROUTE
         await send_json(send, body)
@@ -172,7 +177,10 @@ class FastLookups:
             lookups = [engine.lookup(*q) for q in parse_batch(raw, MAX_BATCH)]
             results = await engine.arun(lookups, self.clients.get())
             body = orjson.dumps({"results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
-        except Exception:  # noqa: BLE001 - the full application answers every error
+        except redis.RedisError as e:  # answered here: the application would wait on it again
+            scope["route"] = _BATCH_ROUTE
+            return await unavailable(e)(scope, receive, send)
+        except Exception:  # noqa: BLE001 - the full application answers every other error
             return await self.app(json_body(scope), replaying(messages, receive), send)
         scope["route"] = _BATCH_ROUTE
         await send_json(send, body)

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice.redis.loading import is_loading
 from sluice.status.prometheus import RequestTimer
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -37,6 +38,13 @@ def redis_loading(e: Exception) -> Response:
         f"redis is loading its dataset after a restart; retry shortly ({e})",
         headers={"Retry-After": str(LOADING_RETRY_AFTER_S)},
     )
+
+
+def unavailable(e: Exception) -> Response:
+    """503 for a Redis error: loading (with Retry-After), or any other."""
+    if is_loading(e):
+        return redis_loading(e)
+    return error(503, "unavailable", f"the slice store is unavailable: {e}")
 
 
 class Guard:
