@@ -220,9 +220,24 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(api: TestClient) ->
     assert _error(api.post("/v1/events", content=b""), 400, "empty")["code"] == "bad_request"
 
 
-def test_oversize_body_is_refused(api: TestClient) -> None:
+def test_oversize_body_is_refused(api: TestClient, r: redis.Redis) -> None:
+    """Declared too long, or sent in chunks with no length and found too long as it is read
+    (not read whole first): 413 either way, on any route that takes a body."""
     big = b"[" + b" " * (11 * 1024 * 1024) + b"]"
     _error(api.post("/v1/events", content=big), 413, "over")
+
+    def chunks() -> Any:
+        yield b'[{"ts": 1, "card": "c"}'
+        for _ in range(11):
+            yield b" " * (1024 * 1024)
+        yield b"]"
+
+    before = sum(r.xlen(k) for k in r.scan_iter("events*"))
+    for path in ("/v1/events", "/v1/query"):
+        resp = api.post(path, content=chunks())
+        assert "content-length" not in resp.request.headers
+        assert _error(resp, 413, "over")["code"] == "too_large"
+    assert sum(r.xlen(k) for k in r.scan_iter("events*")) == before
 
 
 def test_bearer_token(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
@@ -231,6 +246,9 @@ def test_bearer_token(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     _error(api.get("/v1/metrics"), 401, "token")
     _error(api.get("/v1/metrics", headers={"authorization": "Bearer wrong"}), 401, "token")
     assert api.get("/v1/metrics", headers={"authorization": "Bearer s3cret"}).status_code == 200
+    # The scheme is case-insensitive (RFC 9110); the token is not.
+    assert api.get("/v1/metrics", headers={"authorization": "bearer s3cret"}).status_code == 200
+    _error(api.get("/v1/metrics", headers={"authorization": "Bearer S3CRET"}), 401, "token")
     assert api.get("/healthz").status_code == 200  # health stays open for probes
 
 

@@ -124,7 +124,7 @@ async def _validation(_: Request, e: Exception) -> Response:
 
 
 # Starlette's own answers (no such route, a method the route does not take) in Sluice's shape.
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
 async def _http(request: Request, e: Exception) -> Response:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import orjson
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -48,28 +48,76 @@ def unavailable(e: Exception) -> Response:
 
 
 class Guard:
-    """Bearer token on /v1/* (when configured) and a cap on the declared body size.
+    """Bearer token on /v1/* (when configured) and a cap on the body size: the declared one,
+    or for a body sent without a length (chunked), the bytes as they are read.
 
-    A plain ASGI middleware: it looks at headers only and costs one dict scan per request.
+    A plain ASGI middleware: it costs one dict scan per request with a declared length.
     """
 
     def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token is not None else None
+        self.expected = token.encode() if token is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             if self.expected is not None and scope["path"].startswith("/v1/"):
-                got = headers.get(b"authorization", b"")
-                if not hmac.compare_digest(got, self.expected):
+                scheme, _, got = headers.get(b"authorization", b"").partition(b" ")
+                # The scheme is case-insensitive (RFC 9110, 11.1); the token is not.
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(got, self.expected):
                     deny = error(401, "unauthorized", "missing or wrong bearer token")
                     return await deny(scope, receive, send)
             length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > MAX_BODY_BYTES:
-                big = error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
-                return await big(scope, receive, send)
+                return await _too_large()(scope, receive, send)
+            if not length.isdigit():  # a chunked body: counted as it is read
+                return await self._capped(scope, receive, send)
         await self.app(scope, receive, send)
+
+    async def _capped(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app with a `receive` that raises TooLarge past MAX_BODY_BYTES: the application
+        answers it 413 itself, and so does this where a part before it (the fast path) read."""
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, _capped(receive), sending)
+        except TooLarge:
+            if started:
+                raise
+            await _too_large()(scope, receive, send)
+
+
+class TooLarge(HTTPException):
+    """A request body over MAX_BODY_BYTES, found as it is read (413 `too_large`)."""
+
+    def __init__(self) -> None:
+        super().__init__(413, f"request body is over {MAX_BODY_BYTES} bytes")
+
+
+def _too_large() -> Response:
+    return error(413, "too_large", f"request body is over {MAX_BODY_BYTES} bytes")
+
+
+def _capped(receive: Receive) -> Receive:
+    """`receive` that raises TooLarge once the body read passes MAX_BODY_BYTES: a body sent
+    without a length (chunked) is not read whole into memory first."""
+    seen = 0
+
+    async def capped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > MAX_BODY_BYTES:
+                raise TooLarge
+        return message
+
+    return capped
 
 
 class Timer:

@@ -19,7 +19,7 @@ from sluice.flow.valves import IngestValve
 from sluice.query.engine import QueryEngine
 from sluice.redis.loading import is_loading
 from sluice.server.clients import AsyncClients
-from sluice.server.middleware import MAX_BODY_BYTES, ORJSONResponse, error, redis_loading
+from sluice.server.middleware import ORJSONResponse, error, redis_loading
 from sluice.server.params import (
     ERROR_RESPONSES,
     BatchQuery,
@@ -122,9 +122,7 @@ async def ingest(request: Request) -> dict[str, Any]:
     """Ingest a JSON array of events, or NDJSON. Answers 202 with the count accepted, or 429
     with Retry-After while the input is backpressured (nothing of it is written then)."""
     api = _api(request)
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise QueryError(f"request body is over {MAX_BODY_BYTES} bytes", "body")
+    raw = await request.body()  # at most MAX_BODY_BYTES (`middleware.Guard`)
     events = parse_events(raw)
 
     def send() -> None:  # blocking calls to the log: off the event loop
