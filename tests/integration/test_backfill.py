@@ -398,6 +398,9 @@ def test_formats_are_told_by_their_suffixes_and_an_empty_input_is_said_to_be(
         (tmp_path / "lines" / name).write_text(json.dumps(row) + "\n")
     assert backfill(spark, cfg, str(tmp_path / "lines"), until_ms=now_ms).events == 2
     pd.DataFrame([row]).to_parquet(tmp_path / "more.parquet")
+    pd.DataFrame([row]).to_parquet(tmp_path / "lines" / "c.parquet")  # ... and only one
+    with pytest.raises(ArchiveError, match=r"holds files of more than one format \(jsonl, parq"):
+        backfill(spark, cfg, str(tmp_path / "lines"), until_ms=now_ms)
     with pytest.raises(ArchiveError, match=r"more than one format.*run one backfill per format"):
         backfill(spark, cfg, [str(tmp_path / "events.jsonl.gz"), str(tmp_path / "more.parquet")],
                  until_ms=now_ms)  # fmt: skip

@@ -30,7 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,7 +49,6 @@ from sluice.errors import SluiceError
 from sluice.offline.events import (
     TimeBounds,
     archive_events,
-    file_versions,
     outside,
     read_archive,
     read_failures,
@@ -272,6 +273,26 @@ def _write_partition(task: _Task, batches: Iterator[pa.RecordBatch]) -> Iterator
     finally:
         client.close()
     yield pa.RecordBatch.from_pylist(out, RESULT_SCHEMA)
+
+
+def file_versions(spark: SparkSession, files: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Each input file (`DataFrame.inputFiles()`) with its size and modification time (ms): what
+    tells a file rewritten in place (a re-export, an appended file) from the one read before.
+    Local files are stat'ed here; others through their Hadoop filesystem."""
+    out = []
+    conf = None
+    for f in files:
+        if f.startswith("file:"):
+            st = os.stat(urllib.parse.unquote(urllib.parse.urlparse(f).path))
+            out.append((f, st.st_size, st.st_mtime_ns // 1_000_000))
+            continue
+        jvm = spark.sparkContext._jvm
+        assert jvm is not None
+        conf = conf or spark.sparkContext._jsc.hadoopConfiguration()
+        path = jvm.org.apache.hadoop.fs.Path(f)
+        status = path.getFileSystem(conf).getFileStatus(path)
+        out.append((f, int(status.getLen()), int(status.getModificationTime())))
+    return out
 
 
 def run_fingerprint(files: Sequence[Any], parts: dict[str, Any]) -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -103,18 +102,24 @@ def guess_format(path: str) -> str:
     local = path.removeprefix("file://")
     if "://" not in local and os.path.isdir(local):
         with os.scandir(local) as entries:
-            kinds = {guess_format(e.name) for e in entries
+            kinds = {_named_format(e.name) for e in entries
                      if e.is_file() and not e.name.startswith(("_", "."))}  # fmt: skip
+        named = {k for k in kinds if k is not None}
+        if len(named) > 1:
+            raise ArchiveError(f"directory {path!r} holds files of more than one format"
+                               f" ({', '.join(sorted(named))}): Spark reads a directory in one;"
+                               " give each format a directory of its own")  # fmt: skip
         if len(kinds) == 1:
-            return kinds.pop()
+            return kinds.pop() or "parquet"
+    return _named_format(path) or "parquet"
+
+
+def _named_format(path: str) -> str | None:
     name = path.rstrip("/*").lower()
     stem, dot, last = name.rpartition(".")
     if dot and last in _COMPRESSED:
         name = stem
-    for suffix, fmt in _SUFFIXES.items():
-        if name.endswith(suffix):
-            return fmt
-    return "parquet"
+    return next((fmt for suffix, fmt in _SUFFIXES.items() if name.endswith(suffix)), None)
 
 
 def read_archive(
@@ -241,26 +246,6 @@ def outside(raw: DataFrame, cfg: Config, bounds: TimeBounds) -> tuple[int, int]:
     after = F.count_if(ts >= F.lit(bounds.until_ms)) if bounds.until_ms is not None else F.lit(0)
     got = raw.select(before.alias("b"), after.alias("a")).first()
     return (0, 0) if got is None else (int(got["b"]), int(got["a"]))
-
-
-def file_versions(spark: SparkSession, files: Sequence[str]) -> list[tuple[str, int, int]]:
-    """Each input file (`DataFrame.inputFiles()`) with its size and modification time (ms): what
-    tells a file rewritten in place (a re-export, an appended file) from the one read before.
-    Local files are stat'ed here; others through their Hadoop filesystem."""
-    out = []
-    conf = None
-    for f in files:
-        if f.startswith("file:"):
-            st = os.stat(urllib.parse.unquote(urllib.parse.urlparse(f).path))
-            out.append((f, st.st_size, st.st_mtime_ns // 1_000_000))
-            continue
-        jvm = spark.sparkContext._jvm
-        assert jvm is not None
-        conf = conf or spark.sparkContext._jsc.hadoopConfiguration()
-        path = jvm.org.apache.hadoop.fs.Path(f)
-        status = path.getFileSystem(conf).getFileStatus(path)
-        out.append((f, int(status.getLen()), int(status.getModificationTime())))
-    return out
 
 
 @contextlib.contextmanager
