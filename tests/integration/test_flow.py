@@ -473,3 +473,13 @@ def test_batch_records_feed_pid_with_scheduling_delay(
     # 2,000 events/s processed and a standing delay: the estimate falls below it.
     assert pid.rate is not None and pid.rate < 2_000
     assert spark.task.controller.batch_limit() == int(pid.rate * 0.2)
+
+
+def test_the_timeline_is_newest_first_by_when_each_change_happened(r: redis.Redis) -> None:
+    """A task restarted from its snapshot publishes its last change again as it starts, at that
+    change's older time: it sits among the others by that time, not on top."""
+    board = Board(r)
+    for task, at in [("a", NOW), ("b", NOW + 2_000), ("c", NOW + 1_000)]:  # c: restored
+        board.publish(task, {"task": task, "changed_ms": at}, changed=True)
+    board.publish("b", {"task": "b", "changed_ms": NOW + 2_000}, changed=True)  # a tie: both
+    assert [ev["task"] for ev in board.timeline()] == ["b", "b", "c", "a"]

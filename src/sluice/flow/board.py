@@ -80,7 +80,11 @@ class Board:
         self.client.hdel(FLOW_STATE_KEY, task)
 
     def timeline(self, n: int = 200) -> list[dict[str, Any]]:
-        return [orjson.loads(b) for b in self.client.lrange(FLOW_TIMELINE_KEY, 0, n - 1)]
+        """The newest `n` changes, newest first by the time each happened: a task restarted
+        from its snapshot publishes its last change again, when it starts, at that change's
+        older time."""
+        got = [orjson.loads(b) for b in self.client.lrange(FLOW_TIMELINE_KEY, 0, n - 1)]
+        return sorted(got, key=lambda st: -int(st.get("changed_ms") or 0))
 
     # -- /taskmessage -------------------------------------------------------------------------
 
