@@ -234,7 +234,14 @@ class Producer:
         """A `json` record's key: its `shard_by` value, as Kafka tools expect keys to be."""
         if self.shard_by is None:
             return None
-        value = orjson.loads(line).get(self.shard_by)
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:  # NaN or Infinity (`event_line`), or not JSON at all
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                return None  # no key: the record still goes, and is dead-lettered as read
+        value = obj.get(self.shard_by) if isinstance(obj, dict) else None
         return None if value is None else str(value).encode()
 
     def discard(self) -> int:
