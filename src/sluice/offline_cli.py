@@ -314,15 +314,19 @@ def format_summary(report: BackfillReport) -> str:
     lines.append(
         "  slices before each seam are the archive's (written now); after it, the live fold's"
     )
+    # Bad rows are counted as a partition is read: none of those an earlier run wrote.
+    some = ", in the partitions written now" if report.partitions_skipped else ""
     if report.dead:
-        lines.append(f"  bad rows: {sum(report.dead.values()):,} (not folded)")
+        lines.append(f"  bad rows: {sum(report.dead.values()):,} (not folded{some})")
         width = max(len(r) for r in report.dead)
         for reason, n in sorted(report.dead.items(), key=lambda kv: -kv[1]):
             sample = (report.samples.get(reason) or [""])[0]
             sample = sample if len(sample) <= 160 else sample[:157] + "..."
             lines.append(f"    {reason:<{width}}  {n:>9,}  e.g. {sample}")
+    elif report.partitions and report.partitions == report.partitions_skipped:
+        lines.append("  bad rows: not counted (no partition was read)")
     else:
-        lines.append("  bad rows: none")
+        lines.append(f"  bad rows: none{some}")
     written = report.partitions - report.partitions_skipped
     line = f"  partitions: {written:,} written"
     if report.partitions_skipped:
