@@ -51,7 +51,7 @@ class Guard:
     """Bearer token on /v1/* (when configured) and a cap on the body size: the declared one,
     or for a body sent without a length (chunked), the bytes as they are read.
 
-    A plain ASGI middleware: it costs one dict scan per request with a declared length.
+    A plain ASGI middleware: a request without a chunked body costs it one dict scan.
     """
 
     def __init__(self, app: ASGIApp, token: str | None) -> None:
@@ -70,7 +70,7 @@ class Guard:
             length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > MAX_BODY_BYTES:
                 return await _too_large()(scope, receive, send)
-            if not length.isdigit():  # a chunked body: counted as it is read
+            if b"transfer-encoding" in headers:  # a chunked body: counted as it is read
                 return await self._capped(scope, receive, send)
         await self.app(scope, receive, send)
 
