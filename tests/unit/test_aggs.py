@@ -219,6 +219,20 @@ def test_moments_past_the_largest_double_answer_null_not_0(m2: bytes) -> None:
         assert orjson.dumps({"value": got}) == b'{"value":null}'
 
 
+def test_a_training_value_that_is_not_finite_is_null_as_online() -> None:
+    """The service answers NaN and infinity as null (JSON has none); a training table's column
+    holds null for them too, from a list of answers or a column of running totals."""
+    import pyarrow as pa
+
+    from sluice.offline.features import arrow_column
+
+    want = [1.5, None, None, None, None]
+    values = [1.5, math.nan, math.inf, -math.inf, None]
+    assert arrow_column(values, "double").to_pylist() == want
+    assert arrow_column(pa.array(values), "double").to_pylist() == want
+    assert arrow_column([3, None], "long").to_pylist() == [3, None]
+
+
 def test_a_hyperloglog_is_not_merged_here() -> None:
     with pytest.raises(ValueError, match="merged in Redis only"):
         AGGS["distinct"].merge([b"x"])

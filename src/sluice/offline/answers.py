@@ -148,7 +148,7 @@ def answer_batches(plan: AnswerPlan, batches: Iterator[pa.RecordBatch]) -> Itera
                     formula.evaluate(parsed[name], {n: xs[i] for n, xs in inputs.items()})
                     for i in range(rows)
                 ]
-                cols.append(pa.array(vals, pa.float64()))
+                cols.append(arrow_column(vals, "double"))
             else:
                 cols.append(arrow_column(values[(name, w_ms)], plan.types[column]))
         names = [ROW, *[c for c, _, _ in plan.features]]

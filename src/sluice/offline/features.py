@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
@@ -262,11 +263,17 @@ _ARROW = {"long": pa.int64(), "double": pa.float64()}
 
 def arrow_column(values: list[Any] | pa.Array, spark_type: str) -> pa.Array:
     """Answers (a list, or an Arrow column of numbers) as an Arrow column of their feature's
-    Spark type (`feature_types`)."""
-    if isinstance(values, pa.Array):
-        return values.cast(_ARROW[spark_type])
-    if spark_type in _ARROW:
-        return pa.array(values, _ARROW[spark_type])
+    Spark type (`feature_types`). A number that is not finite (a sum past the largest double,
+    a variance whose moments overflow) is null, as the service answers it."""
+    if isinstance(values, pa.Array) or spark_type in _ARROW:
+        out = (
+            values.cast(_ARROW[spark_type])
+            if isinstance(values, pa.Array)
+            else pa.array(values, _ARROW[spark_type])
+        )
+        if pa.types.is_floating(out.type):
+            out = pc.if_else(pc.is_finite(out), out, pa.scalar(None, out.type))
+        return out
     return pa.array(  # map<string,double>: the quantiles
         [None if v is None else list(v.items()) for v in values],
         pa.map_(pa.string(), pa.float64()),
