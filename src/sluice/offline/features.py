@@ -265,14 +265,11 @@ def arrow_column(values: list[Any] | pa.Array, spark_type: str) -> pa.Array:
     """Answers (a list, or an Arrow column of numbers) as an Arrow column of their feature's
     Spark type (`feature_types`). A number that is not finite (a sum past the largest double,
     a variance whose moments overflow) is null, as the service answers it."""
-    if isinstance(values, pa.Array) or spark_type in _ARROW:
-        out = (
-            values.cast(_ARROW[spark_type])
-            if isinstance(values, pa.Array)
-            else pa.array(values, _ARROW[spark_type])
-        )
-        if pa.types.is_floating(out.type):
-            out = pc.if_else(pc.is_finite(out), out, pa.scalar(None, out.type))
+    if spark_type in _ARROW:
+        kind = _ARROW[spark_type]
+        out = values.cast(kind) if isinstance(values, pa.Array) else pa.array(values, kind)
+        if pa.types.is_floating(kind):
+            out = pc.if_else(pc.is_finite(out), out, pa.scalar(None, kind))
         return out
     return pa.array(  # map<string,double>: the quantiles
         [None if v is None else list(v.items()) for v in values],

@@ -137,7 +137,21 @@ class Producer:
     def send(self, event: Mapping[str, Any]) -> None:
         """Buffer one event. Raises BadEvent if it is not a JSON-serialisable mapping, or in
         the `fields` format has no field with a value (a stream entry cannot be empty)."""
-        written = self._written(event)  # before a shard is chosen: a refusal changes nothing
+        self._buffer(event, self._written(event))  # refused before a shard is chosen
+
+    def send_all(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Buffer every event, or none of them: raises BadEvent naming the first one `send`
+        would refuse (`event <i>: ...`). Each event is converted once."""
+        written = []
+        for i, event in enumerate(events):
+            try:
+                written.append(self._written(event))
+            except BadEvent as e:
+                raise BadEvent(f"event {i}: {e}") from None
+        for event, entry in zip(events, written, strict=True):
+            self._buffer(event, entry)
+
+    def _buffer(self, event: Mapping[str, Any], written: dict[str, bytes | str] | bytes) -> None:
         i = self._shard(event)
         if isinstance(written, dict):
             self._fields[i].append(written)
@@ -145,10 +159,6 @@ class Producer:
             self._buf[i].append(written)
         if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
             self.flush()
-
-    def check(self, event: Mapping[str, Any]) -> None:
-        """Raise BadEvent where `send` would refuse `event`; buffer nothing."""
-        self._written(event)
 
     def _written(self, event: Mapping[str, Any]) -> dict[str, bytes | str] | bytes:
         """`event` as the log gets it: a `fields` entry's fields, or a JSON line."""
