@@ -317,6 +317,19 @@ def test_redis_down_is_503(redis_url: str, tmp_path: Path) -> None:
     assert api.get("/healthz").status_code == 503
 
 
+def test_a_store_error_no_retry_clears_is_500_not_503(r: redis.Redis, api: TestClient) -> None:
+    """A slice key another program overwrote with a string answers WRONGTYPE on every try: a
+    500 naming it, not a 503 that tells clients to retry. Both the single lookup and a batch."""
+    r.set(slice_hash_key("txn_count", encode_key(["c1"])), "not a hash")
+    params = {"key": "c1", "window": "1m"}
+    err = _error(api.get("/v1/metrics/txn_count", params=params), 500, "WRONGTYPE")
+    assert err["code"] == "store_error"
+    batch = {"queries": [{"metric": "txn_count", "key": "c1", "window": "1m"}]}
+    err = _error(api.post("/v1/query", json=batch), 500, "WRONGTYPE")
+    assert err["code"] == "store_error"
+    assert api.get("/v1/metrics/txn_count", params={**params, "key": "c2"}).status_code == 200
+
+
 def test_python_client_over_a_real_socket(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     _seed(r)
     app = create_app(make_config(redis_url, tmp_path), r)

@@ -17,7 +17,15 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from redis.exceptions import BusyLoadingError, ConnectionError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    BusyLoadingError,
+    ConnectionError,
+    RedisClusterException,
+    ResponseError,
+    TimeoutError,
+)
 
 LOADING = "loading"  # the reason a waiting log or a 503 gives
 FIRST_BACKOFF_S = 0.05
@@ -70,3 +78,22 @@ def wait_while_loading(
             waited_s = round(time.monotonic() - started, 1)
             log.info("redis has loaded; resumed", extra={"what": what, "waited_s": waited_s})
         return out
+
+
+# Error replies that say "not now" (a failover, a full memory, a busy script, a migrating slot)
+# rather than "never": a retry may succeed.
+_TRANSIENT_REPLIES = ("BUSY", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "MASTERDOWN", "OOM",
+                      "NOREPLICAS", "MOVED", "ASK", "LOADING")  # fmt: skip
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a Redis error may clear by itself: no connection, a timeout, or an error reply
+    from a server that cannot answer now. Everything else (`WRONGTYPE` on a key some other
+    program wrote, a command the client got wrong) is answered the same on every retry."""
+    if isinstance(e, AuthenticationError | AuthorizationError):
+        return False  # a wrong password stays wrong
+    if isinstance(e, ConnectionError | TimeoutError | RedisClusterException):
+        return True
+    if isinstance(e, ResponseError):
+        return str(e).startswith(_TRANSIENT_REPLIES)
+    return False

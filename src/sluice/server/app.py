@@ -150,6 +150,7 @@ _HANDLERS: dict[Any, Any] = {
     RequestValidationError: _validation,
     HTTPException: _http,
     redis.RedisError: _unavailable,
+    redis.exceptions.RedisClusterException: _unavailable,  # slots not covered (a failover)
     LogUnavailable: _log_unavailable,  # producing while Kafka is down: 503, not 500
 }
 

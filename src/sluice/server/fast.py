@@ -144,6 +144,9 @@ async def send_json(send: Send, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+_STORE_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
 class FastLookups:
     def __init__(self, app: ASGIApp, engine: Any, clients: Any) -> None:
         self.app = app
@@ -160,7 +163,7 @@ class FastLookups:
             lookup = self.engine.lookup(*parsed)
             (result,) = await self.engine.arun([lookup], self.clients.get())
             body = orjson.dumps(result, option=orjson.OPT_SERIALIZE_NUMPY)
-        except redis.RedisError as e:  # answered here: the application would wait on it again
+        except _STORE_ERRORS as e:  # answered here: the application would wait on it again
             scope["route"] = _LOOKUP_ROUTE
             return await unavailable(e)(scope, receive, send)
         except Exception:  # noqa: BLE001 - the full application answers every other error
@@ -177,7 +180,7 @@ class FastLookups:
             lookups = [engine.lookup(*q) for q in parse_batch(raw, MAX_BATCH)]
             results = await engine.arun(lookups, self.clients.get())
             body = orjson.dumps({"results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
-        except redis.RedisError as e:  # answered here: the application would wait on it again
+        except _STORE_ERRORS as e:  # answered here: the application would wait on it again
             scope["route"] = _BATCH_ROUTE
             return await unavailable(e)(scope, receive, send)
         except Exception:  # noqa: BLE001 - the full application answers every other error

@@ -12,7 +12,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sluice.redis.loading import is_loading
+from sluice.redis.loading import is_loading, is_transient
 from sluice.status.prometheus import RequestTimer
 
 MAX_BODY_BYTES = 10 * 1024 * 1024
@@ -41,10 +41,13 @@ def redis_loading(e: Exception) -> Response:
 
 
 def unavailable(e: Exception) -> Response:
-    """503 for a Redis error: loading (with Retry-After), or any other."""
+    """503 for a Redis error that may clear (loading, with Retry-After; no connection; a
+    failover), 500 for one every retry would get again (a key of the wrong type, say)."""
     if is_loading(e):
         return redis_loading(e)
-    return error(503, "unavailable", f"the slice store is unavailable: {e}")
+    if is_transient(e):
+        return error(503, "unavailable", f"the slice store is unavailable: {e}")
+    return error(500, "store_error", f"the slice store refused the request: {e}")
 
 
 class Guard:

@@ -1,0 +1,45 @@
+"""Which Redis errors may clear by themselves (`is_transient`): the server answers those 503 and
+the rest 500."""
+
+from __future__ import annotations
+
+import pytest
+from redis import exceptions
+
+from sluice.redis.loading import is_transient
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        exceptions.ConnectionError("Connection refused"),
+        exceptions.TimeoutError("Timeout reading from socket"),
+        exceptions.BusyLoadingError("LOADING Redis is loading the dataset in memory"),
+        exceptions.ResponseError("LOADING Redis is loading the dataset in memory"),
+        exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"),
+        exceptions.ResponseError("TRYAGAIN Multiple keys request during rehashing of slot"),
+        exceptions.ReadOnlyError("READONLY You can't write against a read only replica."),
+        exceptions.ResponseError("OOM command not allowed when used memory > 'maxmemory'."),
+        exceptions.ResponseError("BUSY Redis is busy running a script."),
+        exceptions.ResponseError("MASTERDOWN Link with MASTER is down"),
+        exceptions.SlotNotCoveredError("slot 7 is not covered"),
+    ],
+)
+def test_not_now(error: BaseException) -> None:
+    assert is_transient(error)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        exceptions.ResponseError(
+            "WRONGTYPE Operation against a key holding the wrong kind of value"
+        ),
+        exceptions.ResponseError("ERR wrong number of arguments for 'hmget' command"),
+        exceptions.DataError("Invalid input of type: 'NoneType'."),
+        exceptions.NoPermissionError("NOPERM this user has no permissions"),
+        exceptions.AuthenticationError("invalid username-password pair"),
+    ],
+)
+def test_never(error: BaseException) -> None:
+    assert not is_transient(error)
