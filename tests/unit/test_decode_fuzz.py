@@ -284,6 +284,8 @@ JSONL_CASES: list[tuple[str, bytes, str | None, str | None]] = [
      "out_of_range", "ts"),
     ("past 64 bits below for long", b'{"ts": -99999999999999999999, "card": "a", "amount": 1}',
      "out_of_range", "ts"),
+    ("one below long", b'{"ts": -9223372036854775809, "card": "a", "amount": 1}',
+     "out_of_range", "ts"),
     ("float for long", b'{"ts": 1.0, "card": "a", "amount": 1}', "bad_type", "ts"),
     ("string for boolean", b'{"ok": "true", "card": "a", "amount": 1}', "bad_type", "ok"),
     ("missing before bad", b'{"amount": "x"}', "missing_field", "card"),

@@ -217,8 +217,10 @@ def convert_json(value: Any, typ: str, name: str, max_bytes: int) -> Any:
         return value
     if typ in ("long", "int"):
         lo, hi = INT_RANGE[typ]
-        if isinstance(value, float) and value.is_integer() and not lo <= value <= hi:
-            # an integer past 64 bits, which the JSON parser reads as a double
+        # An integer past 64 bits, which the JSON parser reads as a double (one just below
+        # -2**63 rounds to -2**63.0, inside the range as a double).
+        past = isinstance(value, float) and value.is_integer()
+        if past and (abs(value) >= 2.0**63 or not lo <= value <= hi):
             raise Bad("out_of_range", name)
         if isinstance(value, bool) or not isinstance(value, int):
             raise Bad("bad_type", name)
