@@ -18,14 +18,23 @@ batch that does not balance is written again in place (the writes are idempotent
 after `audit.retries` replays the batch fails, so it is neither committed nor trimmed, and the
 restarted query replays it from the offset log.
 
+The source side of a batch's first attempt is the one its plan logged with the offsets, where the
+log's plan read the entries (`Log.planned_source`); the next attempts read the log again. The
+plan's side less a later read's is the events that left the log between the plan and the
+batch's read (an `XDEL`, a Redis failover that lost writes its old master had acknowledged):
+they are counted (`events_removed`) and logged, never waived in silence.
+
 Each attempt's result goes to the ledger (`status.ledger`), where the status views read it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from sluice.source.log import Admitted, Log
 
 
 def logged_batches(ckpt: Path, log_name: str) -> list[int]:
@@ -60,3 +69,28 @@ def writer_xors(rows: list[dict[str, Any]]) -> tuple[int, int]:
             fan ^= int(r["fan_x"]) & ((1 << 64) - 1)
             applied ^= int(r["applied_x"]) & ((1 << 64) - 1)
     return fan, applied
+
+
+class SourceSide(NamedTuple):
+    """A batch's audit source side, how long it took to get (ms), and the events its plan
+    admitted that a read of the log no longer found (0 when unknown)."""
+
+    admitted: Admitted
+    ms: float
+    removed: int
+
+
+def source_side(log: Log, offsets: tuple[dict[str, Any], dict[str, Any]],
+                reread: bool) -> SourceSide:  # fmt: skip
+    """The source side of the batch from `offsets` (start, end), as the plan logged it, else
+    (or with `reread`) read from the log again. A batch that did not balance reads it again for
+    its next attempt: a side planned before the batch ran holds records removed since, which the
+    batch's read, and a read now, no longer see."""
+    t0 = time.perf_counter()
+    spans = log.spans(*offsets)
+    planned = log.planned_source(spans, offsets[1])
+    if planned is not None and not reread:
+        return SourceSide(planned, (time.perf_counter() - t0) * 1000, 0)
+    admitted = log.admitted(spans)
+    removed = max(0, planned.events - admitted.events) if planned is not None else 0
+    return SourceSide(admitted, (time.perf_counter() - t0) * 1000, removed)

@@ -45,7 +45,7 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
 from sluice.errors import AuditError, PipelineError
 from sluice.flow.valves import StoreMonitor
-from sluice.pipeline.audit import batch_offsets, writer_xors
+from sluice.pipeline.audit import SourceSide, batch_offsets, source_side, writer_xors
 from sluice.pipeline.behind import (
     WriteBehind,
     describe,
@@ -67,7 +67,7 @@ from sluice.pipeline.query import Role, StreamQuery, query_name, record_folding
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, summarize, write_partition
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
-from sluice.source.log import Admitted, Log
+from sluice.source.log import Log
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
 from sluice.source.warm import ROWS_OPTION, WARM_FORMAT
@@ -258,7 +258,7 @@ class FoldQuery(StreamQuery):
         token: int,
         started: int,
         offsets: Offsets | None,
-        audit_source: Future[tuple[Admitted, float] | None],
+        audit_source: Future[SourceSide | None],
         write: Callable[[], list[dict[str, Any]]],
         wait_ms: float | None,
     ) -> dict[str, Any]:
@@ -310,6 +310,13 @@ class FoldQuery(StreamQuery):
             }
             counters += ["events_admitted", audit.events, "audit_replays", attempt - 1,
                          "audit_ok", 1]  # fmt: skip
+            if audit.removed:
+                rec["audit"]["events_removed"] = audit.removed
+                counters += ["events_removed", audit.removed]
+                log.warning("events left the log after the batch was planned, before it read"
+                            " them (an XDEL, or a Redis failover that lost acknowledged writes)",
+                            extra={"batch": batch_id, "events_removed": audit.removed,
+                                   "events_admitted": audit.events})  # fmt: skip
         self.record(rec, counters)
         if offsets is not None:
             write_mark(self.ckpt, batch_id)
@@ -361,37 +368,30 @@ class FoldQuery(StreamQuery):
 
     def _audit_source(
         self, batch_id: int, offsets: Offsets | None, reread: bool = False
-    ) -> tuple[Admitted, float] | None:
-        """The audit's source side and how long it took (ms), or None when it is off: the one
-        the plan logged with the offsets, else (or with `reread`) read from the log again. A
-        batch that did not balance reads it again for its next attempt: a side planned before
-        the batch ran holds records removed since (an XDEL, Kafka's retention), which the
-        batch's read, and a read now, no longer see. Runs in the audit thread, beside the
-        batch's Spark job."""
+    ) -> SourceSide | None:
+        """The audit's source side (`audit.source_side`), or None when it is off. Runs in the
+        audit thread, beside the batch's Spark job."""
         if not self.cfg.audit.enabled:
             return None
         if offsets is None:
             log.warning("batch not audited: no offset log entry", extra={"batch": batch_id})
             return None
-        t0 = time.perf_counter()
-        spans = self.log.spans(*offsets)
-        planned = None if reread else self.log.planned_source(spans, offsets[1])
-        admitted = planned or self.log.admitted(spans)
-        return admitted, (time.perf_counter() - t0) * 1000
+        return source_side(self.log, offsets, reread)
 
     def _audit(
         self,
         batch_id: int,
         attempt: int,
-        pending: Future[tuple[Admitted, float] | None],
+        pending: Future[SourceSide | None],
         rows: list[dict[str, Any]],
     ) -> AuditResult | None:
         source = pending.result()
         if source is None:
             return None
         fan, applied = writer_xors(rows)
-        a, ms = source
-        result = AuditResult(batch_id, attempt, a.xor, fan, applied, a.events, a.entries, ms)
+        a, ms, removed = source
+        result = AuditResult(batch_id, attempt, a.xor, fan, applied, a.events, a.entries, ms,
+                             removed)  # fmt: skip
         self.ledger.record(result)
         return result
 

@@ -29,6 +29,7 @@ class AuditResult:
     events: int  # admitted, as counted from the stream
     entries: int
     audit_ms: float
+    removed: int = 0  # admitted by the plan, gone from the log when read again
 
     @property
     def residual(self) -> int:

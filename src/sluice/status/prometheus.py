@@ -191,6 +191,11 @@ class StatusCollector(Collector):
         for name, field, doc in (
             ("sluice_events_produced", "events_produced", "Events sent by producers"),
             ("sluice_events_admitted", "events_admitted", "Events in committed batches"),
+            (
+                "sluice_events_removed",
+                "events_removed",
+                "Events that left the log between their batch's plan and its read",
+            ),
             ("sluice_events_in", "events_in", "Events decoded"),
             ("sluice_events_aggregated", "events_aggregated", "Events folded into slices"),
             ("sluice_batches", "batches", "Micro-batches committed"),

@@ -299,6 +299,7 @@ def audit_status(
         "failures": ledger.failures(5),
         "books": {
             "events_admitted": counters.get("events_admitted", 0),
+            "events_removed": counters.get("events_removed", 0),
             "events_in": events_in,
             "aggregated": aggregated,
             "dead_lettered": dead - expired,

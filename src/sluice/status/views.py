@@ -58,6 +58,11 @@ def format_status(st: dict[str, Any]) -> str:
         rows += [
             ("audit", verdict),
             ("events admitted", f"{b['events_admitted']:,}"),
+        ]
+        if b.get("events_removed"):
+            rows.append(("  removed before read", f"{b['events_removed']:,} (left the log after"
+                         " their batch was planned: an XDEL, a failover's loss)"))  # fmt: skip
+        rows += [
             (
                 "events in",
                 f"{b['events_in']:,}  {'= ' if b['balanced'] else '!= '}"

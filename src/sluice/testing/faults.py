@@ -51,6 +51,34 @@ class LoseOne:
 
 
 @dataclass(frozen=True)
+class RemoveFirst:
+    """An entry leaves the log after its batch was planned and read, as one a Redis failover
+    lost would: the first partition to claim `claim_key` deletes the oldest entry of `shard`
+    and writes nothing, so that the batch does not balance and is read again."""
+
+    url: str
+    claim_key: str
+    shard: str
+
+    def __call__(
+        self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        from sluice.redis.connection import client_for
+
+        rows = [b for b in batches if b.num_rows]
+        if rows:
+            client = client_for(self.url)
+            try:
+                if client.set(self.claim_key, 1, nx=True, ex=3600):
+                    ((oldest, _),) = client.xrange(self.shard, count=1)
+                    client.xdel(self.shard, oldest)
+                    rows = []
+            finally:
+                client.close()
+        yield from write_partition(ctx, iter(rows))
+
+
+@dataclass(frozen=True)
 class DropEvery:
     """A store that loses every `n`-th folded row of every partition."""
 
