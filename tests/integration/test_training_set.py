@@ -577,7 +577,10 @@ def test_a_spine_key_of_another_type_is_read_as_its_field(
     backfill(spark, cfg, str(path), metrics=["qty_txn"], until_ms=now_ms)
     t = slice_start(now_ms - 5 * 60_000, 10_000) - 1  # a slice's end: the store answers it
     qtys = events["qty"].value_counts().index[:3].tolist()
-    spine = pd.DataFrame({"qty": [float(q) for q in qtys] + [np.nan], "t": [t] * 4})
+    # The last rows: a gap, a fraction (cut, it would be another key's) and a row at the
+    # largest long (a "no end" marker), which counts nothing in its window.
+    spine = pd.DataFrame({"qty": [float(q) for q in qtys] + [np.nan, qtys[0] + 0.5, qtys[0]],
+                          "t": [t] * 5 + [2**63 - 1]})  # fmt: skip
     assert spine["qty"].dtype == np.float64
     feats = {"qty_txn": ["10m"]}
     offline = training_set(spark, cfg, spark.createDataFrame(spine), feats, ts="t",
@@ -587,14 +590,16 @@ def test_a_spine_key_of_another_type_is_read_as_its_field(
     for i, q in enumerate(qtys):
         want = int(((events["qty"] == q) & (events["ts"] >= lo) & (events["ts"] <= t)).sum())
         assert want > 0 and offline.loc[i, "qty_txn_10m"] == stored.loc[i, "qty_txn_10m"] == want
-    assert pd.isna(offline.loc[3, "qty_txn_10m"]) and pd.isna(stored.loc[3, "qty_txn_10m"])
-    assert list(stored.loc[3, UNANSWERED]) == ["qty_txn_10m: no time or key"]
-    odd = spark.createDataFrame(pd.DataFrame({"qty": ["7", "N/A", None, "8"],
-                                              "t": [t, t, t, t // 1000]}))  # fmt: skip
+    for i in (3, 4):
+        assert pd.isna(offline.loc[i, "qty_txn_10m"]) and pd.isna(stored.loc[i, "qty_txn_10m"])
+        assert list(stored.loc[i, UNANSWERED]) == ["qty_txn_10m: no time or key"]
+    assert offline.loc[5, "qty_txn_10m"] == 0
+    odd = spark.createDataFrame(pd.DataFrame({"qty": ["7", "N/A", None, "8", "6.5"],
+                                              "t": [t, t, t, t // 1000, t * 1000]}))  # fmt: skip
     said = spine_problems(odd, F.col("t"), "t", {"qty": "long"})
     assert f"1 rows have a 't' that looks like epoch seconds (e.g. {t // 1000})" in " ".join(said)
-    assert "1 rows have a key that is not of its field's type (e.g. N/A in 'qty' (not a" \
-        " long))" in " ".join(said)  # fmt: skip
+    assert f"1 rows have a 't' past the year 5000 (e.g. {t * 1000})" in " ".join(said)
+    assert "2 rows have a key that is not of its field's type" in " ".join(said)
     assert any("1 rows lack a key" in x for x in said)
 
 
@@ -630,6 +635,9 @@ def test_clear_errors(spark: Any, redis_url: str, tmp_path: Path) -> None:
     with pytest.raises(BadQuery, match="'sluice_unanswered', which a training set from the"):
         training_set(spark, cfg, spine.withColumn("sluice_unanswered", spine.t),
                      ["txn_count:1h"], ts="t")  # fmt: skip
+    with pytest.raises(BadQuery, match="already has columns TXN_COUNT_1H, which features would"):
+        training_set(spark, cfg, spine.withColumn("TXN_COUNT_1H", spine.t), ["txn_count:1h"],
+                     ts="t", events=ev)  # fmt: skip
     with pytest.raises(BadQuery, match="keys name 'card_no', which is no metric's key field"):
         training_set(spark, cfg, spine, ["txn_count:1h"], ts="t", keys={"card_no": "card"},
                      events=ev)  # fmt: skip

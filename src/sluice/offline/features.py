@@ -110,7 +110,8 @@ def events_reach(
         for name, ws in windows_by_metric(cfg, feats).items()
         for w in ws
     )
-    return TimeBounds(int(start), int(hi_ms) + 1)
+    # A row at the largest long (a "no end" marker) counts every event from `start` on.
+    return TimeBounds(int(start), int(hi_ms) + 1 if hi_ms < LONG_MAX else None)
 
 
 def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
@@ -124,7 +125,7 @@ def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
             spine, "to_numpy") else ""  # fmt: skip
         raise TypeError(f"the spine must be a Spark DataFrame, not {type(spine).__name__}{made}")
     have = set(spine.columns)
-    if ROW in have:
+    if ROW in {c.lower() for c in have}:
         raise BadQuery(f"the spine has a column {ROW!r}, a name Sluice uses for its own row ids:"
                        " rename it", "spine")  # fmt: skip
     if ts not in have:
@@ -158,9 +159,12 @@ def check_spine(cfg: Config, spine: DataFrame, ts: str, keys: Mapping[str, str],
                     f" (columns: {', '.join(spine.columns)})",
                     "key",
                 )
-    clash = [f.column for f in feats if f.column in have or f.column == ROW]
+    # Spark's column names are case-insensitive unless a session says otherwise.
+    folded = {c.lower(): c for c in have}
+    clash = [folded[f.column.lower()] for f in feats if f.column.lower() in folded]
     if clash:
-        raise BadQuery(f"the spine already has columns {', '.join(clash)}", "features")
+        raise BadQuery(f"the spine already has columns {', '.join(clash)}, which features would"
+                       " add (Spark's column names ignore case)", "features")  # fmt: skip
 
 
 def key_columns(cfg: Config, feats: list[Feature], keys: Mapping[str, str]) -> dict[str, str]:
@@ -178,8 +182,14 @@ def key_columns(cfg: Config, feats: list[Feature], keys: Mapping[str, str]) -> d
 def key_value(col: Column, spec: str) -> Column:
     """A spine's key column as its field's type (`spec`, from `source.schema`), as the live
     decoder types the field: the key the live writer built from it. A value that does not
-    convert is null (that row has no key)."""
-    return col.try_cast(spark_type(spec))
+    convert is null (that row has no key), and so is a fractional number for an integer
+    field: a cast would cut 6.5 to another entity's key 6 (6.0, as pandas writes the integers
+    of a column with a gap, is 6)."""
+    typ = spark_type(spec)
+    if typ not in ("bigint", "int"):
+        return col.try_cast(typ)
+    number = col.try_cast("double")
+    return F.when(number == F.floor(number), col.try_cast(typ))
 
 
 def key_text(col: Column, spec: str) -> Column:
@@ -187,8 +197,11 @@ def key_text(col: Column, spec: str) -> Column:
     return key_value(col, spec).cast("string")
 
 
-# A spine time before this many ms since the epoch (1973-03-03) is likely in seconds.
+# A spine time before this many ms since the epoch (1973-03-03) is likely in seconds; one
+# after this many (the year 5138), in micro- or nanoseconds.
 SECONDS_BELOW = 10**11
+FINER_ABOVE = 10**14
+LONG_MAX = 2**63 - 1
 
 
 def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, str]) -> list[str]:
@@ -213,6 +226,8 @@ def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, 
         F.first(F.coalesce(*bad_keys, F.lit(None)), True).alias("bad_key_e"),
         F.count_if((t > 0) & (t < SECONDS_BELOW)).alias("seconds"),
         F.first(F.when((t > 0) & (t < SECONDS_BELOW), t), True).alias("a_second"),
+        F.count_if((t > FINER_ABOVE) & (t < LONG_MAX)).alias("finer"),
+        F.first(F.when((t > FINER_ABOVE) & (t < LONG_MAX), t), True).alias("a_finer"),
         F.first(F.when(raw.isNotNull() & t.isNull(), raw.cast("string")), True).alias("bad"),
     ).first()
     if got is None:
@@ -231,6 +246,12 @@ def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, 
         out.append(
             f"{got['seconds']:,} rows have a {ts!r} that looks like epoch seconds (e.g."
             f" {got['a_second']}): times are read as epoch ms; multiply by 1000"
+        )
+    if got["finer"]:
+        out.append(
+            f"{got['finer']:,} rows have a {ts!r} past the year 5000 (e.g. {got['a_finer']}):"
+            " times are read as epoch ms; epoch microseconds or nanoseconds must be divided by"
+            " 1,000 or 1,000,000"
         )
     if got["no_key"]:
         out.append(f"{got['no_key']:,} rows lack a key ({' or '.join(key_cols)} is null):"
