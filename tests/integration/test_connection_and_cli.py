@@ -341,6 +341,73 @@ def test_the_last_process_using_the_embedded_server_stops_it(tmp_path: Path) -> 
         assert redis.Redis.from_url(again.url).get("written") == b"before"
 
 
+def _until(what: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def test_a_killed_embedded_server_is_started_again_on_its_port(tmp_path: Path) -> None:
+    """`kill -9` of the embedded server under a process that keeps it (`sluice run`, `serve`):
+    within seconds it answers again on the same URL, which every client of it (Spark's
+    executors among them) holds, with its data from the AOF."""
+    with open_redis(None, tmp_path, durability="strict") as handle:
+        server = handle.embedded
+        assert server is not None and server.keep and server.pid is not None
+        handle.client.set("written", "before")
+        first = server.pid
+        os.kill(first, signal.SIGKILL)
+        _until(lambda: server.pid != first and _answers(handle.url))
+        assert redis.Redis.from_url(handle.url).get("written") == b"before"
+        assert (tmp_path / "redis" / "redis.port").read_text() == str(server.port)
+    assert not _answers(handle.url)  # the last user stopped it, the keeper did not restart it
+
+
+def test_a_process_starting_after_the_server_died_uses_its_port(tmp_path: Path) -> None:
+    """A server killed with no keeper: the next process on the state_dir starts it on the port
+    its users hold, not on a new one they would never find."""
+    data_dir = tmp_path / "redis"
+    dead = EmbeddedRedis(data_dir).start()
+    assert dead.pid is not None
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.proc.wait()  # type: ignore[union-attr]
+    again = EmbeddedRedis(data_dir).start()
+    try:
+        assert again.owned and again.port == dead.port and _answers(again.url)
+    finally:
+        again.stop()  # `dead`'s user still holds it
+        assert _answers(again.url)
+        dead.stop()  # the last user: it stops the server another started on its port
+    assert not _answers(again.url)
+
+
+def test_a_frozen_embedded_server_is_waited_for_never_started_twice(tmp_path: Path) -> None:
+    """A server that accepts connections but does not answer (stopped, busy, loading): a second
+    server on its data would corrupt it. A keeper leaves it alone; a process starting on the
+    state_dir waits for it and says so if it never answers."""
+    data_dir = tmp_path / "redis"
+    with EmbeddedRedis(data_dir, keep=True) as server:
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RedisUnavailable, match="accepts connections but does not"):
+                EmbeddedRedis(data_dir).start(timeout_s=1.5)
+            time.sleep(1.5)  # more than a keeper's period
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert server.proc is not None and server.proc.poll() is None
+        with EmbeddedRedis(data_dir) as joined:
+            assert not joined.owned and joined.port == server.port
+
+
 def test_ctrl_c_while_a_command_starts_ends_it_as_sigint_does(tmp_path: Path) -> None:
     """A Ctrl-C before a command installs its own handling (here: `backfill` waiting on a
     Redis that accepted its connection and never answers) prints one line and exits 130, not

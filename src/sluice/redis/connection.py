@@ -139,7 +139,8 @@ def open_redis(url: str | None, state_dir: Path, durability: Durability = "defau
     left running.
     """
     if url is None:
-        server = EmbeddedRedis(Path(state_dir) / "redis", appendfsync=appendfsync_for(durability))
+        server = EmbeddedRedis(Path(state_dir) / "redis", appendfsync=appendfsync_for(durability),
+                               keep=True)  # fmt: skip
         handle = RedisHandle(server.start().url, server)
         where = f"the embedded redis under {server.data_dir}"
     else:

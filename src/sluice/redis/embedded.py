@@ -9,6 +9,13 @@ lock on `redis.users` while it does, and the last one to stop stops the server, 
 started it: `sluice run` stopping leaves the server to a `sluice serve` or a backfill still
 using it (a process killed with -9 loses its lock with it).
 
+A server that dies under its users (`kill -9`, the OOM killer) is started again from its AOF on
+the same port, so that every client's URL still reaches it: by any process that starts on the
+state_dir, and, within a second, by a process that keeps it (`keep=True`, as `sluice run`,
+`serve` and `demo` do). Nothing listening on the port is the sign, never a slow answer: a
+frozen or busy server still accepts connections, and a second server on its data would be
+worse than a wait.
+
 `url` (TCP) is for anything that may run elsewhere, Spark's executors among them; `local_url` is
 the socket where there is one, for clients that are surely on this machine (the query server's
 workers): a Unix socket costs both sides fewer cycles per round trip than loopback TCP.
@@ -18,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -36,6 +45,8 @@ from sluice.errors import RedisUnavailable
 
 APPENDFSYNC = ("everysec", "always", "no")
 SOCKET_PATH_MAX = 107  # bytes: a Unix socket's path and its NUL fill at most sun_path (108)
+KEEP_EVERY_S = 1.0  # how often a keeping process checks that its server still listens
+log = logging.getLogger(__name__)
 
 
 def find_server_binary() -> str:
@@ -65,10 +76,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(url: str) -> bool:
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _listening(port: int) -> bool:
+    """Whether anything accepts connections on 127.0.0.1:`port`. A frozen server still does
+    (the kernel accepts for it), so only a refusal says that nothing is there."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True  # a timeout or the like: something may be there; never start a second
+
+
+def _ping(url: str, loading_ok: bool = False) -> bool:
+    """Whether a Redis answers at `url` (with `loading_ok`, also one loading its data)."""
     try:
         with redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0) as c:
             return bool(c.ping())
+    except redis.exceptions.BusyLoadingError:
+        return loading_ok
     except (redis.RedisError, OSError):
         return False
 
@@ -128,6 +163,7 @@ class EmbeddedRedis:
         port: int | None = None,
         appendfsync: str = "everysec",
         extra_config: Sequence[str] = (),
+        keep: bool = False,
     ) -> None:
         if appendfsync not in APPENDFSYNC:
             raise ValueError(f"`appendfsync` must be one of {APPENDFSYNC}, got {appendfsync!r}")
@@ -139,6 +175,9 @@ class EmbeddedRedis:
         self.owned = False
         self._local_url: str | None = None
         self._use: IO[str] | None = None  # holds the shared lock on `redis.users` while used
+        self.keep = keep
+        self._done = threading.Event()  # set by stop(): the keeper starts nothing after it
+        self._keeper: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -182,7 +221,36 @@ class EmbeddedRedis:
             self._start(timeout_s)
             self._use = (self.data_dir / "redis.users").open("a")
             fcntl.flock(self._use, fcntl.LOCK_SH)
-            return self
+        if self.keep and self._keeper is None:
+            self._done.clear()
+            self._keeper = threading.Thread(target=self._keep, name="sluice-redis-keeper",
+                                            daemon=True)  # fmt: skip
+            self._keeper.start()
+        return self
+
+    def _keep(self) -> None:
+        while not self._done.wait(KEEP_EVERY_S):
+            try:
+                self.revive()
+            except Exception as e:  # noqa: BLE001 - tried again a second later
+                log.warning("cannot start the embedded redis-server again",
+                            extra={"error": str(e), "data_dir": str(self.data_dir)})  # fmt: skip
+
+    def revive(self, timeout_s: float = 60.0) -> bool:
+        """Start the server again from its data, on its port, if nothing listens there (it
+        died under its users); True if this call started it. Waits while it loads its AOF."""
+        if self.port is None or _listening(self.port):
+            return False
+        with self._turn():
+            if self._done.is_set() or _listening(self.port):
+                return False  # stopped meanwhile, or another process started it first
+            if self.proc is not None:
+                self.proc.poll()  # reap the dead one
+            log.warning("the embedded redis-server is gone; starting it again from its data on"
+                        " the same port", extra={"port": self.port,
+                                                 "data_dir": str(self.data_dir)})  # fmt: skip
+            self._launch(timeout_s)
+            return True
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:
@@ -196,12 +264,36 @@ class EmbeddedRedis:
         if self.port is None and port_file.exists():
             with contextlib.suppress(ValueError):
                 self.port = int(port_file.read_text().strip())
-                if _ping(self.url):
-                    self._find_socket()
-                    return self  # another Sluice process runs it; share, do not own
-            self.port = None
+            if self.port is not None and _listening(self.port):
+                self._await_server(timeout_s)
+                self._find_socket()
+                return self  # another Sluice process runs it; share, do not own
+            # Nothing there: the server died under its users. Again on its port, where their
+            # URLs point, unless another program took it.
+            if self.port is not None and not _port_free(self.port):
+                self.port = None
         if self.port is None:
             self.port = _free_port()
+        return self._launch(timeout_s)
+
+    def _await_server(self, timeout_s: float) -> None:
+        """Wait for the server the port file names to answer (it may be loading its AOF, or
+        busy). A second server on the same data would corrupt it, so one that never answers
+        is an error, not a reason to start another."""
+        deadline = time.monotonic() + timeout_s
+        while not _ping(self.url, loading_ok=True):
+            if time.monotonic() > deadline:
+                raise RedisUnavailable(
+                    f"port {self.port}, named in {self._port_file()}, accepts connections but"
+                    f" does not answer as Redis within {timeout_s:.0f}s. If no redis-server runs"
+                    f" on {self.data_dir}, another program holds the port: remove that file"
+                )
+            time.sleep(0.1)
+
+    def _launch(self, timeout_s: float) -> EmbeddedRedis:
+        """Write redis.conf for `self.port` and start the server on it; wait until it answers."""
+        assert self.port is not None
+        port_file = self._port_file()
         conf = self.data_dir / "redis.conf"
         sock = self._socket()
         listen = [] if sock is None else [f'unixsocket "{sock}"', "unixsocketperm 700"]
@@ -237,22 +329,27 @@ class EmbeddedRedis:
         except OSError as e:
             raise RedisUnavailable(f"cannot start embedded redis-server {binary!r}: {e}") from e
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while True:
             if self.proc.poll() is not None:
                 err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(
                     errors="replace"
                 )
-                log = self.data_dir / "redis.log"
-                tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                logfile = self.data_dir / "redis.log"
+                tail = logfile.read_text(errors="replace")[-800:] if logfile.exists() else ""
                 raise RedisUnavailable(
                     f"embedded redis-server exited with code {self.proc.returncode}: "
                     f"{err.strip() or tail.strip()}"
                 )
-            if _ping(self.url):
+            late = time.monotonic() >= deadline
+            # Still loading a large AOF at the deadline: its users wait for it (they all wait
+            # while Redis loads), rather than the server being stopped half loaded.
+            if _ping(self.url, loading_ok=late):
                 self.owned = True
                 port_file.write_text(str(self.port))
                 self._find_socket()
                 return self
+            if late:
+                break
             time.sleep(0.05)
         shutdown(self.proc, self.port, nosave=True)  # a server that never answered is no one's
         self.proc = None
@@ -261,6 +358,10 @@ class EmbeddedRedis:
     def stop(self) -> None:
         """Stop using the server; stop the server too (SHUTDOWN, so the AOF is flushed) if no
         other process uses it, whether this object started it or joined it."""
+        self._done.set()
+        if self._keeper is not None:
+            self._keeper.join(30)
+            self._keeper = None
         if self._use is None and (self.proc is None or not self.owned):
             return
         with self._turn():
@@ -273,9 +374,9 @@ class EmbeddedRedis:
                 self._use.close()
                 self._use = None
             if last:
-                if self.proc is not None:
+                if self.proc is not None and self.proc.poll() is None:
                     shutdown(self.proc, self.port, nosave=False)
-                else:
+                else:  # joined, or started again by another process after this one's died
                     _shutdown_joined(self.port)
                 with contextlib.suppress(FileNotFoundError):
                     if self._port_file().read_text().strip() == str(self.port):
