@@ -330,6 +330,19 @@ def test_a_store_error_no_retry_clears_is_500_not_503(r: redis.Redis, api: TestC
     assert api.get("/v1/metrics/txn_count", params={**params, "key": "c2"}).status_code == 200
 
 
+def test_a_redis_out_of_memory_is_503(r: redis.Redis, api: TestClient) -> None:
+    """A real server's OOM reply (redis-py raises its own class and drops the code): a write
+    refused now may be taken later, so 503, as for a server that is down."""
+    now = time.time_ns() // 1_000_000
+    body = [{"ts": now, "card": "c1", "merchant": "m1", "amount": 1.0, "qty": 1}]
+    r.config_set("maxmemory", "1")
+    try:
+        _error(api.post("/v1/events", json=body), 503, "maxmemory")
+    finally:
+        r.config_set("maxmemory", "0")
+    assert api.post("/v1/events", json=body).status_code == 202
+
+
 def test_python_client_over_a_real_socket(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     _seed(r)
     app = create_app(make_config(redis_url, tmp_path), r)

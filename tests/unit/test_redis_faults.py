@@ -23,6 +23,14 @@ from sluice.redis.loading import is_transient
         exceptions.ResponseError("BUSY Redis is busy running a script."),
         exceptions.ResponseError("MASTERDOWN Link with MASTER is down"),
         exceptions.SlotNotCoveredError("slot 7 is not covered"),
+        # As redis-py raises them: its own class, the code dropped from the message.
+        exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+        exceptions.ReadOnlyError("You can't write against a read only replica."),
+        exceptions.TryAgainError("Multiple keys request during rehashing of slot"),
+        exceptions.ClusterDownError("The cluster is down"),
+        exceptions.MasterDownError("Link with MASTER is down"),
+        exceptions.MovedError("3999 127.0.0.1:6381"),
+        exceptions.ClusterError("TTL exhausted."),
     ],
 )
 def test_not_now(error: BaseException) -> None:
@@ -39,6 +47,10 @@ def test_not_now(error: BaseException) -> None:
         exceptions.DataError("Invalid input of type: 'NoneType'."),
         exceptions.NoPermissionError("NOPERM this user has no permissions"),
         exceptions.AuthenticationError("invalid username-password pair"),
+        exceptions.ResponseError("BUSYGROUP Consumer Group name already exists"),
+        exceptions.ResponseError("BUSYKEY Target key name already exists."),
+        exceptions.ClusterCrossSlotError("Keys in request don't hash to the same slot"),
+        exceptions.RedisClusterException("Keys in request don't hash to the same slot"),
     ],
 )
 def test_never(error: BaseException) -> None:

@@ -18,13 +18,18 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
+    ClusterError,
     ConnectionError,
-    RedisClusterException,
+    OutOfMemoryError,
+    ReadOnlyError,
     ResponseError,
+    SlotNotCoveredError,
     TimeoutError,
+    TryAgainError,
 )
 
 LOADING = "loading"  # the reason a waiting log or a 503 gives
@@ -81,19 +86,23 @@ def wait_while_loading(
 
 
 # Error replies that say "not now" (a failover, a full memory, a busy script, a migrating slot)
-# rather than "never": a retry may succeed.
-_TRANSIENT_REPLIES = ("BUSY", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "MASTERDOWN", "OOM",
-                      "NOREPLICAS", "MOVED", "ASK", "LOADING")  # fmt: skip
+# rather than "never": a retry may succeed. redis-py raises its own class for some of them and
+# drops the code from the message; a raw reply (the multiplexed client's) keeps it.
+_TRANSIENT_CODES = frozenset({"BUSY", "CLUSTERDOWN", "TRYAGAIN", "READONLY", "MASTERDOWN", "OOM",
+                              "NOREPLICAS", "MOVED", "ASK", "LOADING"})  # fmt: skip
+_TRANSIENT_CLASSES = (ConnectionError, TimeoutError, OutOfMemoryError, ReadOnlyError,
+                      ClusterError, TryAgainError, AskError, SlotNotCoveredError)  # fmt: skip
 
 
 def is_transient(e: BaseException) -> bool:
     """Whether a Redis error may clear by itself: no connection, a timeout, or an error reply
     from a server that cannot answer now. Everything else (`WRONGTYPE` on a key some other
-    program wrote, a command the client got wrong) is answered the same on every retry."""
+    program wrote, a command the client got wrong, keys in two slots) is answered the same on
+    every retry."""
     if isinstance(e, AuthenticationError | AuthorizationError):
         return False  # a wrong password stays wrong
-    if isinstance(e, ConnectionError | TimeoutError | RedisClusterException):
+    if isinstance(e, _TRANSIENT_CLASSES):
         return True
     if isinstance(e, ResponseError):
-        return str(e).startswith(_TRANSIENT_REPLIES)
+        return str(e).split(" ", 1)[0] in _TRANSIENT_CODES
     return False
