@@ -371,12 +371,31 @@ def test_a_killed_embedded_server_is_started_again_on_its_port(tmp_path: Path) -
     assert not _answers(handle.url)  # the last user stopped it, the keeper did not restart it
 
 
+def _servers_on(data_dir: Path) -> list[int]:
+    """The redis-server processes whose working directory is `data_dir`."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and b"redis-server" in (proc / "cmdline").read_bytes()
+                and (Path(os.readlink(proc / "cwd")).resolve() == data_dir.resolve())
+            ):
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
 def test_a_process_starting_after_the_server_died_uses_its_port(tmp_path: Path) -> None:
-    """A server killed with no keeper: the next process on the state_dir starts it on the port
-    its users hold, not on a new one they would never find."""
+    """A server killed with no keeper, while a client was connected (its closing connections
+    hold the port for a minute): the next process on the state_dir starts it on the port its
+    users hold, not on a new one they would never find."""
     data_dir = tmp_path / "redis"
     dead = EmbeddedRedis(data_dir).start()
     assert dead.pid is not None
+    connected = redis.Redis.from_url(dead.url)
+    assert connected.ping()
     os.kill(dead.pid, signal.SIGKILL)
     dead.proc.wait()  # type: ignore[union-attr]
     again = EmbeddedRedis(data_dir).start()
@@ -386,7 +405,28 @@ def test_a_process_starting_after_the_server_died_uses_its_port(tmp_path: Path) 
         again.stop()  # `dead`'s user still holds it
         assert _answers(again.url)
         dead.stop()  # the last user: it stops the server another started on its port
+        connected.close()
     assert not _answers(again.url)
+
+
+def test_a_keeper_and_a_starting_process_never_run_two_servers(tmp_path: Path) -> None:
+    """The server dies under a process that keeps it, and another process starts on the
+    state_dir at once: whichever is first starts it, on its port, and there is one server."""
+    data_dir = tmp_path / "redis"
+    with EmbeddedRedis(data_dir, keep=True) as kept:
+        assert kept.pid is not None and kept.port is not None
+        connected = redis.Redis.from_url(kept.url)
+        assert connected.ping()
+        os.kill(kept.pid, signal.SIGKILL)
+        other = EmbeddedRedis(data_dir).start()
+        try:
+            assert other.port == kept.port
+            time.sleep(2.5)  # the keeper's turns come and go
+            assert len(_servers_on(data_dir)) == 1 and _answers(kept.url)
+        finally:
+            other.stop()
+            connected.close()
+    assert _servers_on(data_dir) == []
 
 
 def test_a_frozen_embedded_server_is_waited_for_never_started_twice(tmp_path: Path) -> None:

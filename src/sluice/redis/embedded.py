@@ -77,7 +77,10 @@ def _free_port() -> int:
 
 
 def _port_free(port: int) -> bool:
+    """Whether redis-server could listen on `port`: bound as it binds (SO_REUSEADDR), so that
+    the closing connections a killed server leaves for a minute do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -229,12 +232,34 @@ class EmbeddedRedis:
         return self
 
     def _keep(self) -> None:
-        while not self._done.wait(KEEP_EVERY_S):
+        wait_s = KEEP_EVERY_S
+        while not self._done.wait(wait_s):
             try:
                 self.revive()
-            except Exception as e:  # noqa: BLE001 - tried again a second later
+                wait_s = KEEP_EVERY_S
+            except Exception as e:  # noqa: BLE001 - tried again, less often each time
+                wait_s = min(30.0, wait_s * 2)
                 log.warning("cannot start the embedded redis-server again",
-                            extra={"error": str(e), "data_dir": str(self.data_dir)})  # fmt: skip
+                            extra={"error": str(e), "data_dir": str(self.data_dir),
+                                   "retry_in_s": wait_s})  # fmt: skip
+
+    def _server_pid(self) -> int | None:
+        """The pid of a redis-server running on this data_dir, from the pidfile it writes (a
+        stale one, left by a killed server, names no such process), else None."""
+        try:
+            pid = int((self.data_dir / "redis.pid").read_text().strip())
+            os.kill(pid, 0)
+        except (OSError, ValueError):
+            return None
+        proc = Path(f"/proc/{pid}")
+        if not proc.exists():
+            return pid  # no /proc to check with: a live pid is taken as the server
+        try:
+            cwd = Path(os.readlink(proc / "cwd")).resolve()
+            ours = b"redis-server" in (proc / "cmdline").read_bytes()
+        except OSError:
+            return None  # gone meanwhile
+        return pid if ours and cwd == self.data_dir.resolve() else None
 
     def revive(self, timeout_s: float = 60.0) -> bool:
         """Start the server again from its data, on its port, if nothing listens there (it
@@ -246,6 +271,15 @@ class EmbeddedRedis:
                 return False  # stopped meanwhile, or another process started it first
             if self.proc is not None:
                 self.proc.poll()  # reap the dead one
+            alive = self._server_pid()
+            if alive is not None:
+                raise RedisUnavailable(
+                    f"nothing listens on port {self.port}, but redis-server (pid {alive}) still"
+                    f" runs on {self.data_dir}; not starting a second one on its data"
+                )
+            with contextlib.suppress(OSError):  # as strict as it ran, whoever started it
+                if "appendfsync always" in (self.data_dir / "redis.conf").read_text():
+                    self.appendfsync = "always"
             log.warning("the embedded redis-server is gone; starting it again from its data on"
                         " the same port", extra={"port": self.port,
                                                  "data_dir": str(self.data_dir)})  # fmt: skip
@@ -294,6 +328,12 @@ class EmbeddedRedis:
         """Write redis.conf for `self.port` and start the server on it; wait until it answers."""
         assert self.port is not None
         port_file = self._port_file()
+        alive = self._server_pid()
+        if alive is not None:  # never a second server on one AOF
+            raise RedisUnavailable(
+                f"redis-server (pid {alive}) already runs on {self.data_dir} but does not answer"
+                f" on port {self.port}; stop it, or wait for it"
+            )
         conf = self.data_dir / "redis.conf"
         sock = self._socket()
         listen = [] if sock is None else [f'unixsocket "{sock}"', "unixsocketperm 700"]
@@ -306,6 +346,7 @@ class EmbeddedRedis:
                     "appendonly yes",
                     f"appendfsync {self.appendfsync}",
                     'appendfilename "appendonly.aof"',
+                    f'pidfile "{self.data_dir.resolve() / "redis.pid"}"',
                     'save ""',
                     "daemonize no",
                     "protected-mode yes",
@@ -378,8 +419,12 @@ class EmbeddedRedis:
                     shutdown(self.proc, self.port, nosave=False)
                 else:  # joined, or started again by another process after this one's died
                     _shutdown_joined(self.port)
+                # A server that did not stop (frozen: SHUTDOWN timed out) keeps its port file,
+                # so that the next process waits for it rather than starting another.
                 with contextlib.suppress(FileNotFoundError):
-                    if self._port_file().read_text().strip() == str(self.port):
+                    if self._port_file().read_text().strip() == str(self.port) and not (
+                        self.port is not None and _listening(self.port)
+                    ):
                         self._port_file().unlink()
         self.owned = False
         self.proc = None
