@@ -122,6 +122,42 @@ def test_bad_records_are_dead_lettered_with_their_position_and_neighbours_go_on(
     assert all(it["topic"] == kafka_topic and it["partition"] == 0 for it in items)
 
 
+def test_start_latest_counts_only_what_came_after_and_every_audit_balances(
+    spark: Any,
+    kafka_broker: KafkaBroker,
+    kafka_topic: str,
+    r: redis.Redis,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """`start: latest` on a topic that already holds records: the first batch begins at the
+    topic's end, and so does its audit (its source side read from offset 0 before, so batch 0
+    never balanced and the pipeline restarted for good)."""
+    cfg = kafka_config(redis_url, tmp_path, kafka_broker, kafka_topic, "json",
+                       source={"kafka": {"start": "latest"}})  # fmt: skip
+    producer = kafka_broker.producer()
+    for i in range(60):
+        producer.produce(kafka_topic, orjson.dumps(_event(i, "old")), partition=i % 2)
+    producer.flush(30)
+    fold = FoldQuery(cfg, RedisHandle(redis_url), spark)
+    fold.start()
+    try:
+        assert fold.wait_idle(120)
+        for i in range(40):
+            producer.produce(kafka_topic, orjson.dumps(_event(i, "new")), partition=i % 2)
+        producer.flush(30)
+        wait_until(lambda: int(r.hget(STATS_KEY, "events_in") or 0) >= 40, 120, "40 events")
+        assert fold.wait_idle(120)
+    finally:
+        fold.stop()
+    engine = QueryEngine(cfg, r)
+    assert engine.query("txn_count", "new", "1h", NOW + 3_600_000)["value"] == 40
+    assert engine.query("txn_count", "old", "1h", NOW + 3_600_000)["value"] in (0, None)
+    stats = {k.decode(): int(v) for k, v in r.hgetall(STATS_KEY).items() if v.isdigit()}
+    assert stats["events_in"] == stats["events_admitted"] == 40
+    assert stats["audit_ok"] == stats["batches"] and "audit_failed" not in stats
+
+
 def test_an_unreachable_broker_keeps_the_pipeline_waiting_and_it_goes_on_when_it_is_back(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:

@@ -34,7 +34,12 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sluice.files import read_text
 from sluice.source.log import Admitted, Log
+from sluice.source.reader import START_FILE
+
+# Where each log's offset dict keeps its positions (`Log.OFFSETS_FIELD`: streams, Kafka).
+OFFSETS_FIELDS = ("ids", "offsets")
 
 
 def logged_batches(ckpt: Path, log_name: str) -> list[int]:
@@ -44,12 +49,19 @@ def logged_batches(ckpt: Path, log_name: str) -> list[int]:
 
 def batch_offsets(ckpt: Path, batch_id: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(start, end) offsets of a batch, as the source logged them in Spark's offset log
-    (written before the batch ran); the start of batch 0 is {}."""
+    (written before the batch ran). Batch 0 starts where the source began the checkpoint, as
+    it kept it beside (`START_FILE`: a Kafka topic's `start: latest`, or its earliest offset
+    after retention); {} (each log's origin) for a checkpoint with no such file."""
     end = _logged(ckpt / "offsets" / str(batch_id))
     if end is None:
         raise FileNotFoundError(f"no offset log entry for batch {batch_id} under {ckpt}")
-    start = _logged(ckpt / "offsets" / str(batch_id - 1)) if batch_id > 0 else None
-    return (start or {}), end
+    if batch_id > 0:
+        return (_logged(ckpt / "offsets" / str(batch_id - 1)) or {}), end
+    kept = read_text(ckpt / START_FILE)
+    if kept is None:
+        return {}, end
+    positions = json.loads(kept)
+    return {field: positions for field in OFFSETS_FIELDS if field in end}, end
 
 
 def _logged(path: Path) -> dict[str, Any] | None:
