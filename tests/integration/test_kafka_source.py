@@ -158,6 +158,32 @@ def test_start_latest_counts_only_what_came_after_and_every_audit_balances(
     assert stats["audit_ok"] == stats["batches"] and "audit_failed" not in stats
 
 
+def test_a_span_past_the_partitions_end_is_read_as_lost_not_waited_for(
+    kafka_broker: KafkaBroker, kafka_topic: str, redis_url: str, tmp_path: Path
+) -> None:
+    """A batch planned over records that are gone since (the topic created again, the partition
+    truncated): once its read stalls on a partition that ends before the span, the rest is one
+    lost run, which the decoder dead-letters. It used to wait for them for ever."""
+    from sluice.source.kafka_records import read_span
+
+    cfg = kafka_config(redis_url, tmp_path, kafka_broker, kafka_topic, "json")
+    spec = SourceOptions.from_config(cfg, redis_url).log
+    producer = kafka_broker.producer()
+    for i in range(5):
+        producer.produce(kafka_topic, orjson.dumps(_event(i)), partition=0)
+    producer.flush(30)
+
+    def read(lo: int, hi: int) -> list[Any]:
+        out: list[Any] = []
+        for recs in read_span(spec, 0, lo, hi, "test", stall_s=0.5, sleep=lambda _: None):
+            out += [("lost", recs.lost)] if recs.lost else recs.offsets
+        return out
+
+    assert read(3, 9) == [3, 4, ("lost", (5, 9))]
+    assert read(7, 9) == [("lost", (7, 9))]
+    assert read(0, 5) == [0, 1, 2, 3, 4]  # a span the partition holds is read whole
+
+
 def test_an_unreachable_broker_keeps_the_pipeline_waiting_and_it_goes_on_when_it_is_back(
     spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:

@@ -8,7 +8,10 @@ record at or past `hi - 1` arrives, or the partition's end is reported at or pas
 Consumers are kept per process and per configuration (Python workers serve many tasks). A read
 that cannot go on (the broker is unreachable, the topic is gone) waits and tries again, calling
 `on_wait` with a reason, and never gives up on its own: the records of a logged batch are the
-batch, and the pipeline shows that it waits (see `source.reader`).
+batch, and the pipeline shows that it waits (see `source.reader`). Only the broker's own word
+ends a wait short: records below the partition's first offset were deleted (retention), and a
+partition that now ends before the span does was truncated or created again; either run is
+one `lost` record, which the decoder dead-letters (`lost_records`) and the audit counts alike.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def topic_partitions(client: Any, spec: KafkaSpec, timeout_s: float) -> list[int
 class Records:
     """One chunk of a partition's records, in offset order. `lost`: a run of offsets
     [lost[0], lost[1]) that the broker no longer holds (deleted by retention before they were
-    read); then the other lists are empty."""
+    read, or past the end of a partition truncated or created again since the batch was
+    planned); then the other lists are empty."""
 
     values: list[bytes | None]
     offsets: list[int]
@@ -148,9 +152,8 @@ def read_span(
                         done = True
                     continue
                 if code == KafkaError._AUTO_OFFSET_RESET:
-                    low = _low_watermark(consumer, spec.topic, partition)
-                    if low is not None and low > pos:
-                        lost_to = min(low, hi)  # deleted before they were read
+                    lost_to = _gone_to(consumer, spec.topic, partition, pos, hi)
+                    if lost_to is not None:
                         break
                 trouble = str(err)
                 continue
@@ -181,6 +184,14 @@ def read_span(
         if done:
             return
         stalled = time.monotonic() - last_progress > stall_s
+        if stalled and (gone := _gone_to(consumer, spec.topic, partition, pos, hi)) is not None:
+            yield Records([], [], [], (pos, gone))  # the partition ends before them now
+            pos = gone
+            if pos >= hi:
+                return
+            consumer.assign([TopicPartition(spec.topic, partition, pos)])
+            last_progress = time.monotonic()
+            continue
         if trouble is not None or stalled:
             reason = trouble or f"no record of {spec.topic}:{partition} at {pos} for {stall_s}s"
             if on_wait is not None:
@@ -196,9 +207,22 @@ def read_span(
             consumer.assign([TopicPartition(spec.topic, partition, pos)])
 
 
-def _low_watermark(consumer: Any, topic: str, partition: int) -> int | None:
+def _gone_to(consumer: Any, topic: str, partition: int, pos: int, hi: int) -> int | None:
+    """Where the run of records from `pos` that the broker no longer holds ends, or None if
+    it holds the record at `pos` (or cannot say now). Deleted by retention: up to the
+    partition's first offset. Past its end, where offsets never go back but for a partition
+    truncated or a topic created again: to `hi`, the whole rest of the span, since offsets a
+    new topic reuses are other records (its plan reads the partition again from its start)."""
     try:
-        low, _ = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=5)
+        low, high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=5, cached=False
+        )
     except Exception:  # noqa: BLE001 - unknown: treated as a transient fault by the caller
         return None
-    return int(low) if low >= 0 else None
+    if low < 0 or high < 0:
+        return None
+    if high < hi:
+        return hi
+    if low > pos:
+        return min(int(low), hi)
+    return None
