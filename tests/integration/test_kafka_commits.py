@@ -138,6 +138,26 @@ def test_the_group_ends_at_the_readers_floor_in_redis(
         b.close()
 
 
+def test_a_partition_read_again_from_its_start_moves_its_offsets_back(
+    r: redis.Redis, redis_url: str, kafka_broker: KafkaBroker, kafka_topic: str
+) -> None:
+    """A topic created again is read from its start (the batch's `from`): the reader's offset
+    in Redis and the group's go back with it, so the lag counts the new topic's records again
+    instead of reading 0 until the new topic passes the old offsets."""
+    spec = KafkaSpec(kafka_broker.bootstrap, kafka_topic, f"sluice-{kafka_topic}")
+    log = _log(redis_url, r, spec)
+    try:
+        log.release({"0": 40, "1": 50})
+        wait_until(lambda: _group_offsets(spec) == [40, 50], 30, "the group at 40, 50", 0.2)
+        log.release({"0": 3, "1": 60}, reset=["0"])
+        assert _redis_offsets(r, kafka_topic, "") == [3, 60]
+        wait_until(lambda: _group_offsets(spec) == [3, 60], 30, "the group at 3, 60", 0.2)
+        log.release({"0": 2, "1": 55})  # no reset: they never move back
+        assert _redis_offsets(r, kafka_topic, "") == [3, 60]
+    finally:
+        log.close()
+
+
 def test_a_stale_commit_landing_last_is_made_good(
     r: redis.Redis, redis_url: str, kafka_broker: KafkaBroker, kafka_topic: str
 ) -> None:

@@ -434,7 +434,7 @@ class FoldQuery(StreamQuery):
         """Release a written batch's input (write-behind: the source does not)."""
         if self._releaser is None:
             self._releaser = open_log(self.source_options(), self.redis.client)
-        self._releaser.release(end.get(self._releaser.OFFSETS_FIELD) or {})
+        self._releaser.release(end.get(self._releaser.OFFSETS_FIELD) or {}, [*end.get("from", {})])
 
     def _settle(self) -> None:
         """Finish the write in flight; a failure is logged (the restart replays the batch)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -374,25 +374,28 @@ class KafkaLog(Log):
             )
         return self._lookup
 
-    def release(self, end: Mapping[str, Position]) -> None:
+    def release(self, end: Mapping[str, Position], reset: Sequence[str] = ()) -> None:
         """Keep this reader's offsets in Redis, and have the smallest over the topic's readers,
         per partition, committed to `group_id` by the commit thread (`source.kafka_commits`).
+        Offsets only move forward, but in the `reset` partitions (created again: their lag
+        and the group's offsets would otherwise stay past the new end).
         Returns once Redis holds them; the commit never holds up the caller, and a failed one
         is tried again in the background: the offsets only say how far Sluice got, they never
         decide what it reads. Raises what the Redis client raises."""
         if not end:
             return
         self._ends = {**self._ends, **end}
-        low = self._floors(end)
+        low = self._floors(end, reset)
         if self._commits is None:
             self._commits = Committer(
                 self.spec, lambda: self._floors(self._ends), self.commit_timeout_s
             )
-        self._commits.offer(low)
+        self._commits.offer(low, {int(s) for s in reset})
 
-    def _floors(self, end: Mapping[str, Position]) -> dict[int, int]:
-        """Record this reader's offsets `end` (they only move forward), and return the smallest
-        offset over the readers of each partition that every reader has released."""
+    def _floors(self, end: Mapping[str, Position], reset: Sequence[str] = ()) -> dict[int, int]:
+        """Record this reader's offsets `end` (they only move forward, but in `reset`), and
+        return the smallest offset over the readers of each partition that every reader has
+        released."""
         client = self._client()
         shards = sorted(end, key=int)
 
@@ -402,7 +405,7 @@ class KafkaLog(Log):
                 names = self.opts.readers_of(s)
                 evalsha_on(
                     pipe, RELEASE_OFFSET, [reader_hash(self.spec.topic, s)],
-                    [self.opts.reader, int(end[s]), *names],
+                    [self.opts.reader, int(end[s]), int(s in reset), *names],
                 )  # fmt: skip
             return pipe.execute()
 

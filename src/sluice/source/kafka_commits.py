@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -64,9 +64,13 @@ class Committer:
         self._thread = threading.Thread(target=self._run, name="sluice-kafka-commits", daemon=True)
         self._thread.start()
 
-    def offer(self, offsets: Mapping[int, int]) -> None:
-        """Have `offsets` (partition -> offset) committed; returns at once."""
+    def offer(self, offsets: Mapping[int, int], reset: Collection[int] = ()) -> None:
+        """Have `offsets` (partition -> offset) committed; returns at once. Offsets only move
+        forward, but in the `reset` partitions (read again from their start)."""
         with self._cond:
+            for p in reset:
+                self._wanted.pop(p, None)
+                self._committed.pop(p, None)
             self._merge(offsets)
             self._cond.notify_all()
 

@@ -178,10 +178,12 @@ class Log(ABC):
         reader)."""
 
     @abstractmethod
-    def release(self, end: Mapping[str, Position]) -> None:
+    def release(self, end: Mapping[str, Position], reset: Sequence[str] = ()) -> None:
         """Everything before `end` is committed by this reader: record it, and do the log's
         housekeeping (Redis: trim up to the slowest reader; Kafka: commit the group's
-        offsets). Idempotent."""
+        offsets). `reset`: shards whose positions went back (a Kafka partition read again
+        from its start, `Plan.first`), where `end` may be below what was released before.
+        Idempotent."""
 
     # -- executor side ----------------------------------------------------------------------
 

@@ -213,7 +213,7 @@ class LogStreamReader(DataSourceStreamReader):
         if end == self._released or not self.opts.release:
             return
         try:
-            self.log.release(end.get(self.field) or {})
+            self.log.release(end.get(self.field) or {}, list(end.get("from") or {}))
         except LogUnavailable as e:
             self.state.waiting(e.reason, str(e))
             return

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -337,7 +337,7 @@ class RedisStreamsLog(Log):
 
     # -- housekeeping -------------------------------------------------------------------------
 
-    def release(self, end: Mapping[str, Position]) -> None:
+    def release(self, end: Mapping[str, Position], reset: Sequence[str] = ()) -> None:
         """Record this reader's committed ids and trim each shard up to the slowest reader of
         it (see release.lua; idempotent)."""
         client = self._client()
