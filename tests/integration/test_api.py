@@ -267,7 +267,7 @@ def test_status_health_and_prometheus(api: TestClient) -> None:
 
 
 def test_healthz_is_503_while_the_pipeline_keeps_failing(
-    api: TestClient, r: redis.Redis, tmp_path: Path
+    api: TestClient, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     from sluice.clock import SYSTEM_CLOCK
     from sluice.pipeline.health import FAILING_AFTER, Health
@@ -288,6 +288,14 @@ def test_healthz_is_503_while_the_pipeline_keeps_failing(
     status = api.get("/v1/status").json()["pipeline"]
     assert status["state"] == "failing" and status["consecutive_failures"] == FAILING_AFTER
     health.recovered()
+    assert api.get("/healthz").json()["pipeline"] == "running"
+    from sluice.source.waiting import LogState
+
+    log_state = LogState(redis_url, "spark")
+    log_state.waiting("no_topic", "topic 'pay' does not exist")  # as /v1/status says it
+    assert api.get("/healthz").json()["pipeline"] == "waiting_for_log"
+    assert api.get("/v1/status").json()["pipeline"]["state"] == "waiting_for_log"
+    log_state.ok()
     assert api.get("/healthz").json()["pipeline"] == "running"
     lease.release()
     assert api.get("/healthz").json()["pipeline"] == "not_running"

@@ -31,6 +31,7 @@ from sluice.server.params import (
 )
 from sluice.source.admission import ingest_valve
 from sluice.source.producer import Producer
+from sluice.source.waiting import read_log_state
 from sluice.status.dead_letters import read_dead_letters
 from sluice.status.freshness import read_histogram
 from sluice.status.history import read_history
@@ -178,7 +179,10 @@ def healthz(request: Request) -> Response:
         api.client.ping()
         now_ms = api.clock.now_ms()
         roles = read_roles(api.client, api.cfg, now_ms)
-        pipeline = pipeline_health(api.client, now_ms, roles=roles)
+        # The log's state as its reader last wrote it (not the log itself: a probe stays fast
+        # while a broker is down), so that a wait reads `waiting_for_log` here as elsewhere.
+        waiting = read_log_state(api.client)
+        pipeline = pipeline_health(api.client, now_ms, waiting, roles)
     except redis.RedisError as e:
         if is_loading(e):
             return redis_loading(e)

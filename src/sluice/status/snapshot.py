@@ -271,7 +271,7 @@ def pipeline_health(
         "consecutive_failures": int(raw.get("consecutive_failures", 0)),
         "restarts": int(raw.get("restarts", 0)),
         "last_error": last_error,
-        "heartbeat_age_ms": now_ms - beat,
+        "heartbeat_age_ms": max(0, now_ms - beat),  # a beat may land after `now_ms` was read
         "changed_ms": int(raw["changed_ms"]) if "changed_ms" in raw else None,
     }
 
