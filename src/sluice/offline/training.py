@@ -331,7 +331,7 @@ def training_set(
     t_ms = t.alias(SLICE_T)
     types = feature_types(cfg, feats)
     if events is None:
-        if UNANSWERED in spine.columns:
+        if UNANSWERED in {c.lower() for c in spine.columns}:
             raise BadQuery(f"the spine has a column {UNANSWERED!r}, which a training set from"
                            " the store adds: rename it", "spine")  # fmt: skip
         spine_in = spine_in.localCheckpoint()
