@@ -299,6 +299,38 @@ def test_events_that_left_the_log_after_the_plan_are_counted_not_waived(
     assert "removed before read" in text and "1 (left the log" in text
 
 
+def test_a_deposed_leaders_failed_audit_is_not_recorded(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A leader paused past its lease resumes mid-batch: the new leader trimmed the input it
+    had planned, so its audit cannot balance. That failure is the new term's business, not a
+    fault of the store: the old leader stops (LeaseLost) before it records it in the shared
+    ledger, counts it in `audit_failed`, or reads the trim as events removed."""
+    from concurrent.futures import Future
+
+    from sluice.clock import ManualClock
+    from sluice.errors import LeaseLost
+    from sluice.pipeline.audit import SourceSide
+    from sluice.pipeline.lease import Claim, Lease
+    from sluice.source.log import Admitted
+
+    p = FoldQuery(_cfg(redis_url, tmp_path), RedisHandle(redis_url), spark)
+    clock = ManualClock(1_000_000)
+    old, new = (Lease(r, [Claim(p.name, p.ckpt)], 2_000, clock, host="h", pid=pid)
+                for pid in (1, 2))  # fmt: skip
+    assert old.try_acquire() is None
+    clock.advance(2_001)
+    assert new.try_acquire() is None  # the old one's lease lapsed while it was paused
+    p.lease = old
+    side: Future[SourceSide | None] = Future()
+    side.set_result(SourceSide(Admitted(0x1234, 900, 900), 1.0, 0))  # not what it wrote
+    with pytest.raises(LeaseLost):
+        p._audit(7, 1, side, [])
+    assert Ledger(r, "events", 16).get(7) is None and "audit_failed" not in _stats(r)
+    p.lease = new  # the leader's own failure is recorded
+    assert p._audit(7, 1, side, []) is not None and int(_stats(r)["audit_failed"]) == 1
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(

@@ -378,13 +378,8 @@ class FoldQuery(StreamQuery):
             return None
         return source_side(self.log, offsets, reread)
 
-    def _audit(
-        self,
-        batch_id: int,
-        attempt: int,
-        pending: Future[SourceSide | None],
-        rows: list[dict[str, Any]],
-    ) -> AuditResult | None:
+    def _audit(self, batch_id: int, attempt: int, pending: Future[SourceSide | None],
+               rows: list[dict[str, Any]]) -> AuditResult | None:  # fmt: skip
         source = pending.result()
         if source is None:
             return None
@@ -392,6 +387,8 @@ class FoldQuery(StreamQuery):
         a, ms, removed = source
         result = AuditResult(batch_id, attempt, a.xor, fan, applied, a.events, a.entries, ms,
                              removed)  # fmt: skip
+        if not result.ok and self.lease is not None:  # a deposed leader whose input the new
+            self.lease.check(self.name)  # one trimmed: its failure is no one's (LeaseLost)
         self.ledger.record(result)
         return result
 
