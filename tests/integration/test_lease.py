@@ -303,3 +303,37 @@ def test_status_says_not_running_once_the_leaders_lease_lapses(
     assert api.get("/v1/status").json()["pipeline"]["state"] == "stopped"
     Health(r, clock).set("running")  # `sluice demo`'s pipeline runs under no lease
     assert api.get("/v1/status").json()["pipeline"]["state"] == "running"
+
+
+def test_a_standby_says_when_the_leader_folds_another_plan(
+    r: redis.Redis, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A standby started with a metric more than its leader's: after a takeover that metric
+    would count only while this process leads. It says so, naming the metrics, once per
+    leader; with the same plan it says nothing."""
+    import threading
+
+    from sluice.pipeline.standby import Roles, plan_digests
+
+    cfg = make_config("redis://127.0.0.1:1/0", tmp_path)
+    clock = ManualClock(1_000_000)
+    ckpt = tmp_path / "checkpoint"
+    leader, standby = _lease(r, ckpt, clock, 1), _lease(r, ckpt, clock, 2)
+    assert leader.try_acquire() is None
+    holder = standby.try_acquire()
+    assert holder is not None
+    plan = plan_digests(cfg)
+    announce(r, leader, "leader", {"plan": {n: d for n, d in plan.items() if n != "qty_sum"}})
+    s = Roles([], standby, r, clock, threading.Event(), 0.1)
+    s._plan = plan
+    with caplog.at_level("WARNING", logger="sluice.pipeline.standby"):
+        s._compare_plans(holder)
+        s._compare_plans(holder)
+    said = [rec for rec in caplog.records if "another plan" in rec.getMessage()]
+    assert len(said) == 1 and said[0].__dict__["metrics"] == "qty_sum"
+    caplog.clear()
+    s._compared = None  # a new leader, with the same plan
+    announce(r, leader, "leader", {"plan": plan})
+    with caplog.at_level("WARNING", logger="sluice.pipeline.standby"):
+        s._compare_plans(holder)
+    assert not [rec for rec in caplog.records if "another plan" in rec.getMessage()]

@@ -21,6 +21,7 @@ process registry for the status views (`announce`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -74,6 +75,8 @@ class Roles:
         self._pruned_at = 0.0
         self._holder: Holder | None = None
         self._started_ms = clock.now_ms()
+        self._plan = plan_digests(queries[0].cfg) if queries else {}
+        self._compared: str | None = None  # the leader whose plan was compared with this one's
 
     def run(self) -> None:
         try:
@@ -107,6 +110,8 @@ class Roles:
                 extra["error"] = problem
             log.info("pipeline role", extra=extra)
         self.role, self._holder = "standby", holder
+        if holder is not None:
+            self._compare_plans(holder)
         self._announce()
         if time.monotonic() >= self._warm_at and not self._warming():
             if self.warm:  # again, to keep the Python workers: beside the polls, not before them
@@ -194,6 +199,30 @@ class Roles:
             self._announce()
             self.stop.wait(ANNOUNCE_EVERY_S)
 
+    def _compare_plans(self, holder: Holder) -> None:
+        """Warn when the leader folds other metrics than this process would: after a takeover
+        each folds its own, so a metric only one of them has counts only while that one leads
+        (a rolling change of sluice.yaml passes through this, briefly, on purpose). Once per
+        leader."""
+        if holder.owner == self._compared:
+            return
+        try:
+            raw = self.client.hget(PROCESSES_KEY, holder.owner)
+        except Exception:  # noqa: BLE001 - compared on the next poll
+            return
+        theirs = orjson.loads(raw).get("plan") if raw else None
+        if theirs is None:
+            return  # not announced yet, or a version that does not say
+        self._compared = holder.owner
+        differ = sorted(n for n in {*theirs, *self._plan} if theirs.get(n) != self._plan.get(n))
+        if differ:
+            log.warning(
+                "the leader folds another plan than this standby: after a takeover each folds"
+                " its own, so these metrics count only while a process that has them leads;"
+                " give both processes the same sluice.yaml",
+                extra={"leader": f"{holder.host}:{holder.pid}", "metrics": ",".join(differ)},
+            )
+
     def _announce(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._announced_at < ANNOUNCE_EVERY_S:
@@ -204,7 +233,7 @@ class Roles:
         self._announced_at = now
         state_dir = Path(self.queries[0].cfg.state_dir).resolve()
         fields = {"started_ms": self._started_ms, "checkpoint": str(state_dir),
-                  "warm": self.warm}  # fmt: skip
+                  "warm": self.warm, "plan": self._plan}  # fmt: skip
         announce(self.client, self.lease, self.role, fields)
 
 
@@ -239,3 +268,9 @@ def withdraw(client: Any, lease: Lease) -> None:
         client.hdel(PROCESSES_KEY, lease.owner)
     except Exception as e:  # noqa: BLE001 - display only; stale entries age out
         log.debug("could not withdraw the process", extra={"error": str(e)})
+
+
+def plan_digests(cfg: Any) -> dict[str, str]:
+    """Per metric (derived ones too) a digest of its definition, as the config holds it."""
+    defs = [*cfg.metrics, *cfg.derived]
+    return {d.name: hashlib.sha1(repr(d).encode()).hexdigest()[:12] for d in defs}
