@@ -8,8 +8,9 @@ and put `write_partition` back to heal the store. Each is a plain, picklable cal
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
@@ -25,6 +26,21 @@ def _drop_rows(batches: Iterator[pa.RecordBatch], keep: object) -> Iterator[pa.R
         yield b.filter(pa.array(mask, type=pa.bool_()))
 
 
+def _first_to_claim(url: str, claim_key: str, then: Callable[[Any], None] | None = None) -> bool:
+    """Whether this partition is the first of the run to claim `claim_key` in Redis at `url`
+    (once, whatever the partitions and the processes); `then` runs with the client if so."""
+    from sluice.redis.connection import client_for
+
+    client = client_for(url)
+    try:
+        won = bool(client.set(claim_key, 1, nx=True, ex=3600))
+        if won and then is not None:
+            then(client)
+        return won
+    finally:
+        client.close()
+
+
 @dataclass(frozen=True)
 class LoseOne:
     """The store loses one slice update: the first partition to claim `claim_key` (once in
@@ -36,17 +52,9 @@ class LoseOne:
     def __call__(
         self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
     ) -> Iterator[pa.RecordBatch]:
-        from sluice.redis.connection import client_for
-
         rows = [b for b in batches if b.num_rows]
-        if rows:
-            client = client_for(self.url)
-            try:
-                won = bool(client.set(self.claim_key, 1, nx=True, ex=3600))
-            finally:
-                client.close()
-            if won:
-                rows = list(_drop_rows(iter(rows), lambda i: i != 0))
+        if rows and _first_to_claim(self.url, self.claim_key):
+            rows = list(_drop_rows(iter(rows), lambda i: i != 0))
         yield from write_partition(ctx, iter(rows))
 
 
@@ -63,19 +71,14 @@ class RemoveFirst:
     def __call__(
         self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
     ) -> Iterator[pa.RecordBatch]:
-        from sluice.redis.connection import client_for
-
         rows = [b for b in batches if b.num_rows]
-        if rows:
-            client = client_for(self.url)
-            try:
-                if client.set(self.claim_key, 1, nx=True, ex=3600):
-                    ((oldest, _),) = client.xrange(self.shard, count=1)
-                    client.xdel(self.shard, oldest)
-                    rows = []
-            finally:
-                client.close()
+        if rows and _first_to_claim(self.url, self.claim_key, self._remove_oldest):
+            rows = []
         yield from write_partition(ctx, iter(rows))
+
+    def _remove_oldest(self, client: Any) -> None:
+        ((oldest, _),) = client.xrange(self.shard, count=1)
+        client.xdel(self.shard, oldest)
 
 
 @dataclass(frozen=True)
