@@ -317,12 +317,12 @@ class FoldQuery(StreamQuery):
                             " them (an XDEL, or a Redis failover that lost acknowledged writes)",
                             extra={"batch": batch_id, "events_removed": audit.removed,
                                    "events_admitted": audit.events})  # fmt: skip
+        if self.lease is not None and offsets is not None:  # a deposed leader records, marks
+            self.lease.check(self.name)  # (the shared checkpoint's) and trims nothing
         self.record(rec, counters)
         if offsets is not None:
             write_mark(self.ckpt, batch_id)
             if self.behind is not None:
-                if self.lease is not None:  # a process that lost its lease does not trim
-                    self.lease.check(self.name)
                 self._release(offsets[1])
         if rec["events"]:
             log.debug("batch written", extra={
