@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ import uvicorn
 from sluice.clock import SYSTEM_CLOCK
 from sluice.config import Config, config_from_dict
 from sluice.redis.connection import open_redis
+from sluice.redis.embedded import port_free
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,6 @@ def demo_config(state_dir: Path) -> Config:
     return config_from_dict({**DEMO_CONFIG, "state_dir": str(state_dir.resolve())})
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def run_demo(
     state_dir: Path,
     duration_s: float | None,
@@ -81,7 +72,7 @@ def run_demo(
     cfg = demo_config(state_dir)
     produced = {"events": 0}
     stop = stop or threading.Event()
-    if port and not _port_free(port):
+    if port and not port_free(port):
         print(f"port {port} is busy; using a free port instead", file=sys.stderr)
         port = 0
     with open_redis(None, cfg.state_dir, durability=cfg.durability) as handle:

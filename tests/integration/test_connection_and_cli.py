@@ -28,7 +28,7 @@ from sluice.redis.connection import check_reachable, client_for, open_redis, red
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.redis.keys import encode_key, slice_hash_key
 from sluice.source.loadgen import run_load
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 
 def test_embedded_server_keeps_its_aof_under_state_dir(tmp_path: Path) -> None:
@@ -341,13 +341,6 @@ def test_the_last_process_using_the_embedded_server_stops_it(tmp_path: Path) -> 
         assert redis.Redis.from_url(again.url).get("written") == b"before"
 
 
-def _until(what: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def _answers(url: str) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
@@ -365,7 +358,7 @@ def test_a_killed_embedded_server_is_started_again_on_its_port(tmp_path: Path) -
         handle.client.set("written", "before")
         first = server.pid
         os.kill(first, signal.SIGKILL)
-        _until(lambda: server.pid != first and _answers(handle.url))
+        wait_until(lambda: server.pid != first and _answers(handle.url), 30, "the server back", 0.1)
         assert redis.Redis.from_url(handle.url).get("written") == b"before"
         assert (tmp_path / "redis" / "redis.port").read_text() == str(server.port)
     assert not _answers(handle.url)  # the last user stopped it, the keeper did not restart it

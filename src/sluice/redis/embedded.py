@@ -76,9 +76,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _port_free(port: int) -> bool:
-    """Whether redis-server could listen on `port`: bound as it binds (SO_REUSEADDR), so that
-    the closing connections a killed server leaves for a minute do not count."""
+def port_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:`port`: bound as servers bind it (redis-server
+    and uvicorn set SO_REUSEADDR), so that the closing connections a killed server leaves for a
+    minute do not count."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -304,7 +305,7 @@ class EmbeddedRedis:
                 return self  # another Sluice process runs it; share, do not own
             # Nothing there: the server died under its users. Again on its port, where their
             # URLs point, unless another program took it.
-            if self.port is not None and not _port_free(self.port):
+            if self.port is not None and not port_free(self.port):
                 self.port = None
         if self.port is None:
             self.port = _free_port()
