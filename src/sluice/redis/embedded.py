@@ -299,8 +299,7 @@ class EmbeddedRedis:
         if self.port is None and port_file.exists():
             with contextlib.suppress(ValueError):
                 self.port = int(port_file.read_text().strip())
-            if self.port is not None and _listening(self.port):
-                self._await_server(timeout_s)
+            if self.port is not None and self._await_server(timeout_s):
                 self._find_socket()
                 return self  # another Sluice process runs it; share, do not own
             # Nothing there: the server died under its users. Again on its port, where their
@@ -311,12 +310,16 @@ class EmbeddedRedis:
             self.port = _free_port()
         return self._launch(timeout_s)
 
-    def _await_server(self, timeout_s: float) -> None:
+    def _await_server(self, timeout_s: float) -> bool:
         """Wait for the server the port file names to answer (it may be loading its AOF, or
-        busy). A second server on the same data would corrupt it, so one that never answers
-        is an error, not a reason to start another."""
+        busy); False once nothing listens on its port (it died, maybe while this waited). A
+        second server on the same data would corrupt it, so one that never answers is an
+        error, not a reason to start another."""
+        assert self.port is not None
         deadline = time.monotonic() + timeout_s
         while not _ping(self.url, loading_ok=True):
+            if not _listening(self.port):
+                return False
             if time.monotonic() > deadline:
                 raise RedisUnavailable(
                     f"port {self.port}, named in {self._port_file()}, accepts connections but"
@@ -324,6 +327,7 @@ class EmbeddedRedis:
                     f" on {self.data_dir}, another program holds the port: remove that file"
                 )
             time.sleep(0.1)
+        return True
 
     def _launch(self, timeout_s: float) -> EmbeddedRedis:
         """Write redis.conf for `self.port` and start the server on it; wait until it answers."""
