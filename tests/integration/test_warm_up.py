@@ -2,15 +2,18 @@
 over made-up events, in the real Spark session. It reads nothing from the log, writes nothing to
 Redis or to the query's checkpoint, leaves no checkpoint of its own, can run again, and the
 query that starts after it counts the log exactly. A standby told to stop while it repeats its
-warm-up returns only after the warm-up ended."""
+warm-up returns only after the warm-up ended; a leader gone during the first warm-up is taken
+over at once, not after it."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -19,7 +22,7 @@ from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.lease import Keeper, Lease
 from sluice.pipeline.run import Pipeline
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import STATS_KEY
+from sluice.redis.keys import PROCESSES_KEY, STATS_KEY
 from tests.conftest import make_config, wait_until
 from tests.integration.helpers import produce_now
 
@@ -86,3 +89,60 @@ def test_a_standby_stopped_during_its_re_warm_up_returns_after_it(
         pipeline.request_stop()
         keeper.stop()
         leader.release()
+
+
+def test_a_leader_gone_during_the_first_warm_up_is_taken_over_at_once(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """The first warm-up takes 10-30 s here. It runs beside the lease polls: the standby is
+    listed meanwhile, and a leader that goes during it is taken over at once, the queries
+    started cold; the warm-up ends on its own after."""
+    cfg = make_config(redis_url, tmp_path / "state")
+    produce_now(r, 40)
+    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline.prepare()
+    assert pipeline.lease is not None
+    leader = Lease(r, pipeline.lease.claims, cfg.lease.ttl)  # another process leads
+    assert leader.try_acquire() is None
+    keeper = Keeper(leader, lambda reason: None)
+    keeper.start()
+    fold = pipeline.queries[0]
+    real, gate, entered = fold.warm_up, threading.Event(), threading.Event()
+
+    def slow_warm_up() -> None:  # the real warm-up, then held for as long as the test needs
+        real()
+        entered.set()
+        gate.wait(180)
+
+    fold.warm_up = slow_warm_up  # type: ignore[method-assign]
+    runner = threading.Thread(target=pipeline.run_forever, daemon=True)
+    runner.start()
+    try:
+        entered.wait(180)
+        roles = pipeline.roles
+        assert roles is not None and roles._warming() and not roles.warm
+        owner = pipeline.lease.owner
+
+        def listed() -> bool:
+            raw = r.hget(PROCESSES_KEY, owner)
+            return raw is not None and orjson.loads(raw)["role"] == "standby"
+
+        wait_until(listed, 30, "the warming standby to be listed")
+        keeper.stop()
+        leader.release()
+        t0 = time.monotonic()
+        wait_until(lambda: roles.role == "leader", 30, "the standby to take over")
+        assert roles._warming()  # the warm-up is still held: it was not waited for
+        assert time.monotonic() - t0 < 10
+        wait_until(lambda: int(r.hget(STATS_KEY, "events_in") or 0) == 40, 120, "40 events in")
+        gate.set()
+        wait_until(lambda: not roles._warming(), 60, "the warm-up to end")
+        assert roles.role == "leader"
+    finally:
+        gate.set()
+        pipeline.request_stop()
+        runner.join(180)
+        keeper.stop()
+        leader.release()
+    assert not runner.is_alive()
+    assert int(r.hget(STATS_KEY, "events_aggregated") or 0) == 40

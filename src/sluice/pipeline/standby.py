@@ -2,10 +2,11 @@
 
 A process first tries to take the leases; while another process holds them it is a standby. It
 keeps its Spark session warm: the JVM, the streaming frames, the batch plan run as a streaming
-query over made-up events (`StreamQuery.warm_up`, `source.warm`). The first warm-up runs
-before it looks at the lease again; it is repeated every WARM_EVERY_S, in a thread beside the
-polls, so its Python workers stay alive; a stop waits for one in flight before the session stops
-(Spark logs a crashed Python worker when its session stops under a batch). Once warm, it starts
+query over made-up events (`StreamQuery.warm_up`, `source.warm`), in a thread beside the
+polls: a leader that goes during the first warm-up is taken over at once (cold), not after it.
+The warm-up is repeated every WARM_EVERY_S, so its Python workers stay alive; a stop waits for
+one in flight before the session stops (Spark logs a crashed Python worker when its session
+stops under a batch). Once warm, it starts
 its queries *armed* (`StreamQuery.arm`, `source.arm`): Spark starts each one's source planner, a
 Python process, and waits before reading the checkpoint, so a takeover skips those seconds. It
 polls the leases of its queries (`pipeline.lease`) every `poll_s`, and takes them as soon as
@@ -114,12 +115,11 @@ class Roles:
             self._compare_plans(holder)
         self._announce()
         if time.monotonic() >= self._warm_at and not self._warming():
-            if self.warm:  # again, to keep the Python workers: beside the polls, not before them
-                self._warm_thread = threading.Thread(target=self._warm, daemon=True,
-                                                     name="sluice-warm-up")  # fmt: skip
-                self._warm_thread.start()
-            else:
-                self._warm()
+            # beside the polls, never before them: a leader that goes during a warm-up (the
+            # first takes 10-30 s) is taken over at once, cold, and this process stays listed
+            self._warm_thread = threading.Thread(target=self._warm, daemon=True,
+                                                 name="sluice-warm-up")  # fmt: skip
+            self._warm_thread.start()
         if self.warm and time.monotonic() >= self._arm_at and not self.stop.is_set():
             self._arm()
         self.stop.wait(self.poll_s)
