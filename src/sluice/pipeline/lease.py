@@ -442,12 +442,19 @@ def _pairs(flat: Sequence[Any]) -> dict[str, str]:
 class Keeper(threading.Thread):
     """Renews a held lease every `lease.renew_every_s` until `stop()`; calls `on_lost` once
     when a renewal finds another owner, or when the lease outlived its validity because
-    Redis could not be reached."""
+    Redis could not be reached or `stalled` (the work the lease stands for has stopped: see
+    `standby.JvmProbe`) said why not to renew."""
 
-    def __init__(self, lease: Lease, on_lost: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        lease: Lease,
+        on_lost: Callable[[str], None],
+        stalled: Callable[[], str | None] = lambda: None,
+    ) -> None:
         super().__init__(name="sluice-lease", daemon=True)
         self.lease = lease
         self.on_lost = on_lost
+        self.stalled = stalled
         self._done = threading.Event()
 
     def stop(self) -> None:
@@ -455,15 +462,21 @@ class Keeper(threading.Thread):
 
     def run(self) -> None:
         while not self._done.wait(self.lease.renew_every_s):
-            try:
-                if self.lease.renew():
-                    continue
-                reason = "another process holds it"
-            except Exception as e:  # noqa: BLE001 - retried until the lease is no longer valid
+            stalled = self.stalled()
+            if stalled is not None:  # not renewed: the lease lapses and a standby takes over
                 if self.lease.valid():
-                    log.debug("lease renewal failed", extra={"error": str(e)})
                     continue
-                reason = f"could not renew it in time: {e}"
+                reason = stalled
+            else:
+                try:
+                    if self.lease.renew():
+                        continue
+                    reason = "another process holds it"
+                except Exception as e:  # noqa: BLE001 - retried until the lease is not valid
+                    if self.lease.valid():
+                        log.debug("lease renewal failed", extra={"error": str(e)})
+                        continue
+                    reason = f"could not renew it in time: {e}"
             self.lease.lost.set()
             if not self._done.is_set():
                 self.on_lost(reason)

@@ -171,7 +171,9 @@ class Roles:
         self._announce(force=True)
         for q in self.queries:
             q.lease = self.lease
-        keeper = Keeper(self.lease, self._on_lost)
+        probe = JvmProbe(self.queries[0].spark, self.lease.renew_every_s, self.lease.ttl_ms / 1000)
+        probe.start()
+        keeper = Keeper(self.lease, self._on_lost, probe.stalled)
         keeper.start()
         announcer = threading.Thread(target=self._announce_while_leading, daemon=True,
                                      name="sluice-announce")  # fmt: skip
@@ -181,6 +183,7 @@ class Roles:
             self.supervisor.run_forever()
         finally:
             keeper.stop()
+            probe.stop()
             for q in self.queries:
                 q.lease = None
         if self.lease.lost.is_set() and not self.stop.is_set():
@@ -235,6 +238,51 @@ class Roles:
         fields = {"started_ms": self._started_ms, "checkpoint": str(state_dir),
                   "warm": self.warm, "plan": self._plan}  # fmt: skip
         announce(self.client, self.lease, self.role, fields)
+
+
+class JvmProbe(threading.Thread):
+    """Asks the Spark driver's JVM for its clock every `every_s`, from a thread of its own, while
+    this process leads. The lease is renewed by this (Python) process, so a JVM that stopped
+    answering (SIGSTOP, a long stop-the-world pause, swapped out) would otherwise keep it for
+    ever while no batch runs: `stalled` tells the lease's keeper not to renew once a call has
+    waited over `limit_s`, or the JVM is gone, and a standby takes over when the lease lapses.
+    A JVM that answers again finds its lease taken, and the process stands by."""
+
+    def __init__(self, spark: Any, every_s: float, limit_s: float) -> None:
+        super().__init__(name="sluice-jvm-probe", daemon=True)
+        self._jvm = spark.sparkContext._jvm
+        self.every_s = every_s
+        self.limit_s = limit_s
+        self._sent: float | None = None  # the monotonic time the call in flight was sent
+        self._error: str | None = None
+        self._done = threading.Event()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            sent = self._sent = time.monotonic()
+            try:
+                self._jvm.java.lang.System.nanoTime()
+                self._error = None
+            except Exception as e:  # noqa: BLE001 - py4j: the JVM is gone
+                self._error = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self._sent = None
+            took = time.monotonic() - sent
+            if took > self.limit_s:
+                log.warning("the Spark driver's JVM did not answer for a while",
+                            extra={"took_s": round(took, 1), "limit_s": self.limit_s})  # fmt: skip
+            self._done.wait(self.every_s)
+
+    def stalled(self) -> str | None:
+        """Why the lease must not be renewed now, or None."""
+        sent = self._sent
+        if sent is not None and time.monotonic() - sent > self.limit_s:
+            return f"the Spark driver's JVM has not answered for over {self.limit_s:g} s"
+        if self._error is not None:
+            return f"the Spark driver's JVM is unreachable: {self._error}"
+        return None
 
 
 def announce(client: Any, lease: Lease, role: str, fields: dict[str, Any]) -> None:
