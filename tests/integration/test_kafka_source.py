@@ -196,7 +196,12 @@ def test_an_unreachable_broker_keeps_the_pipeline_waiting_and_it_goes_on_when_it
     try:
         # Nothing listens: the source waits, and status says so; the query does not fail.
         wait_until(lambda: read_status(r, cfg, NOW)["log"]["state"] == "waiting", 90, "waiting")
+        t0 = time.monotonic()
         st = read_status(r, cfg, time.time_ns() // 1_000_000)
+        assert read_status(r, cfg, NOW)["log"]["reason"] == "unreachable"
+        # Each look at the broker waits 5 s for it; the status views do not ask it again
+        # for 10 s after it failed, so these two looks did not wait at all.
+        assert time.monotonic() - t0 < 5.0
         assert st["log"]["reason"] == "unreachable"
         assert st["pipeline"]["state"] in ("waiting_for_log", "starting")
         time.sleep(2)

@@ -8,6 +8,7 @@ Streams the entries left in the streams, for Kafka the consumer lag per partitio
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -29,7 +30,10 @@ from sluice.status.ledger import Ledger
 from sluice.status.roles import read_roles
 from sluice.status.timings import timing_status
 
+UNREACHABLE_MEMO_S = 10.0
+
 _logs: dict[tuple[int, str], Log] = {}
+_unreachable: dict[int, tuple[float, LogUnavailable]] = {}  # id(log) -> (until, the error)
 
 
 def source_log(client: Any, cfg: Config, stream: str | None = None) -> Log:
@@ -45,10 +49,30 @@ def source_log(client: Any, cfg: Config, stream: str | None = None) -> Log:
     return found
 
 
+def log_level(
+    client: Any, cfg: Config, stream: str | None = None, reader: str | None = None
+) -> Backlog:
+    """`source_log(...).level(reader)`, except that a log found unreachable is not asked again
+    for UNREACHABLE_MEMO_S: each look at a Kafka cluster that is down waits for the request
+    timeout (5 s), and the status views look every second or two. Raises LogUnavailable."""
+    log_ = source_log(client, cfg, stream)
+    memo = _unreachable.get(id(log_))
+    if memo is not None and time.monotonic() < memo[0]:
+        raise memo[1]
+    try:
+        b = log_.level(reader)
+    except LogUnavailable as e:
+        if e.reason == "unreachable":
+            _unreachable[id(log_)] = (time.monotonic() + UNREACHABLE_MEMO_S, e)
+        raise
+    _unreachable.pop(id(log_), None)
+    return b
+
+
 def backlog(client: Any, cfg: Config) -> tuple[int, dict[str, int]]:
     """Input entries not yet committed by the slowest reader, in all and per shard (Kafka:
     per partition). Raises LogUnavailable when the log cannot be read."""
-    b = source_log(client, cfg).level()
+    b = log_level(client, cfg)
     return b.entries, b.shards
 
 
@@ -65,7 +89,7 @@ def log_status(client: Any, cfg: Config) -> tuple[Backlog | None, dict[str, Any]
         section.update(state="waiting", reason=waiting["reason"], message=waiting["message"],
                        since_ms=waiting["since_ms"])  # fmt: skip
     try:
-        b = source_log(client, cfg).level()
+        b = log_level(client, cfg)
     except LogUnavailable as e:
         section.update(state="waiting", reason=e.reason, message=str(e))
         return None, section
@@ -204,7 +228,7 @@ def stages_status(client: Any, cfg: Config, now_ms: int) -> dict[str, Any]:
         try:
             entries = size = 0
             for stream in stage.inputs:
-                b = source_log(client, cfg, stream).level(reader_name(name))
+                b = log_level(client, cfg, stream, reader_name(name))
                 entries, size = entries + b.entries, size + b.bytes
             backlog_ = QueueLevel.against(entries, size, first.backpressure,
                                           reader=reader_name(name)).as_dict()  # fmt: skip
