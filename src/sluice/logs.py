@@ -108,6 +108,20 @@ class Repeats(logging.Filter):
 _NUMBERS = re.compile(r"\d+")
 
 
+class Handled(logging.Filter):
+    """Drops py4j's ERROR, with its traceback, for an error that Sluice raised in a batch on
+    purpose and reports itself: a deposed leader's batch fails with LeaseLost so that Spark
+    commits nothing, and the process logs `leadership lost` once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from sluice.errors import LeaseLost
+
+        return not (record.exc_info and isinstance(record.exc_info[1], LeaseLost))
+
+
+_HANDLED = Handled()
+
+
 def setup_logging(level: str = "info") -> None:
     """Route every logger to stderr as key=value lines at `level` (debug, info, warning, error).
 
@@ -126,6 +140,7 @@ def setup_logging(level: str = "info") -> None:
     root.setLevel(level.upper())
     for noisy in NOISY:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    logging.getLogger("py4j.clientserver").addFilter(_HANDLED)  # a filter is added once
 
 
 def setup_worker_logging() -> None:

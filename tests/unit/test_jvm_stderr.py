@@ -76,6 +76,21 @@ def test_other_tracebacks_and_lines_pass_unchanged() -> None:
     assert _through(cut) == cut
 
 
+def test_spark_reporting_a_deposed_leader_s_query_is_dropped_and_other_errors_pass() -> None:
+    """Spark's report, on one line, of a query whose batch a deposed leader failed on purpose
+    (the process logs `leadership lost` itself); the same report of any other error passes."""
+    head = (
+        "ts=2026-12-03T12:32:41.712Z level=ERROR logger=org.apache.spark.sql.execution."
+        'streaming.runtime.MicroBatchExecution msg="Query sluice [id = e3d6] terminated'
+        ' with error" exc="org.apache.spark.sql.execution.streaming.sources.ForeachBatch'
+        'UserFuncException: Traceback (most recent call last):\\n  File \\"lease.py\\"'
+    )
+    fenced = head + ' line 372\\nsluice.errors.LeaseLost: query `spark` lost its leadership"'
+    other = head + ' line 9\\nredis.exceptions.ResponseError: WRONGTYPE"'
+    assert _through([LOG, fenced, LOG]) == [LOG, LOG]
+    assert _through([LOG, other, LOG]) == [LOG, other, LOG]
+
+
 def test_the_jvm_incubator_and_sketch_memory_notices_are_dropped() -> None:
     notice = "WARNING: Using incubator modules: jdk.incubator.vector"
     sketches = ("Warning: Java versions > Java 11 can only operate in restricted mode where no"

@@ -126,3 +126,33 @@ def test_librdkafka_logs_through_the_repeats_filter() -> None:
     spec = KafkaSpec(bootstrap="127.0.0.1:9092", topic="t", group_id="g")
     assert spec.client_config()["logger"] is KAFKA_LOG
     assert any(isinstance(f, Repeats) for f in KAFKA_LOG.filters)
+
+
+def test_py4j_s_error_for_a_deposed_leader_s_batch_is_dropped_and_others_kept() -> None:
+    """A batch a deposed leader fails on purpose (LeaseLost) makes py4j log an ERROR with its
+    traceback; the process logs `leadership lost` itself, once. Any other error is kept."""
+    from sluice.errors import LeaseLost
+
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers))
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    try:
+        setup_logging("info")
+        setup_logging("info")  # the filter is added once
+        root.addHandler(Keep())
+        py4j = logging.getLogger("py4j.clientserver")
+        for err in (LeaseLost("spark", "another process holds it"), ValueError("boom")):
+            try:
+                raise err
+            except (LeaseLost, ValueError):
+                py4j.exception("There was an exception while executing the Python Proxy")
+        assert [type(r.exc_info[1]) for r in records if r.exc_info] == [ValueError]
+        assert len(py4j.filters) == 1
+    finally:
+        root.handlers[:] = before[1]
+        root.setLevel(before[0])

@@ -26,6 +26,8 @@ to this process's stderr except:
   thread "stream execution thread for ..."`, printed by the JVM with its stack) or that says
   Spark's RPC was already shut down: the JVM's shutdown hook stops the SparkContext while the
   stream thread is still winding down, and the thread's last call finds the RPC gone;
+- Spark's ERROR line about a query whose batch failed with LeaseLost: a leader that lost its
+  lease ends its batch so on purpose, and logs it itself, in one line (`fenced`);
 - the JVM's start-up notice about incubator modules, and DataSketches' notice that on Java 17
   it works on the heap only;
 - in a process that reports its batch jobs' failures itself (`batch_jobs`: the offline
@@ -79,6 +81,7 @@ STOP_REPORTS = (
     "Python worker exited unexpectedly",
 )
 HOLD_S = 0.5
+LEASE_LOST = "sluice.errors.LeaseLost: "  # the error of a batch a deposed leader ended
 
 # A failed task's report: the executor's error with its whole trace, and the job's abort.
 TASK_FAILED = (
@@ -112,6 +115,13 @@ def stopping() -> None:
 
 def _stopped_by(arrived: float) -> bool:
     return bool(_stop_requested) and _stop_requested[0] <= arrived + HOLD_S
+
+
+def fenced(line: str) -> bool:
+    """Whether a line is Spark's report of a query that a deposed leader's batch ended on
+    purpose (LeaseLost: Spark commits nothing), which the process logs itself as `leadership
+    lost`, in one line; Spark's has the batch's whole Python traceback in it (3-7 KB)."""
+    return SPARK_ERROR in line and "terminated with error" in line and LEASE_LOST in line
 
 
 def query_ended(line: str) -> bool:
@@ -168,7 +178,8 @@ class TracebackFilter:
             if line.startswith(JAVA_HEADER):
                 self._java = [line]
                 return []
-            dropped = line.strip() in DROPPED_LINES or (bool(_batch) and task_failed(line))
+            dropped = (line.strip() in DROPPED_LINES or (bool(_batch) and task_failed(line))
+                       or fenced(line))  # fmt: skip
             return [] if dropped else [line]
         ends = self._after_error and line.strip() and line not in CHAINS and line != HEADER
         if ends:  # an error line followed by anything but a chained traceback
