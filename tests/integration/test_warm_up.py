@@ -50,6 +50,21 @@ def test_warm_up_touches_nothing_and_the_query_after_it_is_exact(
     assert int(r.hget(STATS_KEY, "events_aggregated") or 0) == 40
 
 
+def _behind_a_leader(
+    spark: Any, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> tuple[Pipeline, Lease, Keeper]:
+    """A pipeline (prepared, not run) whose leases another process holds, and keeps."""
+    cfg = make_config(redis_url, tmp_path / "state")
+    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
+    pipeline.prepare()
+    assert pipeline.lease is not None
+    leader = Lease(r, pipeline.lease.claims, cfg.lease.ttl)
+    assert leader.try_acquire() is None
+    keeper = Keeper(leader, lambda reason: None)
+    keeper.start()
+    return pipeline, leader, keeper
+
+
 def test_a_standby_stopped_during_its_re_warm_up_returns_after_it(
     spark: Any,
     r: redis.Redis,
@@ -62,14 +77,7 @@ def test_a_standby_stopped_during_its_re_warm_up_returns_after_it(
     then would die under it (Spark logs a crashed Python worker, the warm-up logs a failure).
     So the roles wait for it, whenever the stop comes."""
     monkeypatch.setattr(standby, "WARM_EVERY_S", 0.0)  # re-warm as soon as one ends
-    cfg = make_config(redis_url, tmp_path / "state")
-    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
-    pipeline.prepare()
-    assert pipeline.lease is not None
-    leader = Lease(r, pipeline.lease.claims, cfg.lease.ttl)  # another process leads
-    assert leader.try_acquire() is None
-    keeper = Keeper(leader, lambda reason: None)
-    keeper.start()
+    pipeline, leader, keeper = _behind_a_leader(spark, r, redis_url, tmp_path)
     runner = threading.Thread(target=pipeline.run_forever, daemon=True)
     runner.start()
     try:
@@ -97,15 +105,9 @@ def test_a_leader_gone_during_the_first_warm_up_is_taken_over_at_once(
     """The first warm-up takes 10-30 s here. It runs beside the lease polls: the standby is
     listed meanwhile, and a leader that goes during it is taken over at once, the queries
     started cold; the warm-up ends on its own after."""
-    cfg = make_config(redis_url, tmp_path / "state")
     produce_now(r, 40)
-    pipeline = Pipeline(cfg, RedisHandle(redis_url), spark)
-    pipeline.prepare()
+    pipeline, leader, keeper = _behind_a_leader(spark, r, redis_url, tmp_path)
     assert pipeline.lease is not None
-    leader = Lease(r, pipeline.lease.claims, cfg.lease.ttl)  # another process leads
-    assert leader.try_acquire() is None
-    keeper = Keeper(leader, lambda reason: None)
-    keeper.start()
     fold = pipeline.queries[0]
     real, gate, entered = fold.warm_up, threading.Event(), threading.Event()
 
