@@ -151,8 +151,8 @@ class Roles:
         t0 = time.perf_counter()
         try:
             for q in self.queries:
-                if self.stop.is_set():  # stopping: `_end_warm_up` waits for one query at most
-                    return
+                if self.stop.is_set() or self.role == "leader":  # stopping, or took over: the
+                    return  # queries run; `_end_warm_up` waits for one query's at most
                 q.warm_up()
         except Exception as e:  # noqa: BLE001 - a cold takeover is slower, not wrong
             log.warning("standby warm-up failed", extra={"error": str(e)})
