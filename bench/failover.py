@@ -21,7 +21,10 @@ the leader is killed, the standby takes over, and once the new leader has caught
 after its first batch is queryable) the killed one is started again and stands by (warm) before
 the next kill: on a cluster it restarts on its own host, so its cold start does not take the new
 leader's cores. `standby-shared`: the same, but the killed one is started again at once, on the
-same 2 cores as the new leader. Between kills the pipeline runs steadily for `--steady` seconds.
+same 2 cores as the new leader. `standby-warming`: one `sluice run` leads; before each kill a
+second one is started, and the leader is killed WARMING_KILL_S after the new one stands by, in
+the middle of its first warm-up (10-30 s here), which it must not wait for. Between kills the
+pipeline runs steadily for `--steady` seconds.
 At the end the backlog drains and `events_in` must equal the events sent. Latencies count from
 the first batch (and a warm standby) on; each kill's, until the next kill. Writes
 bench/results/failover[.quick].json, with every probe's (sent ms, latency ms) as its series.
@@ -62,7 +65,9 @@ PROBE_EVERY_S = 0.1
 POLL_S = 0.05
 WAIT_S = 240.0
 BATCH_CAP = 200_000
-MODES = ("restart", "standby", "standby-shared")
+MODES = ("restart", "standby", "standby-shared", "standby-warming")
+WARMING_KILL_S = 2.0  # standby-warming: the kill, this long after the new process stands by
+WARM_LINE = re.compile(rb'^ts=(\S+) level=INFO logger=\S+ msg="standby warm"')
 SIX_METRICS: list[dict[str, Any]] = [
     {"name": "txn_count", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1h"},
     {"name": "card_amount", "key": ["card"], "agg": "sum", "value": "amount", "slice": "10s",
@@ -149,6 +154,8 @@ def takeover_log(log_path: Path, after_ms: int) -> dict[str, Any]:
             at, took = _ts_ms(m.group(1)), int(m.group(2))
             out["query_started_s"] = (at - took - after_ms) / 1000
             out["start_to_first_batch_ms"] = took
+        if (m := WARM_LINE.match(line)) and "warm_up_done_s" not in out:  # its first warm-up
+            out["warm_up_done_s"] = (_ts_ms(m.group(1)) - after_ms) / 1000
     return out
 
 
@@ -166,7 +173,13 @@ def first_batches(client: Any, after_ms: int, n: int = 4) -> list[dict[str, Any]
 
 
 def run_mode(
-    mode: str, ws: Workspace, kills: int, rate: float, steady_s: float, plan: str
+    mode: str,
+    ws: Workspace,
+    kills: int,
+    rate: float,
+    steady_s: float,
+    plan: str,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     root = ws.state_dir(f"{plan}-{mode}")
     metrics, fmt, workload = PLANS[plan]
@@ -184,7 +197,7 @@ def run_mode(
         def spawn() -> SluiceProcess:
             nonlocal n
             n += 1
-            return SluiceProcess(["run", "-c", str(cfg_path)], root / f"run-{n}.log").start()
+            return SluiceProcess(["run", "-c", str(cfg_path)], root / f"run-{n}.log", env).start()
 
         def roles() -> dict[str, Any]:
             return read_roles(client, cfg, now_ms())
@@ -193,17 +206,19 @@ def run_mode(
             leader = roles()["leader"]
             return leader is not None and p.proc is not None and leader["pid"] == p.proc.pid
 
-        def warm(p: SluiceProcess) -> bool:
+        def warm(p: SluiceProcess, warmed: bool = True) -> bool:
+            """`p` stands by (with `warmed`, and its first warm-up ran)."""
             assert p.alive(), p.tail()
             pid = p.proc.pid if p.proc else None
-            return any(x["pid"] == pid and x["role"] == "standby" and x["warm"]
+            return any(x["pid"] == pid and x["role"] == "standby" and (x["warm"] or not warmed)
                        for x in roles()["processes"])  # fmt: skip
 
         def last_done() -> int:
             raw = client.hget(STATS_KEY, "last_batch")
             return int(orjson.loads(raw)["done_ms"]) if raw else 0
 
-        started = [spawn() for _ in range(1 if mode == "restart" else 2)]
+        warming = mode == "standby-warming"
+        started = [spawn() for _ in range(1 if mode in ("restart", "standby-warming") else 2)]
         producer = PacedProducer(server.url, pool, rate, retry_busy=True)
         probes = Probes(server.url, cfg)
         producer.start()
@@ -218,6 +233,11 @@ def run_mode(
         try:
             for k in range(kills):
                 time.sleep(steady_s)  # the steady run between kills
+                if warming:  # a new standby, killed for in the middle of its first warm-up
+                    standby = spawn()
+                    wait(lambda s=standby: warm(s, warmed=False), "the new process to stand by")
+                    time.sleep(WARMING_KILL_S)
+                    warm_at_kill = warm(standby)
                 killed_ms = now_ms()
                 leader.kill9()
                 log(f"{mode}: kill {k + 1} of {kills}")
@@ -234,6 +254,9 @@ def run_mode(
                     standby = spawn()
                 cycle = {"killed_ms": killed_ms, "first_batch_s": (first_ms - killed_ms) / 1000,
                          "batches": first_batches(client, killed_ms)}  # fmt: skip
+                if warming:
+                    wait(lambda t=first_ms: probes.seen_since(t), "the new leader to catch up")
+                    cycle["standby_warm_at_kill"] = warm_at_kill
                 cycle |= takeover_log(leader.log_path, killed_ms)
                 log(f"{mode}: {cycle}")
                 if standby is not None:
@@ -279,21 +302,31 @@ def main() -> None:
     p.add_argument("--steady", type=float, default=10.0, help="seconds between kills")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
     p.add_argument("--plan", default="bench", choices=sorted(PLANS), help="see above")
+    p.add_argument("--sluice-src", type=Path, help="run `sluice run` from this src/ directory"
+                   " (an older revision's: git worktree add), not the working tree's")  # fmt: skip
     a = p.parse_args()
     modes_wanted = [m.strip() for m in a.modes.split(",") if m.strip()]
     unknown = [m for m in modes_wanted if m not in MODES]
     if unknown or not modes_wanted:
         p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     a.kills = a.kills or (2 if a.quick else 5)
-    run = Run("failover" if a.plan == "bench" else f"failover-{a.plan}", a)
+    name = "failover" if a.plan == "bench" else f"failover-{a.plan}"
+    if modes_wanted == ["standby-warming"]:
+        name = f"failover-warming{'-' + a.plan if a.plan != 'bench' else ''}"
+    run = Run(name, a)
+    env = None
+    if a.sluice_src is not None:
+        env = {"PYTHONPATH": str(a.sluice_src.resolve())}
+        log(f"sluice from {env['PYTHONPATH']}")
     ws = Workspace()
     try:
-        modes = [run_mode(m, ws, a.kills, a.rate, a.steady, a.plan) for m in modes_wanted]
+        modes = [run_mode(m, ws, a.kills, a.rate, a.steady, a.plan, env) for m in modes_wanted]
     finally:
         ws.cleanup()
     params = {"plan": a.plan, "rate_per_s": a.rate, "kills": a.kills, "steady_s": a.steady,
               "probe_every_ms": PROBE_EVERY_S * 1000, "poll_ms": POLL_S * 1000,
-              "batch_cap": BATCH_CAP}  # fmt: skip
+              "batch_cap": BATCH_CAP, "warming_kill_s": WARMING_KILL_S,
+              "sluice_src": str(a.sluice_src) if a.sluice_src else None}  # fmt: skip
     series = {m["mode"]: m.pop("probe_series") for m in modes}  # [sent ms, latency ms] per probe
     run.write(params, {"modes": modes}, series)
 
