@@ -105,6 +105,28 @@ def test_gate_shuts_at_the_high_watermark_and_opens_below(
     assert st["backpressure_ratio"] > 0
 
 
+def test_writes_between_two_looks_stop_at_the_high_watermark(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """The gate looks at the input once a tick. Between two looks, writes are admitted only
+    until what they add takes the input to the high watermark: six concurrent 7.6 MB requests
+    each found the gate open and took a 5 MB high watermark to 41 MB. The first write after a
+    look always goes (one write is the slack), and the next look starts afresh."""
+    cfg = _cfg(redis_url, tmp_path)  # high watermark 64 KB
+    clock = ManualClock(NOW)
+    valve = _ingest(r, cfg, clock)
+    big = cfg.backpressure.high_watermark  # each write alone is the whole headroom
+    assert valve.try_admit(1000, big) == 0  # the first after a look
+    assert valve.try_admit(1000, big) > 0  # nothing more until the next look
+    assert valve.try_admit(1, 10) > 0
+    clock.advance(250)  # the next look: the writes never landed, so the input is empty
+    assert valve.try_admit(1000, big) == 0 and valve.gate_open
+    clock.advance(250)
+    small = cfg.backpressure.high_watermark // 10
+    assert all(valve.try_admit(10, small) == 0 for _ in range(10))  # up to the mark: all go
+    assert valve.try_admit(10, small) > 0
+
+
 def test_post_events_answers_429_with_retry_after_while_over_the_high_watermark(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
@@ -352,16 +374,9 @@ def test_spark_budget_covers_the_time_since_the_previous_batch(
     assert Board(r).tasks(clock.now_ms(), "spark")[spark.task.id]["batch_limit"] == 8_000
 
 
-def test_ingest_never_probes_its_provisional_cap_and_releases_it_when_it_holds_nothing(
-    r: redis.Redis, redis_url: str, tmp_path: Path
-) -> None:
-    """The ingest task's measured cap is not probed up (the gate bounds the input; a probed cap
-    would let a catch-up burst past it between two looks), neither behind a shut gate nor when
-    the cap itself holds input back; it is released after a sensitivity with nothing held."""
-    cfg = _cfg(redis_url, tmp_path)
-    clock = ManualClock(NOW)
-    ingest = _ingest(r, cfg, clock)
-    _warm(ingest, clock)
+def _throttled_and_clear(r: redis.Redis, ingest: IngestValve, clock: ManualClock) -> float:
+    """An overload, then an underload: the ingest task's cap back at its measured origin, the
+    flag clear, the cap provisional. Returns the origin."""
     board = Board(r)
     board.send(ingest.task.id, "overload", "spark/x", 0, clock.now_ms())
     clock.advance(250)
@@ -370,29 +385,76 @@ def test_ingest_never_probes_its_provisional_cap_and_releases_it_when_it_holds_n
     clock.advance(250)
     ingest.try_admit(1)
     ctl = ingest.task.controller
-    origin = ctl.rate
-    assert origin is not None and not ctl.backpressured
+    assert ctl.rate is not None and not ctl.backpressured
+    return ctl.rate
+
+
+def _offer(ingest: IngestValve, clock: ManualClock, n: int, ticks: int = 12) -> list[float]:
+    """Offer `n` events every 250 ms; the waits the valve answered."""
+    waits = []
+    for _ in range(ticks):
+        clock.advance(250)
+        waits.append(ingest.try_admit(n))
+    return waits
+
+
+def test_ingest_probes_its_provisional_cap_only_while_its_input_is_quiet(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """The ingest task's measured cap is not probed up behind a shut gate, nor while the input
+    is between the watermarks (the gate bounds the input, looking once a tick; a probed cap
+    would let a catch-up burst past it between two looks). At or below the low watermark it
+    is, one step per sensitivity; it is released after a sensitivity with nothing held."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    ingest = _ingest(r, cfg, clock)
+    _warm(ingest, clock)
+    origin = _throttled_and_clear(r, ingest, clock)
+    ctl = ingest.task.controller
 
     _fill(r, cfg, cfg.backpressure.high_watermark)  # the gate shuts
-    for _ in range(12):
-        clock.advance(250)
-        assert ingest.try_admit(10**6) > 0
+    assert all(w > 0 for w in _offer(ingest, clock, 10**6))
     assert not ingest.gate_open and ctl.rate == origin
 
     _drain(r, cfg)
-    waits = []
-    for _ in range(12):  # a burst far over the cap, offered every 250 ms for 3 s
-        clock.advance(250)
-        waits.append(ingest.try_admit(10**6))
+    _fill(r, cfg, (cfg.backpressure.low_watermark + cfg.backpressure.high_watermark) // 2)
+    waits = _offer(ingest, clock, 10**6)  # far over the cap, for 3 s (sensitivity 2 s)
     # The first goes into the bucket's debt, then the cap holds the rest back: no probe.
     assert ingest.gate_open and waits[0] == 0 and all(w > 0 for w in waits[1:])
     assert ctl.rate == origin and ingest.bucket.rate == origin
 
-    clock.advance(int(10**6 / origin * 1000) + 1000)  # the first burst's debt is paid
-    for _ in range(12):  # well under the cap, for 3 s (sensitivity 2 s): nothing held back
-        clock.advance(250)
-        assert ingest.try_admit(1) == 0
+    _drain(r, cfg)  # quiet: the cap that holds input back is probed, a step per sensitivity
+    assert all(w > 0 for w in _offer(ingest, clock, 10**6))
+    step = cfg.backpressure.step  # at once (unchanged for over a sensitivity), and 2 s later
+    assert ctl.rate is not None and ctl.rate == pytest.approx(origin / step**2)
+    assert ingest.bucket.rate == ctl.rate
+
+    clock.advance(int(3 * 10**6 / origin * 1000))  # the bursts' debt is paid
+    assert all(w == 0 for w in _offer(ingest, clock, 1))  # nothing held back for 3 s
     assert ctl.rate is None and ingest.bucket.rate is None
+
+
+def test_a_producer_held_by_the_gate_is_throttled_from_its_rate_before_the_gate(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """A producer the gate held for longer than its rate meter's window emits nothing meanwhile.
+    The overload signal that comes then throttles it from the rate it sent before the gate shut,
+    not from 0 (`min_rate`: a 3,000 events/s producer was held at 100/s with an empty backlog,
+    as nothing it offered was ever below the cap); and once the flag clears, a cap it no longer
+    reaches is released."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    ingest = _ingest(r, cfg, clock)
+    _warm(ingest, clock)  # 10,000 events/s
+    _fill(r, cfg, cfg.backpressure.high_watermark)  # the gate holds the producer for 3 s
+    assert all(w > 0 for w in _offer(ingest, clock, 750))
+    assert ingest.task.meter.rate() == 0
+    origin = _throttled_and_clear(r, ingest, clock)
+    assert 8_000 <= origin <= 10_000  # measured at the tick the gate shut, not 100
+    _drain(r, cfg)
+    ctl = ingest.task.controller
+    assert all(w == 0 for w in _offer(ingest, clock, 750))  # 3,000 events/s: under the cap
+    assert ctl.rate is None  # released after a sensitivity with nothing held back
 
 
 def test_ingest_flush_survives_a_full_redis_and_still_raises_for_its_entries(

@@ -109,6 +109,7 @@ class StageTask:
         self._changed = True
         self.cap_watch = CapWatch(clock)
         self.signals_seen = 0
+        self.rate_floor = 0.0  # set by the owner: see `measured_rate`
 
     @property
     def listens(self) -> bool:
@@ -126,7 +127,7 @@ class StageTask:
             self.signals_seen += 1
             if sig.kind == OVERLOAD:
                 self.cap_watch.overload()
-                changed |= self.controller.on_overload(self.meter.rate())
+                changed |= self.controller.on_overload(self.measured_rate())
             elif sig.kind == UNDERLOAD:
                 changed |= self.controller.on_underload()
         self._changed |= changed
@@ -136,6 +137,13 @@ class StageTask:
         """`n` events left this task: metered, and counted in `emitted_total`."""
         self.meter.add(n)
         self.emitted_total += n
+
+    def measured_rate(self) -> float:
+        """The rate an overload throttles from, when no cap was set: the emit rate, or the
+        owner's `rate_floor` if higher (an ingest task's rate when its gate shut: a producer
+        the gate held for longer than the meter's window emits nothing meanwhile, and
+        throttling from 0, so `min_rate`, would hold it far below what it sent before)."""
+        return max(self.meter.rate(), self.rate_floor)
 
     def hold(self, held_back: bool, by_cap: bool = True) -> None:
         """Record one admission decision (see `CapWatch.hold`); meters the backpressure ratio."""

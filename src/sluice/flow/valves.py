@@ -85,6 +85,8 @@ class IngestValve:
         self.task = StageTask(Board(client), INGEST_STAGE, controller, clock, bp.tick, tid)
         self.bucket = TokenBucket(clock, controller.rate)
         self.gate_open = True
+        self._opened_s = 0.0  # when the gate last opened (monotonic)
+        self._since_bytes = 0  # bytes admitted since the input was last measured
         self.level: QueueLevel | None = None
         self._lock = threading.Lock()
         self._publish_failing = False
@@ -97,10 +99,23 @@ class IngestValve:
         self.bucket.set_rate(self.task.controller.rate)
         if self.enabled:
             self.level = self.measure()
-            self.gate_open = not self.level.overloaded
+            was_open, self.gate_open = self.gate_open, not self.level.overloaded
+            self._since_bytes = 0
+            self._gate_floor(was_open)
             self.task.queue = self.level.as_dict()
         self.task.extra = {"gate_open": self.gate_open}
         self._publish()
+
+    def _gate_floor(self, was_open: bool) -> None:
+        """While the gate holds the producer, and for a meter window after it opens, an overload
+        throttles from the rate the producer sent when it shut (`StageTask.measured_rate`)."""
+        now = self.clock.monotonic_s()
+        if was_open and not self.gate_open:
+            self.task.rate_floor = self.task.meter.rate()
+        if not was_open and self.gate_open:
+            self._opened_s = now
+        if self.gate_open and now - self._opened_s >= self.task.meter.window_s:
+            self.task.rate_floor = 0.0
 
     def _publish(self) -> None:
         """Publish the task's state, best effort: a Redis at `maxmemory` refuses the HSET, and
@@ -118,36 +133,55 @@ class IngestValve:
             self._publish_failing = False
 
     def _wait_s(self, n: int) -> float:
-        if not self.gate_open:
+        if not self.gate_open or self._filled():
             return self.bp.tick / 1000
         return self.bucket.wait_s(n)
 
-    def try_admit(self, n: int) -> float:
-        """Admit `n` events now and return 0, or return the seconds to wait (nothing taken)."""
+    def _filled(self) -> bool:
+        """What was admitted since the input was last measured takes it to the high watermark:
+        nothing more until the next look. The gate looks once a tick, and without this any
+        number of writes (concurrent requests, a producer's catch-up) went through between two
+        looks. The first write after a look always may go: one write is the slack."""
+        if not self.enabled or self.level is None or self._since_bytes == 0:
+            return False
+        return self.level.bytes + self._since_bytes >= self.bp.high_watermark
+
+    def try_admit(self, n: int, size_bytes: int = 0) -> float:
+        """Admit `n` events (`size_bytes` of them, as written, if known) now and return 0, or
+        return the seconds to wait (nothing taken)."""
         with self._lock:
             self._tick()
             wait = self._wait_s(n)
-            # The ingest task never probes its cap (by_cap=False): it is only released once it
-            # has held nothing back for a sensitivity. The gate bounds the input, and a probed
-            # cap would let a producer's catch-up burst (events owed while it was held) through
-            # between two looks at the backlog, past the high watermark plus one tick.
-            self.task.hold(wait > 0, by_cap=False)
+            self.task.hold(wait > 0, by_cap=self._may_probe())
             if wait <= 0:
                 self._take(n)
+                self._since_bytes += size_bytes
             return wait
 
-    def admit(self, n: int, timeout_s: float | None = None) -> None:
+    def _may_probe(self) -> bool:
+        """Whether a hold now is the cap's own, to be probed up (see `StageTask.review_cap`).
+        Only past the cap's origin (the flag clear), only under `propagation: hop` (under
+        `source` the overloaded queue is a far stage's, which this task does not see), and
+        only while its input is quiet (at or below the low watermark) with the gate open: a
+        probed cap lets a producer's owed events through at the probed rate between two looks
+        at the backlog, which from the low watermark is far from the high one. Without it, a
+        producer that came to offer more than its cap's origin would be held there for good."""
+        quiet = self.gate_open and self.level is not None and self.level.quiet
+        hop = self.bp.propagation == "hop"
+        return quiet and hop and not self.task.controller.backpressured
+
+    def admit(self, n: int, timeout_s: float | None = None, size_bytes: int = 0) -> None:
         """Block until `n` events may go. Raises BackpressureError after `timeout_s`."""
         start = self.clock.monotonic_s()
         while True:
-            wait = self.try_admit(n)
+            wait = self.try_admit(n, size_bytes)
             if wait <= 0:
                 return
             waited = self.clock.monotonic_s() - start
             if timeout_s is not None and waited + wait > timeout_s:
                 if waited < timeout_s:
                     self.sleep(timeout_s - waited)
-                    if self.try_admit(n) <= 0:
+                    if self.try_admit(n, size_bytes) <= 0:
                         return
                 with self._lock:
                     self.task.ratio.set_throttled(False)

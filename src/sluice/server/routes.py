@@ -127,7 +127,7 @@ async def ingest(request: Request) -> dict[str, Any]:
     events = parse_events(raw)
 
     def send() -> None:  # blocking calls to the log: off the event loop
-        wait = api.valve().try_admit(len(events))
+        wait = api.valve().try_admit(len(events), len(raw))
         if wait > 0:
             raise BackpressureError(wait, "input is backpressured; retry later")
         producer = Producer.from_config(api.cfg, api.client, flow=False)

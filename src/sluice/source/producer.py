@@ -181,6 +181,11 @@ class Producer:
         """Events buffered and not yet written."""
         return sum(len(b) for b in self._buf) + sum(len(f) for f in self._fields)
 
+    def pending_bytes(self) -> int:
+        """The bytes of the events buffered, as they will be written (values only)."""
+        lines = sum(len(line) for b in self._buf for line in b)
+        return lines + sum(len(v) for f in self._fields for e in f for v in e.values())
+
     def flush(self) -> int:
         """Write everything buffered. Returns events written.
 
@@ -189,7 +194,7 @@ class Producer:
         if self.valve is not None:
             n = self.pending()
             if n:
-                self.valve.admit(n, self.block_timeout_s)
+                self.valve.admit(n, self.block_timeout_s, self.pending_bytes())
         if self.kafka is not None:
             events, entries = self._flush_kafka(self.kafka)
         else:
