@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from sluice.clock import ManualClock
 from sluice.errors import BackpressureError
 from sluice.flow.board import Board
+from sluice.flow.task import STALE_SIGNAL_MS
 from sluice.flow.valves import AdmissionValve, IngestValve, StoreMonitor, spark_task_id
 from sluice.graph import graph_topology
 from sluice.redis.keys import STATS_KEY
@@ -103,6 +104,27 @@ def test_gate_shuts_at_the_high_watermark_and_opens_below(
     assert st["gate_open"] is True and st["queue"]["bytes"] < cfg.backpressure.low_watermark
     # The time spent refused shows as a backpressure ratio.
     assert st["backpressure_ratio"] > 0
+
+
+def test_a_task_that_did_not_read_for_long_ignores_stale_signals(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """An idle `sluice serve` worker reads its signals only when a request comes: an overload
+    sent minutes before throttled it to `min_rate` with the input empty. A signal older than
+    STALE_SIGNAL_MS is ignored; a fresh one still acts."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    ingest = _ingest(r, cfg, clock)
+    _warm(ingest, clock)
+    board = Board(r)
+    board.send(ingest.task.id, "overload", "spark/x", 0, clock.now_ms())
+    clock.advance(STALE_SIGNAL_MS + 250)  # the worker was idle meanwhile
+    assert ingest.try_admit(1) == 0
+    assert ingest.task.controller.rate is None and ingest.task.signals_seen == 0
+    board.send(ingest.task.id, "overload", "spark/x", 0, clock.now_ms())
+    clock.advance(250)
+    ingest.try_admit(1)
+    assert ingest.task.controller.backpressured and ingest.task.signals_seen == 1
 
 
 def test_writes_between_two_looks_stop_at_the_high_watermark(

@@ -30,6 +30,10 @@ from sluice.flow.meters import PROBE, RELEASE, CapWatch, RateMeter, RatioMeter
 from sluice.graph import FlowStage
 
 SIGNAL_DRIVEN = ("stepwise",)
+# A signal older than this when read is ignored: a live overload is sent again every tick or
+# batch, and a task that did not read for long (an idle `sluice serve` worker, which reads only
+# when a request comes) would otherwise act on minutes-old news.
+STALE_SIGNAL_MS = 10_000
 
 
 class QueueWatch:
@@ -123,7 +127,10 @@ class StageTask:
         self._next_tick = self.clock.monotonic_s() + self.tick_ms / 1000
         signals, self._cursor = self.board.receive(self.id, self._cursor)
         changed = False
+        now = self.clock.now_ms()
         for sig in signals:
+            if now - sig.at_ms > STALE_SIGNAL_MS:
+                continue
             self.signals_seen += 1
             if sig.kind == OVERLOAD:
                 self.cap_watch.overload()
