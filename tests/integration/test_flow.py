@@ -479,6 +479,28 @@ def test_a_producer_held_by_the_gate_is_throttled_from_its_rate_before_the_gate(
     assert ctl.rate is None  # released after a sensitivity with nothing held back
 
 
+def test_send_all_under_backpressure_raises_with_every_event_buffered(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """`send_all` buffers every event before it flushes: a BackpressureError from that flush
+    leaves all of them buffered, for `flush()` to retry. It used to flush part way through, so
+    the error came with part of them buffered (3,998 of 5,000), and a retry of the call
+    counted those twice."""
+    cfg = _cfg(redis_url, tmp_path)
+    clock = ManualClock(NOW)
+    producer = Producer.from_config(cfg, r, valve=_ingest(r, cfg, clock), block_timeout_s=0.5)
+    _fill(r, cfg, cfg.backpressure.high_watermark)
+    clock.advance(250)
+    events = [{"ts": NOW, "card": f"c{i}", "merchant": "m", "amount": 1.0, "qty": 1}
+              for i in range(5_000)]  # fmt: skip
+    with pytest.raises(BackpressureError):
+        producer.send_all(events)
+    assert producer.pending() == 5_000
+    _drain(r, cfg)
+    clock.advance(250)
+    assert producer.flush() == 5_000 and producer.pending() == 0
+
+
 def test_ingest_flush_survives_a_full_redis_and_still_raises_for_its_entries(
     r: redis.Redis, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

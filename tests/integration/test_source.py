@@ -101,6 +101,33 @@ def test_large_ranges_split_into_parallel_partitions(
     assert sorted(table.column("qty").to_pylist()) == list(range(2000))
 
 
+def test_a_producer_packs_entries_under_the_entry_limit_and_refuses_an_event_over_it(
+    r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Events the producer accepted are never written as one entry over `max_entry_bytes`,
+    which the source would dead-letter whole as `oversize_entry` (45 events of 200 KB posted
+    at once were lost so, after a 202). An event over the limit alone is refused at `send`."""
+    from sluice.errors import BadEvent
+
+    cfg = make_config(redis_url, tmp_path, source={"shards": 1, "max_entry_bytes": "4KB"})
+    producer = Producer.from_config(cfg, r, flow=False)
+    pad = "p" * 900
+    events = [{"ts": NOW, "card": f"c{i}", "merchant": "m", "amount": 1.0, "qty": 1, "pad": pad}
+              for i in range(20)]  # fmt: skip
+    producer.send_all(events)
+    assert producer.flush() == 20
+    entries = r.xrange("events")
+    assert len(entries) > 1 and sum(int(f[b"n"]) for _, f in entries) == 20
+    assert all(sum(len(k) + len(v) for k, v in f.items()) <= 4000 for _, f in entries)
+    reader = _reader(cfg, redis_url)
+    start = reader.initialOffset()
+    rows = _read_all(reader, start, reader.latestOffset(start, ReadAllAvailable())).to_pylist()
+    assert len(rows) == 20 and {row["_err"] for row in rows} == {None}, rows[0]
+    with pytest.raises(BadEvent, match="over what one log entry may hold"):
+        producer.send({**events[0], "pad": "p" * 5000})
+    assert producer.pending() == 0
+
+
 def test_plain_xadd_in_fields_format(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     cfg = make_config(redis_url, tmp_path, source={"shards": 1, "format": "fields"})
     reader = _reader(cfg, redis_url)

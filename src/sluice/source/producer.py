@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 STREAM_FORMATS = ("jsonl", "fields")
 KAFKA_FORMATS = ("jsonl", "json")
 DELIVERY_TIMEOUT_S = 30.0
+ENTRY_OVERHEAD = 64  # an entry's bytes besides its events' lines: `d`, `n` and the count
 
 
 def shard_of(value: Any, shards: int) -> int:
@@ -90,6 +91,7 @@ class Producer:
         block_timeout_s: float | None = None,
         hash_tags: bool = False,
         kafka: KafkaSpec | None = None,
+        max_entry_bytes: int | None = None,
     ) -> None:
         allowed = KAFKA_FORMATS if kafka is not None else STREAM_FORMATS
         if format not in allowed:
@@ -108,6 +110,9 @@ class Producer:
         self.format = format
         self.shard_by = shard_by
         self.batch_events = batch_events
+        # An entry (a record) the source would dead-letter as `oversize_entry` is never written:
+        # lines are packed under it, and an event over it alone is refused (`_written`).
+        self.max_payload = None if max_entry_bytes is None else max_entry_bytes - ENTRY_OVERHEAD
         self._buf: list[list[bytes]] = [[] for _ in self.keys]
         self._fields: list[list[dict[str, bytes | str]]] = [[] for _ in self.keys]
         self._rr = 0
@@ -126,6 +131,7 @@ class Producer:
         kw.setdefault("hash_tags", bool(cfg.source.hash_tags))
         spec = log_spec(cfg)
         kw.setdefault("kafka", spec if isinstance(spec, KafkaSpec) else None)
+        kw.setdefault("max_entry_bytes", cfg.source.max_entry_bytes)
         return cls(client, cfg.source.stream, cfg.source.shards, cfg.source.format, **kw)
 
     def _shard(self, event: Mapping[str, Any]) -> int:
@@ -135,13 +141,18 @@ class Producer:
         return self._rr
 
     def send(self, event: Mapping[str, Any]) -> None:
-        """Buffer one event. Raises BadEvent if it is not a JSON-serialisable mapping, or in
-        the `fields` format has no field with a value (a stream entry cannot be empty)."""
+        """Buffer one event, and flush once a shard holds 4 x `batch_events`. Raises BadEvent
+        (nothing buffered) if it is not a JSON-serialisable mapping, is over what one log entry
+        may hold, or in the `fields` format has no field with a value (a stream entry cannot
+        be empty). A flush's error (BackpressureError, a Redis error) is raised with the event
+        buffered: call `flush()` again, do not send it again."""
         self._buffer(event, self._written(event))  # refused before a shard is chosen
+        self._flush_if_full()
 
     def send_all(self, events: Sequence[Mapping[str, Any]]) -> None:
         """Buffer every event, or none of them: raises BadEvent naming the first one `send`
-        would refuse (`event <i>: ...`). Each event is converted once."""
+        would refuse (`event <i>: ...`). Each event is converted once. Then flushes as `send`
+        does: a flush's error is raised with every event buffered."""
         written = []
         for i, event in enumerate(events):
             try:
@@ -150,6 +161,7 @@ class Producer:
                 raise BadEvent(f"event {i}: {e}") from None
         for event, entry in zip(events, written, strict=True):
             self._buffer(event, entry)
+        self._flush_if_full()
 
     def _buffer(self, event: Mapping[str, Any], written: dict[str, bytes | str] | bytes) -> None:
         i = self._shard(event)
@@ -157,16 +169,43 @@ class Producer:
             self._fields[i].append(written)
         else:
             self._buf[i].append(written)
-        if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
+
+    def _flush_if_full(self) -> None:
+        full = self.batch_events * 4
+        if any(len(b) + len(f) >= full for b, f in zip(self._buf, self._fields, strict=True)):
             self.flush()
 
     def _written(self, event: Mapping[str, Any]) -> dict[str, bytes | str] | bytes:
         """`event` as the log gets it: a `fields` entry's fields, or a JSON line."""
         if not isinstance(event, Mapping):
             raise BadEvent(f"an event must be a mapping, got {type(event).__name__}")
-        return _entry_fields(event) if self.format == "fields" else event_line(event)
+        written = _entry_fields(event) if self.format == "fields" else event_line(event)
+        size = len(written) if isinstance(written, bytes) else sum(
+            len(k) + len(v) for k, v in written.items())  # fmt: skip
+        if self.max_payload is not None and size > self.max_payload:
+            raise BadEvent(f"the event is {size:,} bytes as written, over what one log entry may"
+                           f" hold ({self.max_payload:,}: source.max_entry_bytes less"
+                           f" {ENTRY_OVERHEAD} for the entry's own fields)")  # fmt: skip
+        return written
+
+    def _entries(self, lines: list[bytes]) -> Iterator[list[bytes]]:
+        """`lines` in runs of at most `batch_events`, each under `max_payload` bytes joined."""
+        run: list[bytes] = []
+        size = 0
+        for line in lines:
+            grown = size + len(line) + (1 if run else 0)
+            if run and (len(run) == self.batch_events or (
+                    self.max_payload is not None and grown > self.max_payload)):  # fmt: skip
+                yield run
+                run, grown = [], len(line)
+            run.append(line)
+            size = grown
+        if run:
+            yield run
 
     def send_many(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """`send` each event in turn: on a flush's error, the events up to the one being sent
+        are buffered, and the rest are not (`send_all` buffers all of them first)."""
         for e in events:
             self.send(e)
 
@@ -211,9 +250,7 @@ class Producer:
         pipe = self.client.pipeline(transaction=False)
         events = entries = 0
         for i, key in enumerate(self.keys):
-            lines = self._buf[i]
-            for j in range(0, len(lines), self.batch_events):
-                part = lines[j : j + self.batch_events]
+            for part in self._entries(self._buf[i]):
                 pipe.xadd(key, {"d": b"\n".join(part), "n": len(part)})
                 entries += 1
                 events += len(part)
@@ -236,8 +273,7 @@ class Producer:
                 continue
             events += len(lines)
             if self.format == "jsonl":
-                for j in range(0, len(lines), self.batch_events):
-                    records.append((i, b"\n".join(lines[j : j + self.batch_events]), None))
+                records += [(i, b"\n".join(part), None) for part in self._entries(lines)]
             else:
                 records += [(i, line, self._key_of(line)) for line in lines]
         if records:
