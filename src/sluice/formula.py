@@ -172,7 +172,8 @@ def evaluate(node: Node, values: Mapping[str, float | int | None]) -> float | No
 def check_derived(expr: str, metrics: Mapping[str, Any]) -> list[str]:
     """Validate a derived formula against the metric definitions; returns the names it reads.
 
-    Every name must be a metric, and all must share the same key fields.
+    Every name must be a metric that answers one number (not a quantile), and all must share
+    the same key fields.
     """
     node = parse(expr)
     used = names(node)
@@ -182,6 +183,12 @@ def check_derived(expr: str, metrics: Mapping[str, Any]) -> list[str]:
         if n not in metrics:
             known = ", ".join(sorted(metrics)) or "none"
             raise ValueError(f"unknown metric {n!r} in formula (known metrics: {known})")
+    for n in used:
+        if getattr(metrics[n], "agg", None) == "quantile":
+            raise ValueError(
+                f"metric {n!r} is a quantile, which answers one value per quantile asked for;"
+                " a formula needs metrics that answer one number"
+            )
     keys = {tuple(metrics[n].key) for n in used}
     if len(keys) > 1:
         raise ValueError(

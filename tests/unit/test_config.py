@@ -169,6 +169,7 @@ def test_quantile_needs_q_strictly_between_0_and_1() -> None:
     assert err.path == "metrics[1].q" and "strictly between 0 and 1" in str(err)
     ok = design()
     set_q([0.5, 0.99])(ok)
+    ok["derived"] = []  # a formula over a quantile is refused (see below)
     assert config_from_dict(ok).metrics[1].quantiles() == [0.5, 0.99]
     err = bad(lambda d: d["metrics"][1].update(q=0.5))
     assert err.path == "metrics[1].q" and "only for agg 'quantile'" in str(err)
@@ -248,6 +249,17 @@ def test_derived_name_clashing_with_metric() -> None:
     err = bad(lambda d: d["derived"][0].update(name="amount_sum"))
     assert err.path == "derived[0].name"
     assert "name 'amount_sum' is already a metric" in str(err)
+
+
+def test_a_formula_over_a_quantile_is_refused() -> None:
+    """A quantile answers one value per quantile asked for: a formula over it passed the checks
+    and every lookup of it failed with a bare 500."""
+    err = bad(lambda d: (
+        d["metrics"][1].update(agg="quantile", q=[0.5, 0.9], filter=None),
+        d["derived"][0].update(expr="amount_sum * 2"),
+    ))  # fmt: skip
+    assert err.path == "derived[0].expr"
+    assert "metric 'amount_sum' is a quantile" in str(err)
 
 
 @pytest.mark.parametrize("name", ["1abc", "has-dash", "sp ace", ""])
