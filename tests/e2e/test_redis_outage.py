@@ -79,6 +79,12 @@ def test_pipeline_pauses_through_a_redis_outage_and_resumes(spark: Any, tmp_path
                 break
             assert time.monotonic() < deadline, states
             time.sleep(0.2)
+        # Back to `running` once the queries run again, with no input since the outage (it
+        # used to say `failing` until an event came).
+        deadline = time.monotonic() + 60
+        while pipeline_health(client, int(time.time() * 1000))["state"] != "running":
+            assert time.monotonic() < deadline, pipeline_health(client, int(time.time() * 1000))
+            time.sleep(0.2)
         acked += _send(client, 50, 50)
         deadline = time.monotonic() + 180
         while int(client.hget(STATS_KEY, "events_in") or 0) < acked:

@@ -112,9 +112,14 @@ class Supervisor:
     def _watch(self, part: Part, health: Health, max_backoff_s: float) -> None:
         q = part.query
         if q.isActive:
+            # Progress since this (re)start: a batch ran, or an idle trigger found nothing to
+            # read (a batch that failed before runs again first, so a fault that persists never
+            # gets this far). Either way the query works: after an outage with no input since,
+            # the state went on saying `failing` until an event came.
             p = q.lastProgress
-            if p and p.get("numInputRows", 0) > 0:
-                self._backoff[part.name] = 1.0
+            if p:
+                if p.get("numInputRows", 0) > 0:
+                    self._backoff[part.name] = 1.0
                 health.recovered()
             return
         err = q.exception()
