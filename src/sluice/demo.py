@@ -200,11 +200,12 @@ class _BadEvents:
 
 
 def _flow(stage: dict[str, Any]) -> str:
-    """The ingest stage in a few characters: free, or throttled to a rate."""
-    if not stage["backpressure"]:
-        return "free     "
+    """The ingest stage in a few characters: free, throttled to a rate (the flag up), or
+    capped at one (the flag clear, a provisional cap not yet released)."""
     rate = stage["rate"]
-    return f"throttled to {rate:,.0f}/s" if rate is not None else "throttled"
+    if stage["backpressure"]:
+        return f"throttled to {rate:,.0f}/s" if rate is not None else "throttled"
+    return "free     " if rate is None else f"capped at {rate:,.0f}/s"
 
 
 def _fmt(ms: float | None) -> str:
