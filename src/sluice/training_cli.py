@@ -254,8 +254,9 @@ def consistency(
     arrival: str | None, settle: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Recompute a sample of the answers the server gave (server.log_answers) from the archive,
-    and report matched, mismatched, missing and skipped per metric. Exits 3 on a mismatch and 4
-    when no answer was logged to check. See docs/offline.md."""
+    and report matched, mismatched, missing and skipped per metric. Exits 3 on a mismatch, and
+    4 when nothing was compared (no answer logged, or every one missing or skipped). See
+    docs/offline.md."""
     from sluice.units import parse_duration_ms
 
     try:

@@ -295,6 +295,9 @@ def test_clear_errors(
     pd.DataFrame({"ts": [1], "merchant": ["m"]}).to_parquet(tmp_path / "narrow.parquet")
     with pytest.raises(ArchiveError, match="input has no column 'card'"):
         backfill(spark, cfg, str(tmp_path / "narrow.parquet"), until_ms=now_ms)
+    # Parquet read as CSV: its header is its bytes, shown escaped and short, with a hint
+    with pytest.raises(ArchiveError, match=r"its columns are PAR1.*\(not text: is the input in"):
+        backfill(spark, cfg, str(tmp_path / "narrow.parquet"), fmt="csv", until_ms=now_ms)
     with pytest.raises(
         ArchiveError, match=r"S3AFileSystem, is not on Spark's classpath.*hadoop-aws"
     ):

@@ -321,6 +321,15 @@ def not_text(dtype: T.DataType) -> bool:
                       | T.TimestampNTZType | T.ArrayType | T.MapType | T.StructType)  # fmt: skip
 
 
+def _shown(keys: list[str], most: int = 20) -> str:
+    """Column names for an error message, printable and short: a file read in another format
+    than its own (Parquet as CSV) has its bytes for a header."""
+    text = ", ".join(repr(k)[1:-1][:40] for k in keys[:most])
+    more = f", and {len(keys) - most} more" if len(keys) > most else ""
+    odd = any(not k.isprintable() for k in keys)
+    return text + more + (" (not text: is the input in the format given?)" if odd else "")
+
+
 def archive_events(
     raw: DataFrame,
     cfg: Config,
@@ -353,7 +362,7 @@ def archive_events(
         if keys is not None and name not in keys and required:
             raise ArchiveError(
                 f"input has no column {name!r} (source.schema: {name}: {spec}); {what}"
-                f" {', '.join(keys)}"
+                f" {_shown(keys)}"
             )
     if arrival is not None and keys is not None and arrival not in keys:
         raise ArchiveError(
