@@ -75,8 +75,9 @@ def test_embedded_server_answers_on_a_unix_socket_beside_its_data() -> None:
 
 def test_unreachable_url_fails_clearly() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
-    with pytest.raises(RedisUnavailable, match=r"cannot reach redis at redis://127\.0\.0\.1"):
+    with pytest.raises(RedisUnavailable, match=r"cannot reach redis at redis://127\.0\.0\.1") as e:
         check_reachable(url, timeout_s=0.5)
+    assert ".." not in str(e.value)  # redis-py's message ends in a period of its own
 
 
 def test_password_urls(tmp_path: Path) -> None:

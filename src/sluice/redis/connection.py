@@ -89,13 +89,13 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
         raise RedisUnavailable(f"redis at {redact(url)} answered with an error: {e}") from None
     except redis.exceptions.RedisClusterException as e:
         raise RedisUnavailable(
-            f"redis cluster at {redact(url)} is not usable: {e}. Check that every seed in"
+            f"redis cluster at {redact(url)} is not usable: {_said(e)}. Check that every seed in"
             " `redis:` is a node of a cluster that serves all 16384 slots (cluster_state:ok)."
         ) from None
     except (redis.RedisError, OSError) as e:
         raise RedisUnavailable(
-            f"cannot reach redis at {redact(url)}: {e}. Is the server running? Check `redis:` in"
-            " sluice.yaml, or omit it to use the embedded server."
+            f"cannot reach redis at {redact(url)}: {_said(e)}. Is the server running? Check"
+            " `redis:` in sluice.yaml, or omit it to use the embedded server."
         ) from None
 
 
@@ -161,3 +161,9 @@ def open_redis(url: str | None, state_dir: Path, durability: Durability = "defau
             handle.close()
             raise
     return handle
+
+
+def _said(e: BaseException) -> str:
+    """An error's message without its closing period (redis-py ends some with one), for a
+    sentence that goes on after it."""
+    return str(e).rstrip(". ")
