@@ -126,8 +126,15 @@ class Supervisor:
         part.query = None
         if self._stop.is_set() or not self.leading():
             return
-        self._failed(part, health, str(err).splitlines()[0] if err else "query stopped",
-                     max_backoff_s)  # fmt: skip
+        error = str(err).splitlines()[0] if err else "query stopped"
+        if not self._redis_up():  # the store went away under it: not the query's failure (a
+            # plan with five queries was `failing` on one outage); the loop waits for Redis
+            log.warning("query stopped: redis is unreachable; waiting for it",
+                        extra={"stage": part.name, "error": error})  # fmt: skip
+            health.restarts += 1  # it is started again once Redis answers
+            health.set("waiting_for_redis", "redis is unreachable")
+            return
+        self._failed(part, health, error, max_backoff_s)
 
     def _failed(self, part: Part, health: Health, error: str, max_backoff_s: float) -> None:
         backoff = self._backoff[part.name]
