@@ -144,6 +144,10 @@ def test_batch_query_and_definitions(api: TestClient, seeded: tuple[int, int]) -
     for end in (True, 1.5):  # an epoch ms is an integer (or its text), never a boolean
         query = {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": end}
         _error(api.post("/v1/query", json={"queries": [query]}), 400, "queries[0].end")
+    for end, says in ((1e30, "1e+30 is out of range"), (1.5, "a whole number; got 1.5")):
+        query = {"metric": "txn_count", "key": ["c1"], "window": "1m", "end": end}
+        err = _error(api.post("/v1/query", json={"queries": [query]}), 400, "queries[0].end")
+        assert says in err["message"], err
     bad = _error(
         api.post("/v1/query", content=b"{not json", headers={"content-type": "application/json"}),
         400,

@@ -39,6 +39,12 @@ class Lookup(BaseModel):
     def _no_bool(cls, v: Any) -> Any:
         if isinstance(v, bool):  # pydantic would read `true` as 1 ms
             raise ValueError("must be epoch milliseconds, not a boolean")
+        if isinstance(v, float):  # pydantic's own message ("unable to parse input string")
+            # would not say what is wrong with a number
+            if v != v or v in (float("inf"), float("-inf")) or not v.is_integer():
+                raise ValueError(f"must be epoch milliseconds, a whole number; got {v!r}")
+            if not -(2**63) <= v < 2**63:
+                raise ValueError(f"must be epoch milliseconds; {v!r} is out of range")
         return v
 
 
