@@ -501,6 +501,23 @@ def test_send_all_under_backpressure_raises_with_every_event_buffered(
     assert producer.flush() == 5_000 and producer.pending() == 0
 
 
+def test_a_producer_is_made_while_redis_is_down_and_keeps_what_it_could_not_write(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Making a producer read the flow signals' tail: with Redis down it raised a raw
+    ConnectionError, so nothing could even be buffered. Now it is made; a flush fails with the
+    Redis error and keeps every event."""
+    from tests.conftest import free_port
+
+    cfg = _cfg(redis_url, tmp_path)
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    producer = Producer.from_config(cfg, down)
+    producer.send({"ts": NOW, "card": "c1", "merchant": "m", "amount": 1.0, "qty": 1})
+    with pytest.raises(redis.ConnectionError):
+        producer.flush()
+    assert producer.pending() == 1
+
+
 def test_ingest_flush_survives_a_full_redis_and_still_raises_for_its_entries(
     r: redis.Redis, redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+
 from sluice.clock import Clock
 from sluice.flow.board import OVERLOAD, UNDERLOAD, Board, task_id
 from sluice.flow.controllers import BatchSample, Controller
@@ -108,7 +110,10 @@ class StageTask:
         self.emitted_total = 0  # events emitted since this task started: rates by difference
         self.queue: dict[str, Any] | None = None
         self.extra: dict[str, Any] = {}
-        self._cursor = board.signals_tail()
+        try:
+            self._cursor = board.signals_tail()
+        except redis.RedisError:  # Redis down: a producer is still made, and buffers; signals
+            self._cursor = f"{clock.now_ms()}-0"  # are read from about now (ids are times)
         self._next_tick = 0.0
         self._changed = True
         self.cap_watch = CapWatch(clock)
