@@ -89,8 +89,10 @@ class Health:
             log.log(_STATE_LEVEL.get(state, logging.INFO), "pipeline state", extra=fields)
         self._write(changed)
 
-    def failed(self, error: str) -> None:
-        self.failures += 1
+    def failed(self, error: str, in_a_row: int | None = None) -> None:
+        """A query failed; `in_a_row`: the most failures in a row of any one query (the
+        supervisor counts per query), else one more than before."""
+        self.failures = self.failures + 1 if in_a_row is None else in_a_row
         self.restarts += 1
         self.set("failing" if self.failures >= FAILING_AFTER else "restarting", error)
 

@@ -4,8 +4,10 @@ A query that fails is restarted from its checkpoint with exponential backoff (1 
 `max_backoff_s`), on its own: the other stages keep running. While Redis is unreachable nothing
 is started; everything starts again as soon as it answers. The state is published for
 `/healthz` and `sluice status`: `running`, `restarting`, `waiting_for_redis`, `failing`
-(FAILING_AFTER or more failures in a row) or `stopped`; a batch with input resets the failure
-count.
+(FAILING_AFTER or more failures in a row of one query) or `stopped`. Each query counts its own
+failures in a row, and its own progress since its restart (a batch, or an idle trigger) resets
+its count: the state is `running` again once no query has any. A query that stops while Redis
+does not answer is waited for (`waiting_for_redis`), not counted.
 
 Under a leadership lease (`pipeline.lease`) the supervisor runs only while its process leads:
 once the lease is lost it stops every query at once (a batch in flight fails its lease check
@@ -54,6 +56,7 @@ class Supervisor:
         self.lease = lease
         self._stop = stop or threading.Event()
         self._backoff = {p.name: 1.0 for p in self.parts}
+        self._failures = {p.name: 0 for p in self.parts}  # each query's, in a row
         self._start_at = {p.name: 0.0 for p in self.parts}
 
     def request_stop(self) -> None:
@@ -120,7 +123,9 @@ class Supervisor:
             if p:
                 if p.get("numInputRows", 0) > 0:
                     self._backoff[part.name] = 1.0
-                health.recovered()
+                self._failures[part.name] = 0  # its own progress only: a query that idles
+                if not any(self._failures.values()):  # must not hide one that crash-loops
+                    health.recovered()
             return
         err = q.exception()
         part.query = None
@@ -138,7 +143,8 @@ class Supervisor:
 
     def _failed(self, part: Part, health: Health, error: str, max_backoff_s: float) -> None:
         backoff = self._backoff[part.name]
-        health.failed(error)
+        self._failures[part.name] += 1
+        health.failed(error, max(self._failures.values()))
         log.error("query failed", extra={"stage": part.name, "error": error,
                                          "retry_in_s": backoff})  # fmt: skip
         self._start_at[part.name] = time.monotonic() + backoff
