@@ -111,7 +111,9 @@ class IngestValve:
         throttles from the rate the producer sent when it shut (`StageTask.measured_rate`)."""
         now = self.clock.monotonic_s()
         if was_open and not self.gate_open:
-            self.task.rate_floor = self.task.meter.rate()
+            # the highest since the gate first shut: a gate that shuts again soon after it
+            # opened (a backlog at the high watermark) finds the meter still low
+            self.task.rate_floor = max(self.task.rate_floor, self.task.meter.rate())
         if not was_open and self.gate_open:
             self._opened_s = now
         if self.gate_open and now - self._opened_s >= self.task.meter.window_s:
@@ -152,7 +154,7 @@ class IngestValve:
         with self._lock:
             self._tick()
             wait = self._wait_s(n)
-            self.task.hold(wait > 0, by_cap=self._may_probe())
+            self.task.hold(wait > 0, by_cap=self._may_probe() and not self._filled())
             if wait <= 0:
                 self._take(n)
                 self._since_bytes += size_bytes
