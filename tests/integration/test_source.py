@@ -126,6 +126,11 @@ def test_a_producer_packs_entries_under_the_entry_limit_and_refuses_an_event_ove
     with pytest.raises(BadEvent, match="over what one log entry may hold"):
         producer.send({**events[0], "pad": "p" * 5000})
     assert producer.pending() == 0
+    # `fields`: the size is the UTF-8 bytes the source counts, not characters
+    fields = make_config(redis_url, tmp_path / "f", source={"shards": 1, "format": "fields",
+                                                            "max_entry_bytes": "4KB"})  # fmt: skip
+    with pytest.raises(BadEvent, match="over what one log entry may hold"):
+        Producer.from_config(fields, r, flow=False).send({**events[0], "pad": "é" * 2500})
 
 
 def test_plain_xadd_in_fields_format(r: redis.Redis, redis_url: str, tmp_path: Path) -> None:

@@ -78,6 +78,13 @@ def event_line(event: Mapping[str, Any]) -> bytes:
     return line
 
 
+def _entry_bytes(fields: Mapping[str, bytes | str]) -> int:
+    """A `fields` entry's size as the source counts it: its names' and values' UTF-8 bytes."""
+    return sum(len(k.encode("utf-8", "replace"))
+               + len(v if isinstance(v, bytes) else v.encode("utf-8", "replace"))
+               for k, v in fields.items())  # fmt: skip
+
+
 class Producer:
     def __init__(
         self,
@@ -146,8 +153,9 @@ class Producer:
         may hold, or in the `fields` format has no field with a value (a stream entry cannot
         be empty). A flush's error (BackpressureError, a Redis error) is raised with the event
         buffered: call `flush()` again, do not send it again."""
-        self._buffer(event, self._written(event))  # refused before a shard is chosen
-        self._flush_if_full()
+        i = self._buffer(event, self._written(event))  # refused before a shard is chosen
+        if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
+            self.flush()
 
     def send_all(self, events: Sequence[Mapping[str, Any]]) -> None:
         """Buffer every event, or none of them: raises BadEvent naming the first one `send`
@@ -163,12 +171,14 @@ class Producer:
             self._buffer(event, entry)
         self._flush_if_full()
 
-    def _buffer(self, event: Mapping[str, Any], written: dict[str, bytes | str] | bytes) -> None:
+    def _buffer(self, event: Mapping[str, Any], written: dict[str, bytes | str] | bytes) -> int:
+        """Buffer one written event; returns its shard."""
         i = self._shard(event)
         if isinstance(written, dict):
             self._fields[i].append(written)
         else:
             self._buf[i].append(written)
+        return i
 
     def _flush_if_full(self) -> None:
         full = self.batch_events * 4
@@ -180,8 +190,7 @@ class Producer:
         if not isinstance(event, Mapping):
             raise BadEvent(f"an event must be a mapping, got {type(event).__name__}")
         written = _entry_fields(event) if self.format == "fields" else event_line(event)
-        size = len(written) if isinstance(written, bytes) else sum(
-            len(k) + len(v) for k, v in written.items())  # fmt: skip
+        size = len(written) if isinstance(written, bytes) else _entry_bytes(written)
         if self.max_payload is not None and size > self.max_payload:
             raise BadEvent(f"the event is {size:,} bytes as written, over what one log entry may"
                            f" hold ({self.max_payload:,}: source.max_entry_bytes less"
@@ -223,7 +232,7 @@ class Producer:
     def pending_bytes(self) -> int:
         """The bytes of the events buffered, as they will be written (values only)."""
         lines = sum(len(line) for b in self._buf for line in b)
-        return lines + sum(len(v) for f in self._fields for e in f for v in e.values())
+        return lines + sum(_entry_bytes(e) for f in self._fields for e in f)
 
     def flush(self) -> int:
         """Write everything buffered. Returns events written.
