@@ -110,13 +110,18 @@ _NUMBERS = re.compile(r"\d+")
 
 class Handled(logging.Filter):
     """Drops py4j's ERROR, with its traceback, for an error that Sluice raised in a batch on
-    purpose and reports itself: a deposed leader's batch fails with LeaseLost so that Spark
-    commits nothing, and the process logs `leadership lost` once."""
+    purpose and reports itself: a deposed leader's batch fails with LeaseLost (another process
+    holds the lease) so that Spark commits nothing, and the process logs `leadership lost`
+    once. A LeaseLost for any other reason (the lease could not be read) is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from sluice.errors import LeaseLost
 
-        return not (record.exc_info and isinstance(record.exc_info[1], LeaseLost))
+        e = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(e, LeaseLost) and DEPOSED in str(e))
+
+
+DEPOSED = "another process holds it"  # a LeaseLost's reason when another process took over
 
 
 _HANDLED = Handled()
@@ -140,7 +145,8 @@ def setup_logging(level: str = "info") -> None:
     root.setLevel(level.upper())
     for noisy in NOISY:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
-    logging.getLogger("py4j.clientserver").addFilter(_HANDLED)  # a filter is added once
+    for name in ("py4j.clientserver", "py4j.java_gateway"):
+        logging.getLogger(name).addFilter(_HANDLED)  # a filter is added once
 
 
 def setup_worker_logging() -> None:

@@ -85,9 +85,12 @@ def test_spark_reporting_a_deposed_leader_s_query_is_dropped_and_other_errors_pa
         ' with error" exc="org.apache.spark.sql.execution.streaming.sources.ForeachBatch'
         'UserFuncException: Traceback (most recent call last):\\n  File \\"lease.py\\"'
     )
-    fenced = head + ' line 372\\nsluice.errors.LeaseLost: query `spark` lost its leadership"'
+    lost = " line 372\\nsluice.errors.LeaseLost: query `spark` lost its leadership lease"
+    fenced = head + lost + ' (another process holds it); standing by"'
+    unread = head + lost + ' (could not read it: Timeout); standing by"'  # no `lost` logged
     other = head + ' line 9\\nredis.exceptions.ResponseError: WRONGTYPE"'
     assert _through([LOG, fenced, LOG]) == [LOG, LOG]
+    assert _through([LOG, unread, LOG]) == [LOG, unread, LOG]
     assert _through([LOG, other, LOG]) == [LOG, other, LOG]
 
 

@@ -146,12 +146,13 @@ def test_py4j_s_error_for_a_deposed_leader_s_batch_is_dropped_and_others_kept() 
         setup_logging("info")  # the filter is added once
         root.addHandler(Keep())
         py4j = logging.getLogger("py4j.clientserver")
-        for err in (LeaseLost("spark", "another process holds it"), ValueError("boom")):
+        unread = LeaseLost("spark", "could not read it: Timeout")  # no `leadership lost` line
+        for err in (LeaseLost("spark", "another process holds it"), unread, ValueError("boom")):
             try:
                 raise err
             except (LeaseLost, ValueError):
                 py4j.exception("There was an exception while executing the Python Proxy")
-        assert [type(r.exc_info[1]) for r in records if r.exc_info] == [ValueError]
+        assert [r.exc_info[1] for r in records if r.exc_info] == [unread, err]
         assert len(py4j.filters) == 1
     finally:
         root.handlers[:] = before[1]

@@ -81,7 +81,10 @@ STOP_REPORTS = (
     "Python worker exited unexpectedly",
 )
 HOLD_S = 0.5
-LEASE_LOST = "sluice.errors.LeaseLost: "  # the error of a batch a deposed leader ended
+# the error of a batch a deposed leader ended: another process holds the lease (any other
+# LeaseLost, such as a lease that could not be read, passes with its traceback)
+LEASE_LOST = "sluice.errors.LeaseLost: "
+DEPOSED = "(another process holds it)"
 
 # A failed task's report: the executor's error with its whole trace, and the job's abort.
 TASK_FAILED = (
@@ -121,7 +124,8 @@ def fenced(line: str) -> bool:
     """Whether a line is Spark's report of a query that a deposed leader's batch ended on
     purpose (LeaseLost: Spark commits nothing), which the process logs itself as `leadership
     lost`, in one line; Spark's has the batch's whole Python traceback in it (3-7 KB)."""
-    return SPARK_ERROR in line and "terminated with error" in line and LEASE_LOST in line
+    ended = SPARK_ERROR in line and "terminated with error" in line
+    return ended and LEASE_LOST in line and DEPOSED in line
 
 
 def query_ended(line: str) -> bool:
