@@ -96,6 +96,12 @@ class Health:
         self.restarts += 1
         self.set("failing" if self.failures >= FAILING_AFTER else "restarting", error)
 
+    def waiting_for_redis(self) -> None:
+        """A query stopped because Redis went away: it is started again once Redis answers
+        (a restart), and it is no failure of its own."""
+        self.restarts += 1
+        self.set("waiting_for_redis", "redis is unreachable")
+
     def recovered(self) -> None:
         if self.failures or self.state != "running":
             self.failures = 0

@@ -136,8 +136,7 @@ class Supervisor:
             # plan with five queries was `failing` on one outage); the loop waits for Redis
             log.warning("query stopped: redis is unreachable; waiting for it",
                         extra={"stage": part.name, "error": error})  # fmt: skip
-            health.restarts += 1  # it is started again once Redis answers
-            health.set("waiting_for_redis", "redis is unreachable")
+            health.waiting_for_redis()
             return
         self._failed(part, health, error, max_backoff_s)
 

@@ -154,7 +154,7 @@ class Producer:
         be empty). A flush's error (BackpressureError, a Redis error) is raised with the event
         buffered: call `flush()` again, do not send it again."""
         i = self._buffer(event, self._written(event))  # refused before a shard is chosen
-        if len(self._buf[i]) + len(self._fields[i]) >= self.batch_events * 4:
+        if self._full(i):
             self.flush()
 
     def send_all(self, events: Sequence[Mapping[str, Any]]) -> None:
@@ -169,7 +169,8 @@ class Producer:
                 raise BadEvent(f"event {i}: {e}") from None
         for event, entry in zip(events, written, strict=True):
             self._buffer(event, entry)
-        self._flush_if_full()
+        if any(self._full(i) for i in range(len(self.keys))):
+            self.flush()
 
     def _buffer(self, event: Mapping[str, Any], written: dict[str, bytes | str] | bytes) -> int:
         """Buffer one written event; returns its shard."""
@@ -180,10 +181,9 @@ class Producer:
             self._buf[i].append(written)
         return i
 
-    def _flush_if_full(self) -> None:
-        full = self.batch_events * 4
-        if any(len(b) + len(f) >= full for b, f in zip(self._buf, self._fields, strict=True)):
-            self.flush()
+    def _full(self, shard: int) -> bool:
+        """The shard holds 4 x `batch_events`: time to flush."""
+        return len(self._buf[shard]) + len(self._fields[shard]) >= self.batch_events * 4
 
     def _written(self, event: Mapping[str, Any]) -> dict[str, bytes | str] | bytes:
         """`event` as the log gets it: a `fields` entry's fields, or a JSON line."""
