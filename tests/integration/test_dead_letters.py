@@ -299,6 +299,30 @@ def test_reason_filter_pages_back_through_the_stream(
     assert len(body["items"]) == 2
 
 
+def test_a_second_reader_records_only_its_own_reasons(
+    r: redis.Redis, redis_url: str, cfg: Config
+) -> None:
+    """A stream read by several readers: the first records an entry nobody can decode, the
+    others count it but do not record it again; a fold's own reasons are recorded by it."""
+    undecodable = _record(f"{T0}-0", "bad_type", "amount", '{"amount": "x"}')
+    too_late = _record(f"{T0}-1", "expired", None, '{"amount": 1}')
+    ctx = WriterContext(
+        url=redis_url,
+        token=5,
+        specs=(),
+        source_stream=cfg.source.stream,
+        dead_letter_maxlen=cfg.source.dead_letter_maxlen,
+        records_undecodable=False,
+    )
+    assert write_dead_letters(r, ctx, [undecodable, too_late]) == {"bad_type": 1, "expired": 1}
+    stream = cfg.source.dead_letter_stream
+    assert [f[b"reason"] for _, f in r.xrange(stream)] == [b"expired"]
+    assert write_dead_letters(r, ctx, [undecodable]) == {"bad_type": 1}  # nothing to record
+    first = dataclasses.replace(ctx, token=6, records_undecodable=True)
+    write_dead_letters(r, first, [undecodable])
+    assert [f[b"reason"] for _, f in r.xrange(stream)] == [b"expired", b"bad_type"]
+
+
 def test_api_empty(api: TestClient) -> None:
     assert api.get("/v1/dead-letters").json() == {"total": 0, "by_reason": {}, "items": []}
     _error(api.get("/v1/dead-letters", params={"reason": "bad_jsn"}), 400,

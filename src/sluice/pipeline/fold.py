@@ -213,6 +213,7 @@ class FoldQuery(StreamQuery):
             specs=self.specs,
             source_stream=self.cfg.source.stream,
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
+            records_undecodable=self.role.records_undecodable,
             cluster=is_cluster_url(self.redis.url),
             ref_ms=(offsets[1].get("ref") or started) if offsets is not None else started,
         )

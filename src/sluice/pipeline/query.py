@@ -141,6 +141,10 @@ class Role:
     reader: str = ""
     readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     store: FlowStage | None = None
+    # Whether it writes the records of the input entries it cannot decode: only the first
+    # reader of its first input does, so that an entry read by several is recorded once (each
+    # still counts it in its own books).
+    records_undecodable: bool = True
 
     @classmethod
     def of(cls, graph: Graph, stage: str, inputs: list[str], store: str | None = None) -> Role:
@@ -149,6 +153,7 @@ class Role:
             reader_name(stage),
             graph.shard_readers(inputs),
             graph.flow[store] if store is not None else None,
+            graph.readers_of(inputs[0])[0] == reader_name(stage),
         )
 
     @classmethod

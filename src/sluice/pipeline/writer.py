@@ -50,6 +50,7 @@ from sluice.redis.keys import (
 from sluice.redis.loading import wait_while_loading
 from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
+from sluice.source.values import DECODE_REASONS
 
 UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired", "updates_before_seam")
 PIPELINE_CHUNK = 50
@@ -102,6 +103,10 @@ class WriterContext:
     # newest slice, or before this time's slice where the newest is ahead of it (an event
     # stamped in the future; `slice_writes.keep_from_ms`). None: before its newest slice.
     ref_ms: int | None = None
+    # False for a reader of a stream that another reads first: that one records the entries
+    # nobody can decode, and this one writes only its own reasons (a fold's `future` and
+    # `expired`). Its counts by reason are the same either way.
+    records_undecodable: bool = True
 
 
 def backfill_seams(client: Any, specs: Sequence[MetricSpec]) -> dict[str, int]:
@@ -358,6 +363,8 @@ def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict
     for k in dead:
         rec = orjson.loads(k)
         reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
+        if not ctx.records_undecodable and rec["reason"] in DECODE_REASONS:
+            continue
         args += [
             rec["id"],
             str(rec.get("idx") or 0),
@@ -367,6 +374,8 @@ def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict
             "" if rec.get("ts") is None else str(rec["ts"]),
             str(ctx.token),
         ]
+    if not args:
+        return reasons
     script = client.register_script(script_source(DEAD_LETTERS))
     marker = dead_letter_marker_key(ctx.source_stream, ctx.token, digest)
     script(
