@@ -28,6 +28,7 @@ import redis
 
 from sluice.commands import StopSignals, config_option, opened, stop_spark
 from sluice.config import Config
+from sluice.errors import ConfigError
 from sluice.pipeline import jvm_stderr
 from sluice.redis.connection import server_now_ms
 from sluice.units import EPOCH, duration_text, iso_ms
@@ -423,7 +424,12 @@ def backfill(
             from sluice.offline.backfill import backfill as run_backfill
             from sluice.offline.fold import select_metrics
 
-            select_metrics(cfg, names)  # unknown names fail before Spark starts
+            try:  # unknown names fail before Spark starts
+                select_metrics(cfg, names)
+            except ConfigError as e:
+                if names is None:
+                    raise
+                raise click.BadParameter(str(e), param_hint="'--metrics'") from None
             check_local_inputs(inputs)
             now_ms = server_now_ms(handle.client)
             if until_ms is None:  # now, by the store's clock: said on Ctrl-C, to run again

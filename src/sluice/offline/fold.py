@@ -33,15 +33,15 @@ def folds_source(cfg: Config, m: MetricConfig) -> bool:
 def select_metrics(cfg: Config, names: Sequence[str] | None) -> list[MetricConfig]:
     """The metrics named (for None, all that fold the source's events), in the config's order.
     Raises ConfigError for a name the config does not define, and for a named metric that folds
-    a stage's output stream (an archive holds events of the source's schema)."""
+    a stage's output stream (an archive holds events of the source's schema); a named metric's
+    error has no config path, since the mistake is in the names (a CLI's `--metrics`)."""
     known = {m.name: m for m in cfg.metrics}
     derived = {d.name for d in cfg.derived}
     for name in names or ():
         if name not in known:
             what = "a derived metric (name its inputs instead)" if name in derived else "unknown"
             raise ConfigError(
-                f"metric {name!r} is {what}; the config's metrics are {', '.join(known)}",
-                "metrics",
+                f"metric {name!r} is {what}; the config's metrics are {', '.join(known)}"
             )
     if names is None:
         chosen = [m for m in cfg.metrics if folds_source(cfg, m)]
@@ -55,8 +55,7 @@ def select_metrics(cfg: Config, names: Sequence[str] | None) -> list[MetricConfi
         if not folds_source(cfg, m):
             raise ConfigError(
                 f"metric {m.name!r} folds the stage output {m.from_!r}; offline input holds"
-                f" events of source.schema, so fold it from its own archive",
-                "metrics",
+                f" events of source.schema, so fold it from its own archive"
             )
     return chosen
 
