@@ -171,7 +171,11 @@ class Roles:
         self._announce(force=True)
         for q in self.queries:
             q.lease = self.lease
-        probe = JvmProbe(self.queries[0].spark, self.lease.renew_every_s, self.lease.ttl_ms / 1000)
+        probe = JvmProbe(
+            self.queries[0].spark.sparkContext._jvm,
+            self.lease.renew_every_s,
+            self.lease.ttl_ms / 1000,
+        )
         probe.start()
         keeper = Keeper(self.lease, self._on_lost, probe.stalled)
         keeper.start()
@@ -248,9 +252,10 @@ class JvmProbe(threading.Thread):
     waited over `limit_s`, or the JVM is gone, and a standby takes over when the lease lapses.
     A JVM that answers again finds its lease taken, and the process stands by."""
 
-    def __init__(self, spark: Any, every_s: float, limit_s: float) -> None:
+    def __init__(self, jvm: Any, every_s: float, limit_s: float) -> None:
+        """`jvm`: the driver's py4j view (`SparkContext._jvm`)."""
         super().__init__(name="sluice-jvm-probe", daemon=True)
-        self._jvm = spark.sparkContext._jvm
+        self._jvm = jvm
         self.every_s = every_s
         self.limit_s = limit_s
         self._sent: float | None = None  # the monotonic time the call in flight was sent
