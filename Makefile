@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml setup.py src/sluice/slices/_sums.c src/sluice/redis/_du
 jvm-archive: $(STAMP)
 	$(PY) -m sluice.pipeline.cds_build
 
+# Options for `sluice demo`, e.g. make demo DEMO_ARGS="--port 8080 --duration 120"
+DEMO_ARGS ?=
 demo: jvm-archive
-	$(VENV)/bin/sluice demo
+	$(VENV)/bin/sluice demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench

@@ -165,6 +165,7 @@ def run_demo(
                 log.debug("spark stop", extra={"error": str(e)})
             server.should_exit = True
             api.join(timeout=10)
+            print(f"stopped: {produced['events']:,} events sent", flush=True)
 
 
 class _BadEvents:

@@ -136,4 +136,5 @@ def test_demo_stops_with_one_line_on_ctrl_c_to_the_process_group(tmp_path: Path)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     _traceback_free(out + err)
-    assert out.strip().splitlines()[-1] == "stopping...", out
+    lines = out.strip().splitlines()
+    assert lines[-2] == "stopping..." and lines[-1].startswith("stopped: "), out
