@@ -68,7 +68,13 @@ def parse_keys(values: tuple[str, ...]) -> dict[str, str]:
         if not sep or not field.strip() or not column.strip():
             raise click.BadParameter(f"{v!r} must be FIELD=COLUMN, e.g. card=card_id",
                                      param_hint="'--key'")  # fmt: skip
-        out[field.strip()] = column.strip()
+        field, column = field.strip(), column.strip()
+        if out.get(field, column) != column:
+            raise click.BadParameter(
+                f"{field!r} is given twice, as {out[field]!r} and as {column!r}: give one",
+                param_hint="'--key'",
+            )
+        out[field] = column
     return out
 
 

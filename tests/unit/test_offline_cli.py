@@ -253,3 +253,11 @@ def test_while_spark_starts_the_stop_signals_keep_their_handlers() -> None:
         assert signal.getsignal(signal.SIGINT) is theirs
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_key_field_given_twice_is_a_usage_error_unless_it_is_the_same() -> None:
+    from sluice.training_cli import parse_keys
+
+    assert parse_keys(("card=card_id", " card = card_id ")) == {"card": "card_id"}
+    with pytest.raises(click.BadParameter, match="'card' is given twice, as 'card_id' and"):
+        parse_keys(("card=card_id", "card=row"))
