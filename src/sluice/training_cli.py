@@ -62,7 +62,7 @@ def read_table(
 
 def parse_keys(values: tuple[str, ...]) -> dict[str, str]:
     """`--key card=card_id` as {"card": "card_id"}; a bad one is a usage error."""
-    out = {}
+    out: dict[str, str] = {}
     for v in values:
         field, sep, column = v.partition("=")
         if not sep or not field.strip() or not column.strip():
@@ -157,16 +157,18 @@ def training_set(
             from pyspark.sql import functions as F
 
             from sluice.offline.events import (
+                TimeBounds,
                 archive_events,
-                bad_rows,
                 read_archive,
                 read_failures,
                 to_ms,
             )
             from sluice.offline.features import (
+                bad_rows,
                 events_reach,
                 key_columns,
                 parse_features,
+                reach_problems,
                 spine_problems,
             )
             from sluice.offline.store import UNANSWERED
@@ -204,18 +206,22 @@ def training_set(
                     if UNANSWERED in written.columns else 0
                 )  # fmt: skip
                 added = [c for c in written.columns if c not in rows.columns]
-                bad = {}
+                bad: dict[str, tuple[int, str]] = {}
+                input_warnings: list[str] = []
                 if events is not None:  # of the event times the table read (`events_reach`)
                     bounds = rows.select(F.min(t), F.max(t)).first() if ts in rows.columns \
                         else None  # fmt: skip
                     reach = events_reach(cfg, feats, *(bounds or (None, None)))
-                    bad = bad_rows(archive_events(events, cfg, reach, arrival=arrival))
+                    bad, used = bad_rows(archive_events(events, cfg, reach, arrival=arrival))
+                    if not used and n:
+                        every = archive_events(events, cfg, TimeBounds(), arrival=arrival)
+                        input_warnings = reach_problems(every, reach)
     except Interrupted as e:
         _interrupted("training-set", e)
     elapsed_s = round(time.monotonic() - t0, 1)
     summary = {"out": out, "rows": n, "columns": added, "unanswered_rows": unanswered,
                "bad_rows": {r: c for r, (c, _) in bad.items()}, "spine_warnings": spine_warnings,
-               "elapsed_s": elapsed_s}  # fmt: skip
+               "input_warnings": input_warnings, "elapsed_s": elapsed_s}  # fmt: skip
     click.echo(f"training-set: {n:,} rows -> {out} in {duration_text(elapsed_s)};"
                f" added {', '.join(added)}", err=True)  # fmt: skip
     if bad:
@@ -225,6 +231,8 @@ def training_set(
         for reason, (c, sample) in sorted(bad.items(), key=lambda kv: -kv[1][0]):
             sample = sample if len(sample) <= 160 else sample[:157] + "..."
             click.echo(f"    {reason:<{width}}  {c:>9,}  e.g. {sample}", err=True)
+    for line in input_warnings:
+        click.echo(f"training-set: warning: {line}", err=True)
     if unanswered:
         click.echo(f"  {unanswered:,} rows have features the store could not answer exactly"
                    f" (see their {UNANSWERED} column; give --input)", err=True)  # fmt: skip

@@ -19,7 +19,8 @@ import redis
 
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.offline.backfill import backfill
-from sluice.offline.events import ArchiveError, read_archive
+from sluice.offline.events import ArchiveError, TimeBounds, archive_events, read_archive
+from sluice.offline.features import bad_rows, events_reach, parse_features, reach_problems
 from sluice.offline.store import UNANSWERED
 from sluice.offline.training import training_set
 from sluice.pipeline.spark import expression_semantics
@@ -169,6 +170,23 @@ def test_the_archive_is_read_only_for_times_a_row_can_count(
     plan = out._jdf.queryExecution().optimizedPlan().toString()
     assert f">= {start})" in plan and f"< {hi + 1})" in plan, plan
     check_rows(cfg, events, out.toPandas(), features)
+
+
+def test_an_archive_in_epoch_seconds_is_said_to_be_out_of_reach(
+    spark: Any, redis_url: str, tmp_path: Path, archive: Any, now_ms: int
+) -> None:
+    """Event times in epoch seconds are read as ms (January 1970), so no row's reach holds one:
+    the bad rows are none, the good ones within reach none, and the reason is said."""
+    _, events = archive
+    cfg = make_config(redis_url, tmp_path)
+    raw = spark.createDataFrame(events.assign(ts=events["ts"] // 1000))
+    reach = events_reach(cfg, parse_features(cfg, ["txn_count:1h"]), now_ms - 1, now_ms)
+    assert bad_rows(archive_events(raw, cfg, reach)) == ({}, 0)
+    (line,) = reach_problems(archive_events(raw, cfg, TimeBounds()), reach)
+    assert line.startswith("no archived event is within the spine's reach ("), line
+    assert "1970-01" in line and "looks like epoch seconds" in line, line
+    in_ms = archive_events(spark.createDataFrame(events), cfg, reach)
+    assert bad_rows(in_ms)[1] > 0  # the same events in ms are within it
 
 
 def test_a_sparse_spine_reads_only_the_events_within_its_keys_reach(

@@ -478,17 +478,3 @@ def _bounded(out: DataFrame, cfg: Config, bounds: TimeBounds,
         "_raw",
         F.lit(0).cast("bigint").alias("_e"),
     )
-
-
-def bad_rows(events: DataFrame) -> dict[str, tuple[int, str]]:
-    """Per reason, how many rows of `events` (`archive_events`) are bad, and one of them: its
-    field and its text as read. A training set or a consistency check counts no bad row, as
-    the live fold dead-letters it; this says how many there were (one pass over the input)."""
-    sample = F.concat_ws(": ", F.col("_field"), F.col("_raw"))
-    got = (
-        events.where(F.col("_err").isNotNull())
-        .groupBy("_err")
-        .agg(F.count(F.lit(1)).alias("n"), F.first(sample).alias("e"))
-        .collect()
-    )
-    return {r["_err"]: (int(r["n"]), r["e"] or "") for r in got}

@@ -22,6 +22,7 @@ from sluice.query.engine import integral_value, parse_window
 from sluice.slices.aggs import AGGS, Agg, N
 from sluice.slices.window import slice_start
 from sluice.source.values import SPARK_TYPES
+from sluice.units import iso_ms
 
 ROW = "_sluice_row"
 SLICE_T = "_sluice_t"
@@ -260,6 +261,48 @@ def spine_problems(spine: DataFrame, t: Column, ts: str, key_cols: Mapping[str, 
         out.append(f"{got['bad_key']:,} rows have a key that is not of its field's type (e.g."
                    f" {got['bad_key_e']}): the features of that key are null")  # fmt: skip
     return out
+
+
+def bad_rows(events: DataFrame) -> tuple[dict[str, tuple[int, str]], int]:
+    """Per reason, how many rows of `events` (`archive_events`) are bad, and one of them: its
+    field and its text as read; and how many are good. A training set or a consistency check
+    counts no bad row, as the live fold dead-letters it; this says how many there were (one
+    pass over the input)."""
+    sample = F.concat_ws(": ", F.col("_field"), F.col("_raw"))
+    got = (
+        events.groupBy(F.coalesce(F.col("_err"), F.lit("")).alias("err"))
+        .agg(F.count(F.lit(1)).alias("n"), F.first(sample).alias("e"))
+        .collect()
+    )
+    good = sum(int(r["n"]) for r in got if not r["err"])
+    return {r["err"]: (int(r["n"]), r["e"] or "") for r in got if r["err"]}, good
+
+
+def reach_problems(events: DataFrame, reach: TimeBounds) -> list[str]:
+    """Why no good event of `events` (`archive_events`, unbounded) is within `reach`, said in
+    words: where the archive's event times are, and whether they look like epoch seconds or
+    finer units (times are read as epoch ms). One job over the archive."""
+    good = events.where(F.col("_err").isNull())
+    got = good.select(F.min("_ts").alias("lo"), F.max("_ts").alias("hi")).first()
+    if got is None or got["lo"] is None:
+        return []  # no good event at all: the bad rows say why
+    lo, hi = int(got["lo"]), int(got["hi"])
+    within = ""
+    if reach.start_ms is not None:
+        until = "" if reach.until_ms is None else f" to {iso_ms(reach.until_ms - 1)}"
+        within = f" ({iso_ms(reach.start_ms)}{until})"
+    line = (
+        f"no archived event is within the spine's reach{within}, so every feature counts"
+        f" none: the archive's event times run from {iso_ms(lo)} to {iso_ms(hi)}"
+    )
+    if 0 < hi < SECONDS_BELOW:
+        line += (
+            f" ({lo} to {hi}), which looks like epoch seconds: times are read as epoch ms;"
+            " multiply by 1000"
+        )
+    elif lo > FINER_ABOVE:
+        line += f" ({lo} to {hi}): epoch micro- or nanoseconds must be divided first"
+    return [line]
 
 
 def spark_type(spec: str) -> str:
