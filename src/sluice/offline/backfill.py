@@ -434,16 +434,20 @@ def _or(value: int | None, default: int) -> int:
 
 
 def _seam_warnings(client: Any, seams: dict[str, int]) -> list[str]:
-    """A metric the live fold began folding after its seam has a gap: the events between the
-    seam and that start are in neither the backfill's slices nor the live fold's."""
+    """A metric the live fold began folding after its seam may have a gap: the events between
+    the seam and that start that the log no longer (or not yet) held when the fold began are in
+    neither the backfill's slices nor the live fold's. Those it held, it read."""
     started = client.hmget(FOLDING_KEY, list(seams))
     out = []
     for (name, seam), since in zip(seams.items(), started, strict=True):
         if since is not None and int(since) > seam:
+            at, cut = iso_ms(int(since)), iso_ms(seam)
             out.append(
-                f"the live fold began folding {name!r} at {int(since)}, after this backfill's"
-                f" seam {seam}: events of [{seam}, {int(since)}) that arrived before then are in"
-                f" neither side; run the backfill again with `--until` after {int(since)}"
+                f"the live fold began folding {name!r} at {at}, after this backfill's seam"
+                f" {cut}: an event of [{cut}, {at}) is in neither side unless the log still held"
+                f" it when the fold began (it reads the log from its start); if the log was"
+                f" trimmed, or the metric added to a running pipeline, run the backfill again"
+                f" with `--until` after {at}"
             )
     return out
 
