@@ -286,8 +286,8 @@ def format_progress(p: dict[str, Any]) -> str:
              f"{p['events']:,} events read", f"{p['slices']:,} slices written"]  # fmt: skip
     if p["events_per_s"]:
         parts.append(f"{p['events_per_s']:,} events/s")
-    if p["partitions_done"] >= p["partitions"]:
-        parts.append("finishing")
+    if p["partitions_done"] >= p["partitions"] or p["left_s"] == 0:
+        parts.append("finishing")  # (the running tasks' writes are all sent)
     elif p["left_s"] is not None:
         parts.append(f"about {duration_text(p['left_s'])} left")
     return "backfill: " + ", ".join(parts)

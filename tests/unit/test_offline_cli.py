@@ -154,6 +154,7 @@ def test_the_progress_line() -> None:
         "backfill: 1/4 partitions written, 0 events read, 345,678 slices written"
     )
     assert format_progress({**p, "partitions_done": 4}).endswith("61,000 events/s, finishing")
+    assert format_progress({**p, "left_s": 0}).endswith("61,000 events/s, finishing")
     assert format_progress({**p, "phase": "reading", "elapsed_s": 14.2}) == (
         "backfill: reading and shuffling the archive, 12/40 tasks, 14 s"
     )
