@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import glob
 import json
+import os
 import re
 import signal
 import sys
@@ -207,12 +209,18 @@ _NOT_ERRORS = ("Traceback (most recent call", "During handling of", "The above e
 
 
 def check_local_inputs(paths: tuple[str, ...], what: str = "input") -> None:
-    """Fail before Spark starts for a local path (no URL scheme, no glob) that is not there,
-    naming it as `what`. Raises ArchiveError; other paths are Spark's to read (and to fail on)."""
+    """Fail before Spark starts for a local path (no URL scheme) that is not there, or a local
+    glob that matches nothing, naming it as `what`. Raises ArchiveError; other paths are
+    Spark's to read (and to fail on)."""
     from sluice.offline.events import ArchiveError
 
     for p in paths:
-        if "://" in p or p.startswith("file:") or _GLOB.search(p):
+        if "://" in p or p.startswith("file:"):
+            continue
+        if _GLOB.search(p):
+            # Hadoop's globs also have {a,b} and [^a], which Python's do not: Spark's to read
+            if "{" not in p and "[^" not in p and not glob.glob(os.path.expanduser(p)):
+                raise ArchiveError(f"{what} {p!r} matches no file or directory")
             continue
         if not Path(p).exists():
             raise ArchiveError(f"{what} {p!r} does not exist (no such file or directory)")

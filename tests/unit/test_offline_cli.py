@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import signal
+from pathlib import Path
 
 import click
 import pytest
@@ -262,3 +263,14 @@ def test_a_key_field_given_twice_is_a_usage_error_unless_it_is_the_same() -> Non
     assert parse_keys(("card=card_id", " card = card_id ")) == {"card": "card_id"}
     with pytest.raises(click.BadParameter, match="'card' is given twice, as 'card_id' and"):
         parse_keys(("card=card_id", "card=row"))
+
+
+def test_a_local_glob_that_matches_nothing_fails_before_spark(tmp_path: Path) -> None:
+    from sluice.offline.events import ArchiveError
+    from sluice.offline_cli import check_local_inputs
+
+    (tmp_path / "a.parquet").write_bytes(b"")
+    check_local_inputs((str(tmp_path / "*.parquet"),))
+    check_local_inputs((str(tmp_path / "{a,b}.json"),))  # Hadoop's braces: Spark's to read
+    with pytest.raises(ArchiveError, match=r"input '.*\*\.json' matches no file or directory"):
+        check_local_inputs((str(tmp_path / "*.json"),))
