@@ -7,6 +7,7 @@ watermark) the API answers 429 with Retry-After and the SDK blocks, and nothing 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -72,6 +73,28 @@ def test_the_sdk_writes_one_record_per_event_keyed_so_per_key_order_holds(
         assert len({p for p, _ in seen}) == 1, key  # one partition per key
         assert [q for _, q in seen] == sorted(q for _, q in seen), key  # in send order
     assert int(r.hget("sluice:{stats}", "events_produced")) == 200
+
+
+def test_a_flush_the_topic_took_is_not_failed_by_redis_so_a_retry_cannot_repeat_it(
+    kafka_broker: KafkaBroker, kafka_topic: str, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """The topic took the events, then the input rate's counter could not be written (Redis
+    down): the flush succeeds, so nobody sends them again, and the count is added later."""
+    cfg = kafka_config(redis_url, tmp_path, kafka_broker, kafka_topic, "json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nothing = s.getsockname()[1]  # a port nothing listens on
+    down = redis.Redis(port=nothing, socket_connect_timeout=1)
+    producer = Producer.from_config(cfg, down, flow=False)
+    for i in range(10):
+        producer.send({"ts": NOW, "card": "c1", "merchant": "m", "amount": 1.0, "qty": i})
+    assert producer.flush() == 10 and producer.pending() == 0
+    assert len(_records(kafka_broker, kafka_topic)) == 10
+    producer.client = r  # Redis is back: the next flush adds what was not counted
+    producer.send({"ts": NOW, "card": "c1", "merchant": "m", "amount": 1.0, "qty": 10})
+    producer.flush()
+    assert int(r.hget("sluice:{stats}", "events_produced")) == 11
+    assert len(_records(kafka_broker, kafka_topic)) == 11
 
 
 def test_jsonl_packs_many_events_in_a_record(

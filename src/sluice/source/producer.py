@@ -31,6 +31,7 @@ input rate is taken from it.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -38,6 +39,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import redis
 from confluent_kafka import Producer as KafkaProducer
 
 from sluice.config import Config
@@ -49,6 +51,8 @@ from sluice.source.kafka_records import topic_partitions
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
+
+log = logging.getLogger(__name__)
 
 STREAM_FORMATS = ("jsonl", "fields")
 KAFKA_FORMATS = ("jsonl", "json")
@@ -125,6 +129,7 @@ class Producer:
         self._rr = 0
         self.sent_events = 0
         self.sent_entries = 0
+        self._uncounted = 0  # events in the topic not yet in `events_produced` (Redis failed)
         self.valve = valve
         self.block_timeout_s = block_timeout_s
 
@@ -287,8 +292,21 @@ class Producer:
                 records += [(i, line, self._key_of(line)) for line in lines]
         if records:
             sink.write(records)
-            self.client.hincrby(STATS_KEY, "events_produced", events)
+            self._count_produced(events)
         return events, len(records)
+
+    def _count_produced(self, events: int) -> None:
+        """Add `events`, which the topic holds now, to the input rate's counter. A Redis error
+        here is logged and the count kept for the next flush, never raised: a caller told the
+        flush failed would send the events to the topic again."""
+        self._uncounted += events
+        try:
+            self.client.hincrby(STATS_KEY, "events_produced", self._uncounted)
+        except redis.RedisError as e:
+            log.warning("events written to the topic; their count not yet recorded in Redis",
+                        extra={"events": self._uncounted, "error": str(e)})  # fmt: skip
+            return
+        self._uncounted = 0
 
     def _key_of(self, line: bytes) -> bytes | None:
         """A `json` record's key: its `shard_by` value, as Kafka tools expect keys to be."""
