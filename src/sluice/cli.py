@@ -312,7 +312,9 @@ def produce(config_path: str, rate: float, duration: float, profile: str, seed: 
     """Produce synthetic events (Zipf keys) into the source log for DURATION seconds, then
     print a JSON summary. Ctrl-C stops it early, with the summary. Events made while the input
     is over its high watermark are waited for up to 30 s after the duration; any still not
-    admitted are reported (`unsent`, exit status 1), never written later."""
+    admitted are reported (`unsent`, exit status 1), never written later. While Redis does not
+    answer, the events made are kept and retried; after 30 s of that it stops, with the
+    summary (exit status 1)."""
     from sluice.source.loadgen import DRAIN_S, Profile, run_load
 
     def progress(p: dict[str, Any]) -> None:
@@ -320,12 +322,16 @@ def produce(config_path: str, rate: float, duration: float, profile: str, seed: 
         if p.get("waiting"):
             line += (f"; waiting for the input to admit {p['waiting']:,} more (it is over its"
                      " high watermark: is `sluice run` draining it?)")  # fmt: skip
+        if p.get("redis_down"):
+            line += f"; Redis does not answer ({p['redis_down']}): events kept, retrying"
         click.echo(line, err=True)
 
     with opened(config_path) as (cfg, handle), _stop_on_signals() as stop:
         out = run_load(cfg, handle.client, rate, duration, Profile(profile), seed,
                        stop=stop.is_set, progress=progress)  # fmt: skip
     click.echo(json.dumps(out))
+    if out["error"]:
+        raise click.ClickException(f"{out['error']}: {out['unsent']:,} events made were not sent")
     if out["unsent"] and not stop.is_set():
         raise click.ClickException(
             f"{out['unsent']:,} events made were not admitted within {DRAIN_S:.0f}s after the"

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import redis
 
 from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config
@@ -25,6 +26,9 @@ from sluice.source.producer import Producer, shard_of
 TICK_S = 0.05
 # After its duration, a load waits this long for the input to admit the events it made.
 DRAIN_S = 30.0
+# How long the load waits for a Redis that stopped answering (the log, or the flow signals'
+# store), its events kept, before it stops with what it wrote reported.
+OUTAGE_S = 30.0
 
 
 def zipf_ids(rng: np.random.Generator, n: int, a: float, n_keys: int) -> np.ndarray:
@@ -124,6 +128,7 @@ def run_load(
     stop: Callable[[], bool] = lambda: False,
     progress: Callable[[dict[str, Any]], None] | None = None,
     drain_s: float = DRAIN_S,
+    outage_s: float = OUTAGE_S,
 ) -> dict[str, Any]:
     """Produce for `duration_s` at `rate` events/s (shaped by `profile`). Blocks; bounded in
     time: at most `duration_s` + `drain_s`, and it returns soon after `stop()` turns true.
@@ -135,10 +140,14 @@ def run_load(
     over its high watermark, nothing draining it), unless stopped; any still held then are
     reported as `unsent`, never written later and never silently dropped.
 
-    Returns {"events", "offered", "held_back", "unsent", "seconds", "rate", "largest_frame"}
-    (the most events one frame carried: a frame after a stalled tick makes up for it);
-    `progress` is called about once a second, with `waiting` (events made and not admitted)
-    while it waits after the duration.
+    While Redis does not answer, the events made stay buffered and are retried every tick; one
+    that stays down for `outage_s` ends the load there, with `error` saying so.
+
+    Returns {"events", "offered", "held_back", "unsent", "seconds", "rate", "largest_frame",
+    "error"} (the most events one frame carried: a frame after a stalled tick makes up for it;
+    `error` is None unless an outage ended it); `progress` is called about once a second, with
+    `waiting` (events made and not admitted) while it waits after the duration, and
+    `redis_down` (the error) while Redis does not answer.
     """
     gen = EventGenerator(cfg, seed=seed)
     producer = Producer.from_config(cfg, client, block_timeout_s=TICK_S)
@@ -147,6 +156,20 @@ def run_load(
     sent = largest = 0
     owed = offered = 0.0
     last_report = last_tick = t0
+    down_since: float | None = None  # when Redis stopped answering
+    down = ""  # its last error
+    error: str | None = None
+
+    def outage(e: redis.RedisError) -> bool:
+        """Note that Redis did not answer; whether it has been down for too long."""
+        nonlocal down_since, down, error
+        now = time.monotonic()
+        down_since, down = down_since or now, str(e)
+        if now - down_since < outage_s:
+            return False
+        error = f"Redis did not answer for {outage_s:.0f}s ({e}); stopped"
+        return True
+
     while not stop():
         tick = time.monotonic()
         elapsed = tick - t0
@@ -168,19 +191,30 @@ def run_load(
                     owed -= n
                     largest = max(largest, n)
                     sent += produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
+            down_since = None
         except BackpressureError:
             pass  # still buffered; retried next tick
+        except redis.RedisError as e:  # still buffered; retried next tick, for a while
+            if outage(e):
+                break
+            owed = 0.0
         now = time.monotonic()
         if progress is not None and now - last_report >= 1.0:
-            progress({"events": sent, "seconds": now - t0, "rate": sent / (now - t0)})
+            p = {"events": sent, "seconds": now - t0, "rate": sent / (now - t0)}
+            progress(p if down_since is None else {**p, "redis_down": down})
             last_report = now
         next_tick = t0 + (math.floor(elapsed / TICK_S) + 1) * TICK_S
         time.sleep(max(0.0, next_tick - time.monotonic()))
     # What was made is delivered, if the input admits it within `drain_s`.
     waited_from = time.monotonic()
-    while producer.pending() and not stop() and time.monotonic() - waited_from < drain_s:
+    while (producer.pending() and not stop() and error is None
+           and time.monotonic() - waited_from < drain_s):  # fmt: skip
         try:
             sent += producer.flush()
+        except redis.RedisError as e:
+            if outage(e):
+                break
+            time.sleep(TICK_S)
         except BackpressureError:
             now = time.monotonic()
             if progress is not None and now - last_report >= 1.0:
@@ -198,4 +232,5 @@ def run_load(
         "seconds": seconds,
         "rate": sent / seconds if seconds else 0.0,
         "largest_frame": largest,
+        "error": error,
     }
