@@ -31,7 +31,7 @@ import orjson
 import redis
 
 from sluice.clock import SYSTEM_CLOCK
-from sluice.commands import StopSignals, config_option, opened, stop_spark
+from sluice.commands import StopSignals, config_option, handlers_kept, opened, stop_spark
 from sluice.errors import SluiceError
 from sluice.logs import LEVELS, LOG_LEVEL_ENV, SPARK_LOG_LEVEL_ENV, setup_logging
 from sluice.offline_cli import COMMANDS as OFFLINE_COMMANDS
@@ -107,8 +107,19 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
         if signals.stopping:  # before Spark: its JVM would start only to be stopped
             log.info("stopped before the pipeline started")
             return
-        spark = build_spark(cfg)
         try:
+            with handlers_kept():  # not PySpark's: it raises KeyboardInterrupt mid-call
+                spark = build_spark(cfg)
+        except Exception:
+            if not signals.stopping:
+                raise
+            # A signal to the process group stops the JVM too, as it starts: nothing to stop
+            log.debug("Spark's start cut short", exc_info=True)
+            log.info("stopped before the pipeline started")
+            return
+        try:
+            if signals.stopping:  # while Spark started: no pipeline, and Spark stopped
+                raise Stopped
             pipeline = Pipeline(cfg, handle, spark, only=stages)
             pipeline.prepare()
             signals.then(pipeline.request_stop)
@@ -118,6 +129,8 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
                        "queries": len(pipeline.queries)},
             )  # fmt: skip
             pipeline.run_forever()
+        except Stopped:
+            log.info("stopped before the pipeline started")
         except Exception:
             if not signals.stopping:
                 raise
@@ -125,6 +138,10 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
         finally:
             stop_spark(spark)
     log.info("stopped")
+
+
+class Stopped(Exception):
+    """A stop signal came while Spark started (`run`)."""
 
 
 @main.command()

@@ -111,6 +111,26 @@ def _ignore_request_error(self: Any, request: Any, client_address: Any) -> None:
     """`socketserver`'s error report, for a server whose peer is known to be gone."""
 
 
+@contextlib.contextmanager
+def handlers_kept() -> Iterator[None]:
+    """While Spark starts (around `build_spark`), the stop signals' handlers stay ours: PySpark's
+    context puts its own SIGINT handler in place as it starts, one that cancels every job from
+    inside whatever JVM call is in flight and raises KeyboardInterrupt there (a Ctrl-C then
+    printed py4j's tracebacks and ended in `Aborted!`, or status 130)."""
+    install = signal.signal
+
+    def keep(signum: int, handler: Any) -> Any:
+        if signum in (signal.SIGINT, signal.SIGTERM):
+            return signal.getsignal(signum)
+        return install(signum, handler)
+
+    signal.signal = keep  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = install
+
+
 def stop_spark(spark: Any) -> None:
     """Stop the session; its JVM may be gone already (a signal to the process group)."""
     try:

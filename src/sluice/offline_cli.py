@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import redis
 
-from sluice.commands import StopSignals, config_option, opened, stop_spark
+from sluice.commands import StopSignals, config_option, handlers_kept, opened, stop_spark
 from sluice.config import Config
 from sluice.errors import ConfigError
 from sluice.pipeline import jvm_stderr
@@ -136,7 +136,7 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
     spark = None
     try:
         interrupts.deferred = True  # a signal now stops Spark once it has started
-        with _handlers_kept():
+        with handlers_kept():
             spark = build_spark(cfg, app_name=app_name, sources=False)  # files, not the log
         interrupts.deferred = False
         interrupts.install()
@@ -162,25 +162,6 @@ def spark_for(cfg: Config, app_name: str, then: str = "") -> Iterator[SparkSessi
             stop_spark(spark)
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
-
-
-@contextlib.contextmanager
-def _handlers_kept() -> Iterator[None]:
-    """While Spark starts, the stop signals' handlers stay ours: PySpark's context puts its own
-    SIGINT handler in place as it starts, one that cancels every job from inside whatever JVM
-    call is in flight (a Ctrl-C then printed py4j's tracebacks and ended in `Aborted!`)."""
-    install = signal.signal
-
-    def keep(signum: int, handler: Any) -> Any:
-        if signum in (signal.SIGINT, signal.SIGTERM):
-            return signal.getsignal(signum)
-        return install(signum, handler)
-
-    signal.signal = keep  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        signal.signal = install
 
 
 def task_error(e: BaseException) -> str | None:

@@ -116,6 +116,55 @@ def test_run_stops_with_one_line_when_the_whole_process_group_gets_sigterm(
     assert err.strip().splitlines()[-1].endswith("msg=stopped"), err
 
 
+def _java_in_group(pgid: int) -> bool:
+    """Whether a `java` process runs in process group `pgid` (Spark's JVM has started)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        comm, _, rest = stat.partition("(")[2].rpartition(")")
+        if comm == "java" and int(rest.split()[2]) == pgid:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("after_s", [2.0, 3.5])
+def test_ctrl_c_while_spark_starts_stops_quietly(
+    after_s: float, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """SIGINT to the group while Spark's context is being made, or just after (PySpark puts a
+    handler of its own in place then): a quiet stop, status 0, no ERROR line."""
+    cfg = tmp_path / "sluice.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "redis": redis_url,
+                "state_dir": str(tmp_path / "state"),
+                "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
+                "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [*SLUICE, "run", "-c", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: _java_in_group(proc.pid), 60, "Spark's JVM")
+        time.sleep(after_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    _traceback_free(out + err)
+    assert "level=ERROR" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.endswith(("msg=stopped", 'msg="stopped before the pipeline started"')), err
+
+
 def test_demo_stops_with_one_line_on_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
     """Ctrl-C in a terminal: SIGINT to the foreground process group."""
     proc = subprocess.Popen(

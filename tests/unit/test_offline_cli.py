@@ -240,7 +240,7 @@ def test_while_spark_starts_the_stop_signals_keep_their_handlers() -> None:
     """PySpark's context installs a SIGINT handler as it starts, which cancels every job from
     inside the JVM call in flight: while `spark_for` starts Spark, such an install is refused,
     and the handler before stays; afterwards installs work again."""
-    from sluice.offline_cli import _handlers_kept
+    from sluice.commands import handlers_kept
 
     def ours(*_: object) -> None: ...
 
@@ -248,7 +248,7 @@ def test_while_spark_starts_the_stop_signals_keep_their_handlers() -> None:
 
     before = signal.signal(signal.SIGINT, ours)
     try:
-        with _handlers_kept():
+        with handlers_kept():
             assert signal.signal(signal.SIGINT, theirs) is ours
             assert signal.getsignal(signal.SIGINT) is ours
         assert signal.signal(signal.SIGINT, theirs) is ours
