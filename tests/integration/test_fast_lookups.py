@@ -33,7 +33,9 @@ def _scope(path: str, query: bytes = b"", method: str = "GET") -> dict[str, Any]
         ("/v1/metrics/txn_count", b"key=c1&window=5m", "GET", ("txn_count", ["c1"], "5m", None)),
         ("/v1/metrics/avg", b"key=a&key=b%20c&window=1h&end=9", "GET",
          ("avg", ["a", "b c"], "1h", "9")),
-        ("/v1/metrics/x", b"window=1m&window=2m&other=1", "GET", ("x", [], "2m", None)),
+        ("/v1/metrics/x", b"window=1m&other=1", "GET", ("x", [], "1m", None)),
+        ("/v1/metrics/x", b"window=1m&window=2m", "GET", None),  # refused by the application
+        ("/v1/metrics/x", b"window=1m&end=1&end=2", "GET", None),
         ("/v1/metrics/x", b"key=&window=", "GET", ("x", [""], "", None)),
         ("/v1/metrics/x/series", b"key=c1&window=5m", "GET", None),
         ("/v1/metrics/", b"", "GET", None),

@@ -63,7 +63,7 @@ def parse_lookup(scope: Scope) -> tuple[str, list[str], str, str | None] | None:
     if not name or "/" in name:
         return None
     keys: list[str] = []
-    window = ""
+    window: str | None = None
     end: str | None = None
     try:  # a parameter that is not UTF-8: the full application refuses it
         pairs = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True,
@@ -74,10 +74,14 @@ def parse_lookup(scope: Scope) -> tuple[str, list[str], str, str | None] | None:
         if k == "key":
             keys.append(v)
         elif k == "window":
-            window = v  # the last one wins, as in the full application
+            if window is not None:
+                return None  # given twice: the full application refuses it
+            window = v
         elif k == "end":
+            if end is not None:
+                return None
             end = v
-    return name, keys, window, end
+    return name, keys, window or "", end
 
 
 def parse_batch(body: bytes, max_queries: int) -> list[tuple[str, list[str], str, int | None]]:

@@ -23,7 +23,7 @@ from sluice.server.middleware import ORJSONResponse, error, redis_loading
 from sluice.server.params import (
     ERROR_RESPONSES,
     BatchQuery,
-    check_utf8_query,
+    check_query,
     parse_events,
     parse_history,
     parse_limit,
@@ -84,7 +84,7 @@ async def get_metric(
     end: str | None = Query(default=None, description="window end, epoch ms; default now"),
 ) -> dict[str, Any]:
     """Metric `name` for `key` over (end - window, end]."""
-    check_utf8_query(request.scope["query_string"])
+    check_query(request.scope["query_string"])
     api = _api(request)
     lookup = api.engine.lookup(name, key, window, end)
     return (await api.engine.arun([lookup], api.aclients.get()))[0]
@@ -100,7 +100,7 @@ def get_series(
     step: str | None = Query(default=None, description="point width; default the slice"),
 ) -> dict[str, Any]:
     """Metric `name` for `key` per `step` over (end - window, end], for charts."""
-    check_utf8_query(request.scope["query_string"])
+    check_query(request.scope["query_string"])
     return _api(request).engine.series(name, key, window, end, step)
 
 
