@@ -122,6 +122,14 @@ def _entries(lines: list[str], per_entry: int) -> Iterator[str]:
         yield "\n".join(cur)
 
 
+def by_reason(rows: list[Any]) -> dict[str, int]:
+    """Events per dead-letter reason, summed over the partitions' rows (each has its own)."""
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r["reason"]] = out.get(r["reason"], 0) + int(r["events"])
+    return out
+
+
 def dead_partition(
     ctx: WriterContext, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
@@ -249,7 +257,7 @@ class StageQuery(StreamQuery):
             "write_ms": max((round(float(r["write_ms"]), 1) for r in emitted), default=None),
             "started_ms": started,
             "done_ms": self.clock.now_ms(),
-            "dead_by_reason": {r["reason"]: int(r["events"]) for r in dead_rows},
+            "dead_by_reason": by_reason(dead_rows),
         }
         self.record(
             rec,
