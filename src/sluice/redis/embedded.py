@@ -108,7 +108,21 @@ def _ping(url: str, loading_ok: bool = False) -> bool:
             return bool(c.ping())
     except redis.exceptions.BusyLoadingError:
         return loading_ok
-    except (redis.RedisError, OSError):
+    except Exception:  # noqa: BLE001 - not Redis, or not answering as one (redis-py may raise
+        return False  # AttributeError at a reply it did not expect)
+
+
+PORT_TAKEN = "Address already in use"  # in redis-server's log when it cannot bind its port
+PORT_TRIES = 5  # fresh ports tried when another program takes each before the server binds it
+
+
+def answers_as(port: int, pid: int) -> bool:
+    """Whether the server on 127.0.0.1:`port` is process `pid`. A port found free may be taken
+    by another program before the server binds it, and that program may answer as Redis."""
+    try:
+        with redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=1.0) as c:
+            return int(c.info("server")["process_id"]) == pid
+    except Exception:  # noqa: BLE001 - whatever else listens there, and however it answers
         return False
 
 
@@ -306,9 +320,16 @@ class EmbeddedRedis:
             # URLs point, unless another program took it.
             if self.port is not None and not port_free(self.port):
                 self.port = None
-        if self.port is None:
+        if self.port is not None:
+            return self._launch(timeout_s)
+        for tries_left in reversed(range(PORT_TRIES)):
             self.port = _free_port()
-        return self._launch(timeout_s)
+            try:
+                return self._launch(timeout_s)
+            except RedisUnavailable as e:
+                if PORT_TAKEN not in str(e) or not tries_left:
+                    raise
+        raise AssertionError("unreachable")
 
     def _await_server(self, timeout_s: float) -> bool:
         """Wait for the server the port file names to answer (it may be loading its AOF, or
@@ -389,7 +410,7 @@ class EmbeddedRedis:
             late = time.monotonic() >= deadline
             # Still loading a large AOF at the deadline: its users wait for it (they all wait
             # while Redis loads), rather than the server being stopped half loaded.
-            if _ping(self.url, loading_ok=late):
+            if _ping(self.url, loading_ok=late) and answers_as(self.port, self.proc.pid):
                 self.owned = True
                 port_file.write_text(str(self.port))
                 self._find_socket()

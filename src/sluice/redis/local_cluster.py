@@ -14,7 +14,6 @@ its last slot stays a master (`cluster-allow-replica-migration no`), so slots ca
 
 from __future__ import annotations
 
-import contextlib
 import random
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 import redis
 
 from sluice.errors import RedisUnavailable
-from sluice.redis.embedded import find_server_binary, shutdown
+from sluice.redis.embedded import PORT_TAKEN, PORT_TRIES, answers_as, find_server_binary, shutdown
 
 SLOTS = 16384
 
@@ -139,15 +138,26 @@ class LocalCluster:
                 log = self.data_dir / f"redis-{port}.log"
                 tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
                 raise RedisUnavailable(f"cluster node on port {port} exited: {tail.strip()}")
-            with (
-                contextlib.suppress(redis.RedisError, OSError),
-                redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=1) as c,
-            ):
-                if c.ping():
-                    return proc
+            if answers_as(port, proc.pid):
+                return proc
             time.sleep(0.05)
         proc.kill()
         raise RedisUnavailable(f"cluster node on port {port} did not answer within {timeout_s}s")
+
+    def _spawn_new(self, timeout_s: float) -> int:
+        """Start a node on a free port (another, when a program takes it first); its port."""
+        for tries_left in reversed(range(PORT_TRIES)):
+            port = _free_cluster_port()
+            try:
+                proc = self._spawn(port, timeout_s)
+            except RedisUnavailable as e:
+                if PORT_TAKEN not in str(e) or not tries_left:
+                    raise
+                continue
+            self.ports.append(port)
+            self.procs.append(proc)
+            return port
+        raise AssertionError("unreachable")
 
     def _client(self, i: int) -> redis.Redis:
         return redis.Redis(port=self.ports[i], socket_timeout=10)
@@ -158,9 +168,7 @@ class LocalCluster:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
             for _ in range(self.initial):
-                port = _free_cluster_port()
-                self.ports.append(port)
-                self.procs.append(self._spawn(port, timeout_s))
+                self._spawn_new(timeout_s)
             for i in range(self.initial):
                 first, last = self.slot_range(i)
                 with self._client(i) as c:
@@ -214,9 +222,7 @@ class LocalCluster:
         """Start one more master, with no slots, and join it to the running cluster (`CLUSTER
         MEET`), as an operator adding a machine does before resharding onto it; blocks until
         every node knows it. Returns its index, for `migrate_slot(slot, to=index)`."""
-        port = _free_cluster_port()
-        self.ports.append(port)
-        self.procs.append(self._spawn(port, timeout_s))
+        port = self._spawn_new(timeout_s)
         self.masters += 1
         with self._client(0) as c:
             c.execute_command("CLUSTER MEET", "127.0.0.1", port)
