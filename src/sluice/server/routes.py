@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sluice.clock import Clock
 from sluice.config import Config
-from sluice.errors import BackpressureError, BadEvent, QueryError
+from sluice.errors import BackpressureError, BadEvent, QueryError, SluiceError
 from sluice.flow.valves import IngestValve
 from sluice.query.engine import QueryEngine
 from sluice.redis.loading import is_loading
@@ -135,10 +136,44 @@ async def ingest(request: Request) -> dict[str, Any]:
             producer.send_all(events)
         except BadEvent as e:
             raise QueryError(str(e), "body") from None
-        producer.flush()
+        try:
+            producer.flush()
+        except Exception:
+            if producer.pending() == len(events):
+                raise  # none written: the request may be sent again whole
+            flush_rest(producer, len(events))
 
     await run_in_threadpool(send)
     return {"accepted": len(events)}
+
+
+PARTIAL_RETRY_S = 10.0
+
+
+class PartlyWritten(QueryError):
+    status = 503
+    code = "partly_written"
+
+
+def flush_rest(producer: Producer, n: int) -> None:
+    """Some of a request's events were written and the rest were not (a Redis Cluster master
+    that is down holds back its own shards only). The rest are retried here for a while: the
+    client's retry of the whole request would write the others twice. Raises PartlyWritten,
+    saying so, when they still cannot be written."""
+    deadline = time.monotonic() + PARTIAL_RETRY_S
+    while True:
+        time.sleep(0.2)
+        try:
+            producer.flush()
+            return
+        except (redis.RedisError, SluiceError) as e:
+            if time.monotonic() < deadline:
+                continue
+            written = n - producer.pending()
+            raise PartlyWritten(
+                f"{written:,} of the {n:,} events were written and the others could not be"
+                f" ({e}): sending the request again would write those {written:,} twice"
+            ) from None
 
 
 @router.get("/v1/status")

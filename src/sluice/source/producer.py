@@ -45,6 +45,7 @@ from confluent_kafka import Producer as KafkaProducer
 from sluice.config import Config
 from sluice.errors import BadEvent, SluiceError
 from sluice.graph import KafkaSpec, log_spec
+from sluice.redis.connection import is_cluster
 from sluice.redis.keys import STATS_KEY, shard_keys
 from sluice.source.admission import ingest_valve
 from sluice.source.kafka_records import topic_partitions
@@ -129,7 +130,7 @@ class Producer:
         self._rr = 0
         self.sent_events = 0
         self.sent_entries = 0
-        self._uncounted = 0  # events in the topic not yet in `events_produced` (Redis failed)
+        self._uncounted = 0  # events in the log not yet in `events_produced` (Redis failed)
         self.valve = valve
         self.block_timeout_s = block_timeout_s
 
@@ -248,30 +249,65 @@ class Producer:
             n = self.pending()
             if n:
                 self.valve.admit(n, self.block_timeout_s, self.pending_bytes())
+        # A shard's buffer is emptied only once the log has answered for it: after an error the
+        # caller still holds every event not known to be written (a retry may repeat what did
+        # land unacknowledged: the write the error cut short).
         if self.kafka is not None:
             events, entries = self._flush_kafka(self.kafka)
-        else:
-            events, entries = self._flush_streams()
-        # The buffer is emptied only once the log has answered: after an error the caller
-        # still holds every event (a retry may repeat what did land).
-        self._buf = [[] for _ in self.keys]
-        self._fields = [[] for _ in self.keys]
+            self._emptied(range(len(self.keys)), events, entries)
+            return events
+        if is_cluster(self.client):
+            return self._flush_shards()
+        events, entries = self._flush_streams()
+        self._emptied(range(len(self.keys)), events, entries)
+        return events
+
+    def _emptied(self, shards: Iterable[int], events: int, entries: int) -> None:
+        for i in shards:
+            self._buf[i] = []
+            self._fields[i] = []
         self.sent_events += events
         self.sent_entries += entries
-        return events
+
+    def _add_shard(self, pipe: Any, i: int) -> tuple[int, int]:
+        """Queue shard i's XADDs on `pipe`; (events, entries)."""
+        events = entries = 0
+        key = self.keys[i]
+        for part in self._entries(self._buf[i]):
+            pipe.xadd(key, {"d": b"\n".join(part), "n": len(part)})
+            entries += 1
+            events += len(part)
+        for entry in self._fields[i]:
+            pipe.xadd(key, entry)
+            entries += 1
+            events += 1
+        return events, entries
+
+    def _flush_shards(self) -> int:
+        """On a Redis Cluster, each shard in a pipeline of its own, its buffer emptied once its
+        master answered: a master that is down fails its own shards only, and a retry sends
+        those alone (one pipeline over every master would be sent again whole, by redis-py's
+        own retries and by the caller's, repeating the shards that were written)."""
+        written = 0
+        try:
+            for i in range(len(self.keys)):
+                if self._buf[i] or self._fields[i]:
+                    pipe = self.client.pipeline(transaction=False)
+                    events, entries = self._add_shard(pipe, i)
+                    pipe.execute()
+                    self._emptied((i,), events, entries)
+                    written += events
+        finally:
+            if written:
+                self._count_produced(written)
+        return written
 
     def _flush_streams(self) -> tuple[int, int]:
         pipe = self.client.pipeline(transaction=False)
         events = entries = 0
-        for i, key in enumerate(self.keys):
-            for part in self._entries(self._buf[i]):
-                pipe.xadd(key, {"d": b"\n".join(part), "n": len(part)})
-                entries += 1
-                events += len(part)
-            for entry in self._fields[i]:
-                pipe.xadd(key, entry)
-                entries += 1
-                events += 1
+        for i in range(len(self.keys)):
+            n, e = self._add_shard(pipe, i)
+            events, entries = events + n, entries + e
         if entries:
             # For the input rate on the dashboard and in /v1/status history (a rate, not an
             # audit: a retried flush may count its events twice).
@@ -296,14 +332,14 @@ class Producer:
         return events, len(records)
 
     def _count_produced(self, events: int) -> None:
-        """Add `events`, which the topic holds now, to the input rate's counter. A Redis error
+        """Add `events`, which the log holds now, to the input rate's counter. A Redis error
         here is logged and the count kept for the next flush, never raised: a caller told the
-        flush failed would send the events to the topic again."""
+        flush failed would send the events to the log again."""
         self._uncounted += events
         try:
             self.client.hincrby(STATS_KEY, "events_produced", self._uncounted)
         except redis.RedisError as e:
-            log.warning("events written to the topic; their count not yet recorded in Redis",
+            log.warning("events written to the log; their count not yet recorded in Redis",
                         extra={"events": self._uncounted, "error": str(e)})  # fmt: skip
             return
         self._uncounted = 0

@@ -1,0 +1,80 @@
+"""Producing into a Redis Cluster with one master down: the shards of the masters that answer
+are written and let go of, the down master's are kept, and a retry of the flush (what the
+README asks of a caller) writes those alone. Every event once, none lost. A real local cluster
+of three masters, one stopped and started again; the ingest route's retry of a request's rest
+(`routes.flush_rest`) on the same."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.redis.connection import client_for
+from sluice.redis.local_cluster import LocalCluster
+from sluice.server.routes import flush_rest
+from sluice.source.producer import Producer
+from tests.conftest import make_config
+
+N = 300
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Any:
+    with LocalCluster(tmp_path / "cluster", masters=3) as c:
+        yield c
+
+
+def _producer(cluster: LocalCluster, tmp_path: Path) -> tuple[Any, Producer, list[str]]:
+    # One shard per master, in order (hash tags): the last shard is the last master's.
+    cfg = make_config(cluster.url, tmp_path / "state")
+    cfg = cfg.model_copy(
+        update={"source": cfg.source.model_copy(update={"shards": 3, "hash_tags": True})}
+    )
+    client = client_for(cluster.url, timeout_s=2, connect_timeout_s=1)
+    producer = Producer.from_config(cfg, client, flow=False)
+    for i in range(N):
+        producer.send({"ts": 1, "card": f"c{i}", "merchant": "m", "amount": 1.0, "qty": 1})
+    return client, producer, cfg.source.shard_keys()
+
+
+def _events(client: Any, keys: list[str]) -> int:
+    return sum(int(f[b"n"]) for k in keys for _, f in client.xrange(k))
+
+
+def test_a_retried_flush_writes_only_the_down_master_s_shards(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    client, producer, keys = _producer(cluster, tmp_path)
+    cluster.stop_node(2)
+    with pytest.raises(Exception):  # noqa: B017 - a connection error, as redis-py names it
+        producer.flush()
+    held = producer.pending()
+    assert 0 < held < N  # the answering masters' shards were written and let go of
+    for _ in range(3):  # the caller retries while the master is down: nothing repeats
+        with pytest.raises(Exception):  # noqa: B017
+            producer.flush()
+        assert producer.pending() == held
+    cluster.start_node(2)
+    assert producer.flush() == held and producer.pending() == 0
+    assert _events(client, keys) == N
+
+
+def test_the_ingest_route_writes_a_request_s_rest_once_the_master_is_back(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    client, producer, keys = _producer(cluster, tmp_path)
+    cluster.stop_node(2)
+    with pytest.raises(Exception):  # noqa: B017
+        producer.flush()
+    assert 0 < producer.pending() < N
+    back = threading.Timer(1.5, cluster.start_node, args=(2,))
+    back.start()
+    started = time.monotonic()
+    flush_rest(producer, N)  # what POST /v1/events does before it answers
+    assert time.monotonic() - started < 30
+    back.join()
+    assert producer.pending() == 0 and _events(client, keys) == N
