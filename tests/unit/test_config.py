@@ -251,6 +251,24 @@ def test_derived_name_clashing_with_metric() -> None:
     assert "name 'amount_sum' is already a metric" in str(err)
 
 
+def test_a_formula_over_inputs_of_different_slices_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    data = yaml.safe_load(DESIGN_YAML)
+    data["metrics"][2]["slice"] = "10s"  # merchant_txn; amount_sum keeps the default
+    data["derived"][0]["name"] = "avg_ticket_mixed"
+    with caplog.at_level("WARNING", logger="sluice.config"):
+        config_from_dict(data)
+        config_from_dict(data)
+    warned = [r for r in caplog.records if "different slices" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].derived == "avg_ticket_mixed"  # type: ignore[attr-defined]
+    assert "merchant_txn=10s" in warned[0].slices  # type: ignore[attr-defined]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sluice.config"):
+        config_from_dict(yaml.safe_load(DESIGN_YAML))  # one slice length: no word
+    assert not [r for r in caplog.records if "different slices" in r.getMessage()]
+
+
 def test_a_formula_over_a_quantile_is_refused() -> None:
     """A quantile answers one value per quantile asked for: a formula over it passed the checks
     and every lookup of it failed with a bare 500."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ from sluice.config.stages import StageConfig, check_acyclic
 from sluice.errors import ConfigError
 from sluice.formula import check_derived, names, parse
 from sluice.redis.cluster import is_cluster_url, parse_cluster_url, seeds_to_url
+from sluice.units import format_duration_ms
 
 
 class Config(_Model):
@@ -152,6 +154,7 @@ class Config(_Model):
                 check_derived(d.expr, {m.name: m for m in self.metrics})
             except ValueError as e:
                 raise _at(f"derived[{i}].expr", str(e)) from None
+            _warn_mixed_slices(d, [m for m in self.metrics if m.name in names(parse(d.expr))])
         return self
 
     def metric(self, name: str) -> MetricConfig | None:
@@ -235,3 +238,22 @@ def load_config(path: str | Path) -> Config:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     return config_from_dict(data, base_dir=p.resolve().parent)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_mixed_slices(d: DerivedConfig, inputs: list[MetricConfig]) -> None:
+    """Warn (once per process) about a derived metric whose inputs have different finest
+    slices: each input is taken over its own cover, so the window's start edge of one may lie up
+    to a slice of the other before it, and the value mixes two intervals (docs/metrics.md)."""
+    finest = {m.name: m.slice_lengths()[0] for m in inputs}
+    if len(set(finest.values())) < 2 or (d.name, d.expr) in _warned:
+        return
+    _warned.add((d.name, d.expr))
+    logging.getLogger("sluice.config").warning(
+        "a derived metric's inputs have different slices: each is taken over its own cover,"
+        " so their windows' start edges differ; give them one slice length for one interval",
+        extra={"derived": d.name, "slices": ",".join(f"{k}={format_duration_ms(v)}"
+                                                      for k, v in finest.items())},
+    )  # fmt: skip
