@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from sluice.redis.connection import client_for
+from sluice.errors import RedisUnavailable
+from sluice.redis.connection import check_reachable, client_for
 from sluice.redis.local_cluster import LocalCluster
 from sluice.server.routes import flush_rest
 from sluice.source.producer import Producer
@@ -50,6 +51,8 @@ def test_a_retried_flush_writes_only_the_down_master_s_shards(
 ) -> None:
     client, producer, keys = _producer(cluster, tmp_path)
     cluster.stop_node(2)
+    with pytest.raises(RedisUnavailable, match=r"a master of the redis cluster at .* does not"):
+        check_reachable(cluster.url)  # what the commands say, not "omit `redis:`"
     with pytest.raises(Exception):  # noqa: B017 - a connection error, as redis-py names it
         producer.flush()
     held = producer.pending()

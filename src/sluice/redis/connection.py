@@ -93,6 +93,12 @@ def check_reachable(url: str, timeout_s: float = 3.0) -> None:
             " `redis:` is a node of a cluster that serves all 16384 slots (cluster_state:ok)."
         ) from None
     except (redis.RedisError, OSError) as e:
+        if is_cluster_url(url):  # the slot map was read: a master of it does not answer
+            raise RedisUnavailable(
+                f"a master of the redis cluster at {redact(url)} does not answer: {_said(e)}."
+                " Is that node down or failing over? Until a replica takes its slots over, or"
+                " it is back, the cluster cannot serve them."
+            ) from None
         raise RedisUnavailable(
             f"cannot reach redis at {redact(url)}: {_said(e)}. Is the server running? Check"
             " `redis:` in sluice.yaml, or omit it to use the embedded server."
