@@ -371,7 +371,7 @@ def query(
     from sluice.pipeline.definitions import check_definitions
     from sluice.query.engine import QueryEngine
 
-    with opened(config_path) as (cfg, handle):
+    with opened(config_path, reads_only=True) as (cfg, handle):
         check_definitions(handle.client, cfg, cfg.stored_inputs(metric), register=False)
         out = QueryEngine(cfg, handle.client).query(metric, list(keys), window, end)
     # As the HTTP API encodes it: a value that is not finite (a sum of doubles past the
@@ -405,7 +405,10 @@ def status(
                 raise click.UsageError(f"{flag} applies only with --watch")
     views = count if watch else 1
     redraw = watch and not as_json and sys.stdout.isatty()
-    with contextlib.suppress(KeyboardInterrupt), opened(config_path) as (cfg, handle):
+    with (
+        contextlib.suppress(KeyboardInterrupt),
+        opened(config_path, reads_only=True) as (cfg, handle),
+    ):
         shown = 0
         while views is None or shown < views:
             if shown:
@@ -472,7 +475,7 @@ def dead_letters(config_path: str, limit: int, reason: str | None, as_json: bool
     why = None if reason is None else reason_error(reason)
     if why is not None:
         raise click.BadParameter(why, param_hint="--reason")
-    with opened(config_path) as (cfg, handle):
+    with opened(config_path, reads_only=True) as (cfg, handle):
         out = read_dead_letters(handle.client, cfg, limit, reason)
     summary = format_dead_summary(out, cfg.source.dead_letter_stream, reason)
     if as_json:

@@ -27,12 +27,15 @@ log = logging.getLogger("sluice")
 
 
 @contextlib.contextmanager
-def opened(config_path: str) -> Iterator[tuple[Config, RedisHandle]]:
+def opened(config_path: str, reads_only: bool = False) -> Iterator[tuple[Config, RedisHandle]]:
     """The config and its Redis, open until the block ends. A `SluiceError` raised opening
-    them or inside the block becomes one line on stderr and exit code 1."""
+    them or inside the block becomes one line on stderr and exit code 1. A command that
+    `reads_only` leaves the server's persistence settings as they are (`durability: strict`
+    is the writers' to set)."""
     try:
         cfg = load_config(config_path)
-        with open_redis(cfg.redis, cfg.state_dir, durability=cfg.durability) as handle:
+        durability = "default" if reads_only else cfg.durability
+        with open_redis(cfg.redis, cfg.state_dir, durability=durability) as handle:
             yield cfg, handle
     except SluiceError as e:
         raise click.ClickException(str(e)) from None

@@ -21,14 +21,18 @@ from typing import Any
 import orjson
 import pytest
 import redis
+import yaml
+from click.testing import CliRunner
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from sluice.cli import main
 from sluice.errors import ConfigError
 from sluice.redis.connection import open_redis
 from sluice.redis.durability import ensure_durability, read_settings
 from sluice.redis.embedded import EmbeddedRedis
 from sluice.source.producer import Producer
+from tests.conftest import config_data
 
 EVERYSEC_WINDOW_S = 2.0  # Redis holds the AOF buffer for at most 2 s while an fsync is slow
 SLACK_S = 0.5  # client-side timestamps and scheduling on a shared 2-core machine
@@ -221,6 +225,20 @@ def test_strict_switches_an_everysec_server_to_always(tmp_path: Path) -> None:
             info = handle.client.info("persistence")
             assert info["aof_enabled"] == 1 and info["aof_rewrite_in_progress"] == 0
         client.close()
+
+
+def test_the_reading_commands_leave_a_strict_config_s_server_as_it_is(tmp_path: Path) -> None:
+    """`status`, `query` and `dead-letters` only read: persistence is the writers' to set."""
+    with EmbeddedRedis(tmp_path / "ext") as server:
+        data = config_data(server.url, tmp_path / "state", durability="strict")
+        path = tmp_path / "sluice.yaml"
+        path.write_text(yaml.safe_dump(data))
+        for args in (["status", "--json"], ["query", "txn_count", "--key", "c1", "--window",
+                     "1m"], ["dead-letters"]):  # fmt: skip
+            res = CliRunner().invoke(main, [args[0], "-c", str(path), *args[1:]])
+            assert res.exit_code == 0, res.output
+        with redis.Redis.from_url(server.url) as client:
+            assert read_settings(client)["appendfsync"] == "everysec"
 
 
 def test_strict_joins_an_embedded_server_started_without_it(tmp_path: Path) -> None:
