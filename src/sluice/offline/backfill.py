@@ -438,17 +438,20 @@ def _seam_warnings(client: Any, seams: dict[str, int]) -> list[str]:
     the seam and that start that the log no longer (or not yet) held when the fold began are in
     neither the backfill's slices nor the live fold's. Those it held, it read."""
     started = client.hmget(FOLDING_KEY, list(seams))
-    out = []
+    late: dict[tuple[int, int], list[str]] = {}  # (began, seam) -> the metrics, one line each
     for (name, seam), since in zip(seams.items(), started, strict=True):
         if since is not None and int(since) > seam:
-            at, cut = iso_ms(int(since)), iso_ms(seam)
-            out.append(
-                f"the live fold began folding {name!r} at {at}, after this backfill's seam"
-                f" {cut}: an event of [{cut}, {at}) is in neither side unless the log still held"
-                f" it when the fold began (it reads the log from its start); if the log was"
-                f" trimmed, or the metric added to a running pipeline, run the backfill again"
-                f" with `--until` after {at}"
-            )
+            late.setdefault((int(since), seam), []).append(repr(name))
+    out = []
+    for (since, seam), names in late.items():
+        at, cut = iso_ms(since), iso_ms(seam)
+        out.append(
+            f"the live fold began folding {', '.join(names)} at {at}, after this backfill's seam"
+            f" {cut}: an event of [{cut}, {at}) is in neither side unless the log still held it"
+            f" when the fold began (it reads the log from its start); if the log was trimmed,"
+            f" or a metric added to a running pipeline, run the backfill again with `--until`"
+            f" after {at}"
+        )
     return out
 
 
