@@ -5,7 +5,8 @@
      ├── RedisUnavailable       the Redis server cannot be reached or started
      ├── QueryError             a query that cannot be answered
      │    ├── UnknownMetric     (HTTP 404)
-     │    └── BadQuery          malformed window, end or key (HTTP 400 / 422)
+     │    ├── BadQuery          malformed window, end or key (HTTP 400 / 422)
+     │    └── PartlyWritten     part of a request's events written, the rest not (HTTP 503)
      ├── BackpressureError      the input is over its high watermark; carries `retry_after_s`
      └── PipelineError          the streaming job failed to start or stopped with an error
           ├── AuditError        a batch's completeness audit stayed non-zero after its replays
@@ -16,6 +17,8 @@ Messages say what was wrong, which value caused it, and what to do.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class SluiceError(Exception):
@@ -43,6 +46,25 @@ class QueryError(SluiceError):
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
         super().__init__(message)
+
+    def details(self) -> dict[str, Any]:
+        """Fields of the error body besides `code` and `message` (none but for some)."""
+        return {}
+
+
+class PartlyWritten(QueryError):
+    """Some of a request's events were written and the others (`unwritten`, their indices in
+    the request) could not be: 503 `partly_written`, naming them in the error body."""
+
+    status = 503
+    code = "partly_written"
+
+    def __init__(self, message: str, unwritten: list[int]) -> None:
+        super().__init__(message)
+        self.unwritten = unwritten
+
+    def details(self) -> dict[str, Any]:
+        return {"unwritten": self.unwritten}
 
 
 class UnknownMetric(QueryError):

@@ -97,6 +97,9 @@ def create_app(
 
 async def _query_error(_: Request, e: Exception) -> Response:
     assert isinstance(e, QueryError)
+    if details := e.details():
+        body = {"error": {"code": e.code, "message": str(e), **details}}
+        return ORJSONResponse(body, e.status)
     return error(e.status, e.code, str(e))
 
 

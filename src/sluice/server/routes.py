@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from sluice.clock import Clock
 from sluice.config import Config
-from sluice.errors import BackpressureError, BadEvent, QueryError, SluiceError
+from sluice.errors import BackpressureError, BadEvent, PartlyWritten, QueryError, SluiceError
 from sluice.flow.valves import IngestValve
 from sluice.query.engine import QueryEngine
 from sluice.redis.loading import is_loading
@@ -133,7 +133,7 @@ async def ingest(request: Request) -> dict[str, Any]:
             raise BackpressureError(wait, "input is backpressured; retry later")
         producer = Producer.from_config(api.cfg, api.client, flow=False)
         try:  # an event it cannot write: 400, none written
-            producer.send_all(events)
+            shards = producer.buffer_all(events)
         except BadEvent as e:
             raise QueryError(str(e), "body") from None
         try:
@@ -141,7 +141,7 @@ async def ingest(request: Request) -> dict[str, Any]:
         except Exception:
             if producer.pending() == len(events):
                 raise  # none written: the request may be sent again whole
-            flush_rest(producer, len(events))
+            flush_rest(producer, shards)
 
     await run_in_threadpool(send)
     return {"accepted": len(events)}
@@ -150,17 +150,12 @@ async def ingest(request: Request) -> dict[str, Any]:
 PARTIAL_RETRY_S = 10.0
 
 
-class PartlyWritten(QueryError):
-    status = 503
-    code = "partly_written"
-
-
-def flush_rest(producer: Producer, n: int) -> None:
+def flush_rest(producer: Producer, shards: list[int], wait_s: float = PARTIAL_RETRY_S) -> None:
     """Some of a request's events were written and the rest were not (a Redis Cluster master
-    that is down holds back its own shards only). The rest are retried here for a while: the
-    client's retry of the whole request would write the others twice. Raises PartlyWritten,
-    saying so, when they still cannot be written."""
-    deadline = time.monotonic() + PARTIAL_RETRY_S
+    that is down holds back its own shards only; `shards`: each event's). The rest are retried
+    here for up to `wait_s`: the client's retry of the whole request would write the others
+    twice. Raises PartlyWritten, naming the events not written, when they still cannot be."""
+    deadline = time.monotonic() + wait_s
     while True:
         time.sleep(0.2)
         try:
@@ -169,10 +164,15 @@ def flush_rest(producer: Producer, n: int) -> None:
         except (redis.RedisError, SluiceError) as e:
             if time.monotonic() < deadline:
                 continue
-            written = n - producer.pending()
+            held = producer.pending_shards()
+            unwritten = [i for i, shard in enumerate(shards) if shard in held]
+            n = len(shards)
             raise PartlyWritten(
-                f"{written:,} of the {n:,} events were written and the others could not be"
-                f" ({e}): sending the request again would write those {written:,} twice"
+                f"{n - len(unwritten):,} of the {n:,} events were written and the other"
+                f" {len(unwritten):,} could not be ({e}): send those alone again (`unwritten`,"
+                " their indices in this request); the whole request again would write the"
+                " others twice",
+                unwritten,
             ) from None
 
 

@@ -164,19 +164,23 @@ class Producer:
             self.flush()
 
     def send_all(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """`buffer_all`, then a flush as `send` does: a flush's error is raised with every event
+        not written buffered."""
+        self.buffer_all(events)
+        if any(self._full(i) for i in range(len(self.keys))):
+            self.flush()
+
+    def buffer_all(self, events: Sequence[Mapping[str, Any]]) -> list[int]:
         """Buffer every event, or none of them: raises BadEvent naming the first one `send`
-        would refuse (`event <i>: ...`). Each event is converted once. Then flushes as `send`
-        does: a flush's error is raised with every event buffered."""
+        would refuse (`event <i>: ...`). Each event is converted once. Returns each event's
+        shard; nothing is written."""
         written = []
         for i, event in enumerate(events):
             try:
                 written.append(self._written(event))
             except BadEvent as e:
                 raise BadEvent(f"event {i}: {e}") from None
-        for event, entry in zip(events, written, strict=True):
-            self._buffer(event, entry)
-        if any(self._full(i) for i in range(len(self.keys))):
-            self.flush()
+        return [self._buffer(event, entry) for event, entry in zip(events, written, strict=True)]
 
     def _buffer(self, event: Mapping[str, Any], written: dict[str, bytes | str] | bytes) -> int:
         """Buffer one written event; returns its shard."""
@@ -284,23 +288,39 @@ class Producer:
         return events, entries
 
     def _flush_shards(self) -> int:
-        """On a Redis Cluster, each shard in a pipeline of its own, its buffer emptied once its
-        master answered: a master that is down fails its own shards only, and a retry sends
-        those alone (one pipeline over every master would be sent again whole, by redis-py's
-        own retries and by the caller's, repeating the shards that were written)."""
+        """On a Redis Cluster, one pipeline per master, for the shards it serves, each shard's
+        buffer emptied once its master answered: a master that is down fails its own shards
+        only, the others are written, and a retry sends the failed ones alone (one pipeline over
+        every master would be sent again whole, by redis-py's own retries and by the caller's,
+        repeating the shards that were written). Raises the first master's error, if any, once
+        every master was tried."""
+        by_node: dict[str, list[int]] = {}
+        for i, key in enumerate(self.keys):
+            if self._buf[i] or self._fields[i]:
+                node = self.client.get_node_from_key(key)
+                by_node.setdefault(node.name, []).append(i)
         written = 0
-        try:
-            for i in range(len(self.keys)):
-                if self._buf[i] or self._fields[i]:
-                    pipe = self.client.pipeline(transaction=False)
-                    events, entries = self._add_shard(pipe, i)
-                    pipe.execute()
-                    self._emptied((i,), events, entries)
-                    written += events
-        finally:
-            if written:
-                self._count_produced(written)
+        failed: Exception | None = None
+        for shards in by_node.values():
+            pipe = self.client.pipeline(transaction=False)
+            counts = [self._add_shard(pipe, i) for i in shards]
+            try:
+                pipe.execute()
+            except Exception as e:  # noqa: BLE001 - raised below, once the others are written
+                failed = failed or e
+                continue
+            for i, (events, entries) in zip(shards, counts, strict=True):
+                self._emptied((i,), events, entries)
+                written += events
+        if written:
+            self._count_produced(written)
+        if failed is not None:
+            raise failed
         return written
+
+    def pending_shards(self) -> set[int]:
+        """The shards that hold events not yet written."""
+        return {i for i in range(len(self.keys)) if self._buf[i] or self._fields[i]}
 
     def _flush_streams(self) -> tuple[int, int]:
         pipe = self.client.pipeline(transaction=False)
