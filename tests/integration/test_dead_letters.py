@@ -28,6 +28,8 @@ from hypothesis import strategies as st
 
 from sluice.cli import main
 from sluice.config import Config
+from sluice.pipeline import writer
+from sluice.pipeline.query import Role
 from sluice.pipeline.writer import WriterContext, write_dead_letters
 from sluice.redis.keys import BATCHES_KEY, STATS_KEY
 from sluice.redis.scripts import RECORD_BATCH, script_source
@@ -303,24 +305,54 @@ def test_a_second_reader_records_only_its_own_reasons(
     r: redis.Redis, redis_url: str, cfg: Config
 ) -> None:
     """A stream read by several readers: the first records an entry nobody can decode, the
-    others count it but do not record it again; a fold's own reasons are recorded by it."""
+    others count it but do not record it again; a fold's own reasons are recorded by it, and
+    so is each reader's `lost_records` (found by its own lag)."""
     undecodable = _record(f"{T0}-0", "bad_type", "amount", '{"amount": "x"}')
     too_late = _record(f"{T0}-1", "expired", None, '{"amount": 1}')
+    lost = _record(f"{T0}-2", "lost_records", None, "")
     ctx = WriterContext(
         url=redis_url,
         token=5,
         specs=(),
         source_stream=cfg.source.stream,
         dead_letter_maxlen=cfg.source.dead_letter_maxlen,
-        records_undecodable=False,
+        recorded_shards=frozenset(),
     )
-    assert write_dead_letters(r, ctx, [undecodable, too_late]) == {"bad_type": 1, "expired": 1}
+    got = write_dead_letters(r, ctx, [undecodable, too_late, lost])
+    assert got == {"bad_type": 1, "expired": 1, "lost_records": 1}
     stream = cfg.source.dead_letter_stream
-    assert [f[b"reason"] for _, f in r.xrange(stream)] == [b"expired"]
+    assert sorted(f[b"reason"] for _, f in r.xrange(stream)) == [b"expired", b"lost_records"]
     assert write_dead_letters(r, ctx, [undecodable]) == {"bad_type": 1}  # nothing to record
-    first = dataclasses.replace(ctx, token=6, records_undecodable=True)
+    first = dataclasses.replace(ctx, token=6, recorded_shards=None)
     write_dead_letters(r, first, [undecodable])
-    assert [f[b"reason"] for _, f in r.xrange(stream)] == [b"expired", b"bad_type"]
+    assert [f[b"reason"] for _, f in r.xrange(stream)][-1] == b"bad_type"
+
+
+@pytest.mark.parametrize(
+    ("shards", "eid", "recorded"),
+    [
+        (None, "1-0", True),  # the first reader of all it reads
+        (frozenset(), "1-0", False),  # of one shard, read first by another
+        (frozenset({"sb"}), "sb@1-0", True),  # of several: per entry's shard
+        (frozenset({"sb"}), "sa@1-0", False),
+        (frozenset({"*"}), "events:3@17", True),  # a Kafka record: its topic's shards are one
+        (frozenset({"*"}), "events:3@1-0", False),  # a stream entry of a shard it is not first of
+    ],
+)  # fmt: skip
+def test_which_reader_records_an_undecodable_entry(
+    shards: frozenset[str] | None, eid: str, recorded: bool
+) -> None:
+    assert writer.records(shards, {"id": eid, "reason": "bad_json"}) is recorded
+    assert writer.records(shards, {"id": eid, "reason": "future"}) is True
+
+
+def test_a_stage_of_two_inputs_records_the_entries_of_the_one_it_reads_first() -> None:
+    """`both` reads `sa` after `onlya`, and `sb` (two shards) alone: it records `sb`'s."""
+    readers = {"sa": ("onlya", "both"), "sb:0": ("both",), "sb:1": ("both",)}
+    role = Role(None, "both", readers)  # type: ignore[arg-type] # its flow stage is not read
+    assert role.recorded_shards == {"sb:0", "sb:1"}
+    assert Role(None, "onlya", readers).recorded_shards == {"sa"}  # type: ignore[arg-type]
+    assert Role(None, "", {"events": ("",)}).recorded_shards is None  # type: ignore[arg-type]
 
 
 def test_api_empty(api: TestClient) -> None:

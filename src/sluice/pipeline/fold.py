@@ -213,7 +213,7 @@ class FoldQuery(StreamQuery):
             specs=self.specs,
             source_stream=self.cfg.source.stream,
             dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
-            records_undecodable=self.role.records_undecodable,
+            recorded_shards=self.role.recorded_shards,
             cluster=is_cluster_url(self.redis.url),
             ref_ms=(offsets[1].get("ref") or started) if offsets is not None else started,
         )

@@ -141,10 +141,6 @@ class Role:
     reader: str = ""
     readers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     store: FlowStage | None = None
-    # Whether it writes the records of the input entries it cannot decode: only the first
-    # reader of its first input does, so that an entry read by several is recorded once (each
-    # still counts it in its own books).
-    records_undecodable: bool = True
 
     @classmethod
     def of(cls, graph: Graph, stage: str, inputs: list[str], store: str | None = None) -> Role:
@@ -153,13 +149,20 @@ class Role:
             reader_name(stage),
             graph.shard_readers(inputs),
             graph.flow[store] if store is not None else None,
-            graph.readers_of(inputs[0])[0] == reader_name(stage),
         )
 
     @classmethod
     def single(cls, cfg: Config) -> Role:
         """The source's fold, in a pipeline without stages."""
         return cls.of(graph_topology(cfg), SPARK, [cfg.source.stream], "store")
+
+    @property
+    def recorded_shards(self) -> frozenset[str] | None:
+        """The input shards whose undecodable entries this reader records as dead letters:
+        those it reads first, so that an entry read by several readers is recorded once (each
+        still counts it in its own books). None: every shard it reads."""
+        mine = frozenset(s for s, names in self.readers.items() if names[:1] == (self.reader,))
+        return None if len(mine) == len(self.readers) else mine
 
     @property
     def stats(self) -> StatsKeys:

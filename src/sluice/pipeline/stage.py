@@ -233,7 +233,7 @@ class StageQuery(StreamQuery):
                     specs=(),
                     source_stream=first.name,
                     dead_letter_maxlen=self.cfg.source.dead_letter_maxlen,
-                    records_undecodable=self.role.records_undecodable,
+                    recorded_shards=self.role.recorded_shards,
                 )
                 records = events.where(bad).select(
                     dead_letter_json(F.col("_err"), list(first.schema or {})).alias("k")

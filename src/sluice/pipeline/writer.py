@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sluice import collector
+from sluice.graph import ALL_SHARDS
 from sluice.pipeline.plan import DEAD_G, MetricSpec
 from sluice.pipeline.slice_restore import mostly_stored, plan_restores
 from sluice.pipeline.slice_writes import (
@@ -51,6 +52,10 @@ from sluice.redis.loading import wait_while_loading
 from sluice.redis.scripts import DEAD_LETTERS, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.source.values import DECODE_REASONS
+
+# What every reader of an entry finds alike, so one of them records it: not `lost_records`,
+# which each finds by its own lag.
+RECORDED_ONCE = frozenset(DECODE_REASONS) - {"lost_records"}
 
 UPDATE_COUNTS = ("updates_applied", "updates_duplicate", "updates_expired", "updates_before_seam")
 PIPELINE_CHUNK = 50
@@ -103,10 +108,11 @@ class WriterContext:
     # newest slice, or before this time's slice where the newest is ahead of it (an event
     # stamped in the future; `slice_writes.keep_from_ms`). None: before its newest slice.
     ref_ms: int | None = None
-    # False for a reader of a stream that another reads first: that one records the entries
-    # nobody can decode, and this one writes only its own reasons (a fold's `future` and
-    # `expired`). Its counts by reason are the same either way.
-    records_undecodable: bool = True
+    # The input shards whose undecodable entries this reader records (`Role.recorded_shards`;
+    # None: all of them). Another reader records those of the others; this one still writes
+    # its own reasons (a fold's `future` and `expired`, a reader's `lost_records`), and its
+    # counts by reason are the same either way.
+    recorded_shards: frozenset[str] | None = None
 
 
 def backfill_seams(client: Any, specs: Sequence[MetricSpec]) -> dict[str, int]:
@@ -355,6 +361,18 @@ def _apply_blob(client: Any, ctx: WriterContext, rows: PartitionRows, sp: Metric
     return totals
 
 
+def records(shards: frozenset[str] | None, rec: dict[str, Any]) -> bool:
+    """Whether a reader that records the undecodable entries of `shards` (None: of every
+    shard) writes the dead letter `rec`. An entry of a reader of several shards is named
+    `<shard>@<id>`, a Kafka record `<topic>:<partition>@<offset>` (its topic's shards are one,
+    ALL_SHARDS); a reader of one shard records all of it or none."""
+    if shards is None or rec["reason"] not in RECORDED_ONCE:
+        return True
+    shard, at, entry = rec["id"].rpartition("@")
+    kafka = "-" not in entry  # an offset, not a stream entry's `<ms>-<seq>`
+    return bool(at) and (shard in shards or (kafka and ALL_SHARDS in shards))
+
+
 def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict[str, int]:
     dead.sort()
     digest = hashlib.blake2b("\n".join(dead).encode(), digest_size=12).hexdigest()
@@ -363,7 +381,7 @@ def write_dead_letters(client: Any, ctx: WriterContext, dead: list[str]) -> dict
     for k in dead:
         rec = orjson.loads(k)
         reasons[rec["reason"]] = reasons.get(rec["reason"], 0) + 1
-        if not ctx.records_undecodable and rec["reason"] in DECODE_REASONS:
+        if not records(ctx.recorded_shards, rec):
             continue
         args += [
             rec["id"],
