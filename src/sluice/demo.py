@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 
 from sluice.clock import SYSTEM_CLOCK
-from sluice.commands import handlers_kept
+from sluice.commands import handlers_kept, stop_spark
 from sluice.config import Config, config_from_dict
 from sluice.redis.connection import open_redis
 from sluice.redis.embedded import port_free
@@ -88,14 +88,25 @@ def run_demo(
         bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
         print(f"Sluice demo: open the dashboard at http://127.0.0.1:{bound}/", flush=True)
         print("starting Spark (takes a few seconds)...", flush=True)
-        with handlers_kept():  # a Ctrl-C while Spark starts stops the demo as any other
-            spark = build_spark(cfg, app_name="sluice-demo")
-        if on_spark is not None:
-            on_spark()
-        # As `sluice run` runs it: the supervisor (health, restarts), the lease and the role,
-        # so that the dashboard's state, heartbeat and processes are true here too.
-        pipeline = Pipeline(cfg, handle, spark)
-        pipeline.prepare()
+        spark = None
+        try:  # a Ctrl-C to the process group stops the JVM too, maybe as it starts
+            with handlers_kept():  # a Ctrl-C while Spark starts stops the demo as any other
+                spark = build_spark(cfg, app_name="sluice-demo")
+            if on_spark is not None:
+                on_spark()
+            # As `sluice run` runs it: the supervisor (health, restarts), the lease and the
+            # role, so that the dashboard's state, heartbeat and processes are true here too.
+            pipeline = Pipeline(cfg, handle, spark)
+            pipeline.prepare()
+        except BaseException:
+            server.should_exit = True
+            api.join(timeout=10)
+            if spark is not None:
+                stop_spark(spark)
+            if not stop.is_set():
+                raise
+            print("stopped before the pipeline started", flush=True)
+            return
         failed: list[BaseException] = []
 
         def run_pipeline() -> None:

@@ -129,9 +129,9 @@ def _java_in_group(pgid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("after_s", [2.0, 3.5])
+@pytest.mark.parametrize(("command", "after_s"), [("run", 2.0), ("run", 3.5), ("demo", 2.5)])
 def test_ctrl_c_while_spark_starts_stops_quietly(
-    after_s: float, r: redis.Redis, redis_url: str, tmp_path: Path
+    command: str, after_s: float, r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
     """SIGINT to the group while Spark's context is being made, or just after (PySpark puts a
     handler of its own in place then): a quiet stop, status 0, no ERROR line."""
@@ -146,8 +146,13 @@ def test_ctrl_c_while_spark_starts_stops_quietly(
             }
         )
     )
+    args = (
+        ["run", "-c", str(cfg)]
+        if command == "run"
+        else ["demo", "--port", "0", "--rate", "100", "--state-dir", str(tmp_path / "d")]
+    )
     proc = subprocess.Popen(
-        [*SLUICE, "run", "-c", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*SLUICE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -161,8 +166,11 @@ def test_ctrl_c_while_spark_starts_stops_quietly(
     assert proc.returncode == 0, err
     _traceback_free(out + err)
     assert "level=ERROR" not in err, err
-    last = err.strip().splitlines()[-1]
-    assert last.endswith(("msg=stopped", 'msg="stopped before the pipeline started"')), err
+    if command == "run":
+        last = err.strip().splitlines()[-1]
+        assert last.endswith(("msg=stopped", 'msg="stopped before the pipeline started"')), err
+    else:
+        assert out.strip().splitlines()[-1].startswith("stopped"), out
 
 
 def test_demo_stops_with_one_line_on_ctrl_c_to_the_process_group(tmp_path: Path) -> None:
