@@ -30,12 +30,12 @@ log = logging.getLogger("sluice")
 def opened(config_path: str, reads_only: bool = False) -> Iterator[tuple[Config, RedisHandle]]:
     """The config and its Redis, open until the block ends. A `SluiceError` raised opening
     them or inside the block becomes one line on stderr and exit code 1. A command that
-    `reads_only` leaves the server's persistence settings as they are (`durability: strict`
-    is the writers' to set)."""
+    `reads_only` leaves a running server's persistence settings as they are (`durability:
+    strict` is the writers' to set); an embedded server it starts runs as the config says."""
     try:
         cfg = load_config(config_path)
-        durability = "default" if reads_only else cfg.durability
-        with open_redis(cfg.redis, cfg.state_dir, durability=durability) as handle:
+        ensure = not reads_only
+        with open_redis(cfg.redis, cfg.state_dir, cfg.durability, ensure) as handle:
             yield cfg, handle
     except SluiceError as e:
         raise click.ClickException(str(e)) from None

@@ -135,14 +135,15 @@ class RedisHandle:
         self.close()
 
 
-def open_redis(url: str | None, state_dir: Path, durability: Durability = "default") -> RedisHandle:
+def open_redis(url: str | None, state_dir: Path, durability: Durability = "default",
+               ensure: bool = True) -> RedisHandle:  # fmt: skip
     """Connect to `url`, or start/join the embedded server under `state_dir/redis` if it is None.
 
     Under `durability: strict` an embedded server this call starts runs with `appendfsync
     always`; a joined or external server is checked and, if needed, switched with `CONFIG SET`
-    (`ensure_durability`). Blocks until the server answers. Raises RedisUnavailable, or
-    ConfigError if strict durability cannot be had; on failure nothing this call started is
-    left running.
+    (`ensure_durability`), unless not `ensure` (a command that only reads). Blocks until the
+    server answers. Raises RedisUnavailable, or ConfigError if strict durability cannot be had;
+    on failure nothing this call started is left running.
     """
     if url is None:
         server = EmbeddedRedis(Path(state_dir) / "redis", appendfsync=appendfsync_for(durability),
@@ -153,7 +154,7 @@ def open_redis(url: str | None, state_dir: Path, durability: Durability = "defau
         check_reachable(url)
         handle = RedisHandle(url)
         where = f"redis at {redact(url)}"
-    if durability == "strict":
+    if durability == "strict" and ensure:
         try:
             for node in node_clients(handle.client):
                 kw = node.connection_pool.connection_kwargs
