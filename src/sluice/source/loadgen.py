@@ -98,8 +98,8 @@ class EventGenerator:
 
 def produce_frame(producer: Producer, df: pd.DataFrame, shard_by: str | None) -> int:
     """Send a frame of events through `producer`, sharded by `shard_by`. Returns events sent."""
-    if producer.format == "fields":
-        producer.send_many({str(k): v for k, v in r.items()} for r in df.to_dict("records"))
+    if producer.format == "fields":  # every event buffered before a flush's error, if any
+        producer.buffer_all([{str(k): v for k, v in r.items()} for r in df.to_dict("records")])
         return producer.flush()
     text = df.to_json(orient="records", lines=True)
     lines = [ln.encode() for ln in text.split("\n") if ln]
@@ -151,6 +151,7 @@ def run_load(
     """
     gen = EventGenerator(cfg, seed=seed)
     producer = Producer.from_config(cfg, client, block_timeout_s=TICK_S)
+    sent_before = producer.sent_events
     shard_by = producer.shard_by
     t0 = time.monotonic()
     sent = largest = 0
@@ -183,21 +184,23 @@ def run_load(
         last_tick = tick
         try:
             if producer.pending():
-                sent += producer.flush()
+                producer.flush()
                 owed = 0.0  # throttled: what was owed meanwhile is held back, not queued here
             else:
                 n = math.floor(owed)
                 if n > 0:
                     owed -= n
                     largest = max(largest, n)
-                    sent += produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
+                    produce_frame(producer, gen.frame(n, clock.now_ms()), shard_by)
             down_since = None
         except BackpressureError:
-            pass  # still buffered; retried next tick
+            down_since = None  # Redis answered; the events stay buffered, retried next tick
         except redis.RedisError as e:  # still buffered; retried next tick, for a while
             if outage(e):
                 break
             owed = 0.0
+        finally:  # what was written, a flush that failed part way included (a cluster's)
+            sent = producer.sent_events - sent_before
         now = time.monotonic()
         if progress is not None and now - last_report >= 1.0:
             p = {"events": sent, "seconds": now - t0, "rate": sent / (now - t0)}
@@ -210,17 +213,20 @@ def run_load(
     while (producer.pending() and not stop() and error is None
            and time.monotonic() - waited_from < drain_s):  # fmt: skip
         try:
-            sent += producer.flush()
+            producer.flush()
         except redis.RedisError as e:
             if outage(e):
                 break
             time.sleep(TICK_S)
         except BackpressureError:
+            down_since = None
             now = time.monotonic()
             if progress is not None and now - last_report >= 1.0:
                 progress({"events": sent, "seconds": now - t0, "rate": sent / (now - t0),
                           "waiting": producer.pending()})  # fmt: skip
                 last_report = now
+        finally:
+            sent = producer.sent_events - sent_before
     unsent = producer.discard()
     producer.close()
     seconds = time.monotonic() - t0
