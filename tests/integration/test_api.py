@@ -105,8 +105,11 @@ def test_error_statuses_name_the_parameter(api: TestClient) -> None:
     # A parameter of one value given twice is refused, not answered for one of them.
     for query, param in [("window=1h&window=2h", "window"), ("window=1h&end=1&end=2", "end")]:
         _error(api.get(f"/v1/metrics/txn_count?key=c1&{query}"), 400, f"`{param}` is given more")
-    series = "/v1/metrics/txn_count/series?key=c1&window=1h&step=1m&step=2m"
+    _error(api.get("/v1/metrics/txn_count?key=c1&window=1h&%77indow=2h"), 400, "`window`")
+    series = "/v1/metrics/txn_count/series?key=c1&window=1h&step=1m&%73tep=2m"
     _error(api.get(series), 400, "`step` is given more than once")
+    # `step` is no parameter of a lookup: ignored there, on either path, however often
+    assert api.get("/v1/metrics/txn_count?key=c1&window=1h&step=1&step=2").status_code == 200
     # A window within the retention's length that starts before it (an old `end`): its older
     # slices are removed, so it is refused, not answered short; one that starts within is not.
     day = 86_400_000

@@ -91,27 +91,26 @@ def parse_history(value: str | None) -> int | None:
     return int(value)
 
 
-SINGLE_PARAMS = frozenset(("window", "end", "step"))  # `key` alone may be repeated
-
-
-def check_query(query_string: bytes) -> None:
+def check_query(query_string: bytes, single: tuple[str, ...] = ()) -> None:
     """Refuse (BadQuery, 400) a query parameter whose percent-decoded bytes are not UTF-8
     (`key=%FF`): read leniently, as web frameworks do, it would stand for another key; and one
-    of SINGLE_PARAMS given twice, of which a framework would keep one without a word."""
+    of `single` given twice (its name as decoded), of which a framework keeps one without a
+    word."""
     seen: set[str] = set()
     for part in query_string.decode("latin-1").split("&"):
         name, _, value = part.partition("=")
-        if name in SINGLE_PARAMS:
-            if name in seen:
-                raise BadQuery(f"`{name}` is given more than once; give it once", name)
-            seen.add(name)
         try:
             unquote_plus(value, errors="strict")
+            param = unquote_plus(name, errors="strict")
         except UnicodeDecodeError:
             param = unquote_plus(name)
             raise BadQuery(
                 f"`{param}` is not UTF-8 once percent-decoded: {value!r}", param
             ) from None
+        if param in single:
+            if param in seen:
+                raise BadQuery(f"`{param}` is given more than once; give it once", param)
+            seen.add(param)
 
 
 def parse_limit(value: str | None) -> int:

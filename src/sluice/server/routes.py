@@ -85,7 +85,7 @@ async def get_metric(
     end: str | None = Query(default=None, description="window end, epoch ms; default now"),
 ) -> dict[str, Any]:
     """Metric `name` for `key` over (end - window, end]."""
-    check_query(request.scope["query_string"])
+    check_query(request.scope["query_string"], ("window", "end"))
     api = _api(request)
     lookup = api.engine.lookup(name, key, window, end)
     return (await api.engine.arun([lookup], api.aclients.get()))[0]
@@ -101,7 +101,7 @@ def get_series(
     step: str | None = Query(default=None, description="point width; default the slice"),
 ) -> dict[str, Any]:
     """Metric `name` for `key` per `step` over (end - window, end], for charts."""
-    check_query(request.scope["query_string"])
+    check_query(request.scope["query_string"], ("window", "end", "step"))
     return _api(request).engine.series(name, key, window, end, step)
 
 
