@@ -63,8 +63,9 @@ def test_the_embedded_server_takes_another_port_when_its_first_is_taken(
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:
         assert server.port != taken
-        assert server.proc is not None and embedded.answers_as(server.port, server.proc.pid)
-        assert not embedded.answers_as(taken, server.proc.pid)
+        conf = server.data_dir / "redis.conf"
+        assert server.port is not None and embedded.answers_as(server.port, conf)
+        assert not embedded.answers_as(taken, conf)
     finally:
         server.stop()
 

@@ -116,14 +116,16 @@ PORT_TAKEN = "Address already in use"  # in redis-server's log when it cannot bi
 PORT_TRIES = 5  # fresh ports tried when another program takes each before the server binds it
 
 
-def answers_as(port: int, pid: int) -> bool:
-    """Whether the server on 127.0.0.1:`port` is process `pid`. A port found free may be taken
-    by another program before the server binds it, and that program may answer as Redis."""
+def answers_as(port: int, conf: Path) -> bool:
+    """Whether the server on 127.0.0.1:`port` runs from the config file `conf` (it is the one
+    started with it, through a wrapper script or not). A port found free may be taken by
+    another program before the server binds it, and that program may answer as Redis."""
     try:
         with redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=1.0) as c:
-            return int(c.info("server")["process_id"]) == pid
+            running = c.info("server").get("config_file")
     except Exception:  # noqa: BLE001 - whatever else listens there, and however it answers
         return False
+    return bool(running) and os.path.realpath(str(running)) == os.path.realpath(conf)
 
 
 def shutdown(proc: subprocess.Popen[bytes], port: int | None, nosave: bool) -> None:
@@ -410,7 +412,7 @@ class EmbeddedRedis:
             late = time.monotonic() >= deadline
             # Still loading a large AOF at the deadline: its users wait for it (they all wait
             # while Redis loads), rather than the server being stopped half loaded.
-            if _ping(self.url, loading_ok=late) and answers_as(self.port, self.proc.pid):
+            if _ping(self.url, loading_ok=late) and answers_as(self.port, conf):
                 self.owned = True
                 port_file.write_text(str(self.port))
                 self._find_socket()

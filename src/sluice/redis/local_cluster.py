@@ -126,8 +126,9 @@ class LocalCluster:
         return conf
 
     def _spawn(self, port: int, timeout_s: float) -> subprocess.Popen[bytes]:
+        conf = self._conf(port)
         proc = subprocess.Popen(
-            [find_server_binary(), str(self._conf(port))],
+            [find_server_binary(), str(conf)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -138,7 +139,7 @@ class LocalCluster:
                 log = self.data_dir / f"redis-{port}.log"
                 tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
                 raise RedisUnavailable(f"cluster node on port {port} exited: {tail.strip()}")
-            if answers_as(port, proc.pid):
+            if answers_as(port, conf):
                 return proc
             time.sleep(0.05)
         proc.kill()
