@@ -43,13 +43,17 @@ def _free_cluster_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, data_dir: Path, masters: int = 3, appendonly: bool = False) -> None:
+    def __init__(self, data_dir: Path, masters: int = 3, appendonly: bool = False,
+                 node_timeout_ms: int = 2000) -> None:  # fmt: skip
+        """`node_timeout_ms`: Redis's `cluster-node-timeout`, after which a master that does
+        not answer is marked failed, and the others refuse writes (`cluster_state:fail`)."""
         if masters < 1:
             raise ValueError(f"`masters` must be at least 1, got {masters}")
         self.data_dir = Path(data_dir)
         self.masters = masters  # master nodes now (`add_master` adds one)
         self.initial = masters  # the masters the slots were first split over
         self.appendonly = appendonly
+        self.node_timeout_ms = node_timeout_ms
         self.ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes] | None] = []
         self.moved: dict[int, int] = {}  # slot -> master, for slots moved by `migrate_slot`
@@ -106,7 +110,7 @@ class LocalCluster:
                     f'dir "{self.data_dir.resolve()}"',
                     "cluster-enabled yes",
                     f"cluster-config-file nodes-{port}.conf",
-                    "cluster-node-timeout 2000",
+                    f"cluster-node-timeout {self.node_timeout_ms}",
                     # A master whose last slot moves away stays a master with no slots. By
                     # default (6.2+) it would turn into a replica of the slot's new owner, and a
                     # later `migrate_slot` to it would fail ("use SETSLOT only with masters").
