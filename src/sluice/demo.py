@@ -97,6 +97,9 @@ def run_demo(
             # As `sluice run` runs it: the supervisor (health, restarts), the lease and the
             # role, so that the dashboard's state, heartbeat and processes are true here too.
             pipeline = Pipeline(cfg, handle, spark)
+            # The pipeline knows of a stop at once, as `sluice run`'s does: a signal to the
+            # process group takes the JVM, and a query starting then is the stop's, no failure
+            threading.Thread(target=_stop_on, args=(stop, pipeline), daemon=True).start()
             pipeline.prepare()
         except BaseException:
             server.should_exit = True
@@ -179,6 +182,11 @@ def run_demo(
             server.should_exit = True
             api.join(timeout=10)
             print(f"stopped: {produced['events']:,} events sent", flush=True)
+
+
+def _stop_on(stop: threading.Event, pipeline: Any) -> None:
+    stop.wait()
+    pipeline.request_stop()
 
 
 class _BadEvents:

@@ -186,6 +186,34 @@ def test_spark_reporting_a_query_ended_is_dropped_only_when_stopping(stop_first:
     assert LOG in err  # the line after it waited with it, and passed
 
 
+# What a CI run printed when Ctrl-C to the process group reached a Python process Spark was
+# starting, still importing PySpark (cut down), and what a SparkContext cut short by it logs.
+INTERRUPTED_IMPORT = [
+    "Traceback (most recent call last):",
+    '  File "<frozen runpy>", line 189, in _run_module_as_main',
+    '  File "/v/site-packages/pyspark/python/lib/pyspark.zip/pyspark/__init__.py", line 129, in'
+    " <module>",
+    '  File "<frozen importlib._bootstrap>", line 1176, in _find_and_load',
+    "KeyboardInterrupt",
+]
+CONTEXT_CUT_SHORT = (
+    'ts=2026-12-03T16:53:30.998Z level=ERROR logger=org.apache.spark.SparkContext msg="Error'
+    ' initializing SparkContext." exc="java.lang.IllegalStateException: Shutdown hooks cannot be'
+    ' modified during shutdown."'
+)
+
+
+@pytest.mark.parametrize("stop_first", [True, False])
+def test_what_a_stop_interrupts_as_spark_starts_is_dropped_only_when_stopping(
+    stop_first: bool,
+) -> None:
+    text = "\n".join([*INTERRUPTED_IMPORT, CONTEXT_CUT_SHORT, LOG]) + "\n"
+    err = _run_child(f"import sys; sys.stderr.write({text!r})", stop_first=stop_first)
+    assert ("KeyboardInterrupt" in err) is not stop_first, err
+    assert ("Error initializing SparkContext" in err) is not stop_first, err
+    assert LOG in err
+
+
 # What a CI run printed after "stopped" when the JVM's shutdown hook stopped Spark's RPC while
 # the stream thread was still ending (cut down: the stack had 10 more frames).
 STREAM_THREAD_DIED = [

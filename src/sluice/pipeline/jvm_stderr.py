@@ -14,12 +14,15 @@ one stop out of some dozens, as the race falls.
 to this process's stderr except:
 
 - a Python traceback that comes from a Spark worker or planner and ends in the errors of a
-  peer going away (`EOFError`, `BrokenPipeError`, `ConnectionResetError`);
+  peer going away (`EOFError`, `BrokenPipeError`, `ConnectionResetError`), and, once this
+  process is stopping, one of PySpark's Python processes ending in KeyboardInterrupt (the
+  signal to the process group reached it too, maybe while it was still importing);
 - Spark's ERROR lines about a query that ended, once this process was asked to stop
   (`stopping`): a SIGTERM to the whole process group (systemd, `timeout`, `kill -- -PGID`)
   kills the planner in the middle of a call, and Spark reports that as an error of the query.
   So too a batch job's (an offline command's) tasks refused by pools already shut and its
-  Python workers killed by the same signal.
+  Python workers killed by the same signal, and a SparkContext whose making the signal cut
+  short.
   Such lines are held for `HOLD_S` before they pass, so that the signal that caused them is
   seen first;
 - likewise once stopping, a Java exception that escaped a query's stream thread (`Exception in
@@ -79,6 +82,8 @@ STOP_REPORTS = (
     "RejectedExecutionException",
     "rejected from java.util.concurrent",
     "Python worker exited unexpectedly",
+    # a context still being made when the signal reached the JVM: its shutdown began first
+    "Error initializing SparkContext",
 )
 HOLD_S = 0.5
 # the error of a batch a deposed leader ended: another process holds the lease (any other
@@ -146,12 +151,15 @@ def _exception_lines(block: list[str]) -> list[str]:
 
 def noise(block: list[str]) -> bool:
     """Whether a traceback (its lines, without newlines) is a Spark Python process finding its
-    JVM gone."""
+    JVM gone, or, once this process is stopping, one of PySpark's own Python processes that the
+    signal to the process group interrupted (it ends in KeyboardInterrupt, maybe while it was
+    still importing)."""
     errors = _exception_lines(block)
     from_spark = any(any(where in line for where in SPARK_PYTHON) for line in block)
-    return (
-        from_spark and bool(errors) and all(e.split(":", 1)[0].strip() in PEER_GONE for e in errors)
-    )
+    if from_spark and errors and all(e.split(":", 1)[0].strip() in PEER_GONE for e in errors):
+        return True
+    interrupted = bool(errors) and errors[-1].strip() == "KeyboardInterrupt"
+    return interrupted and bool(_stop_requested) and any("pyspark" in line for line in block)
 
 
 class TracebackFilter:

@@ -105,6 +105,8 @@ class Supervisor:
             part.start()
             health.set("running" if health.failures == 0 else health.state)
         except Exception as e:  # noqa: BLE001 - start errors are retried like failures
+            if self._stop.is_set():  # the stop's own doing (the JVM went with the signal)
+                return
             self._failed(part, health, f"start failed: {e}", max_backoff_s)
 
     def _await(self, part: Part) -> None:
