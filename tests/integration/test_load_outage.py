@@ -54,6 +54,7 @@ def test_a_short_outage_loses_nothing(tmp_path: Path) -> None:
         loader, out = _load(cfg, client, 6.0)
         time.sleep(1.5)
         _kill(server)
+        server.stop()  # lets go of it (its use lock): the one started next is the last user
         time.sleep(2.5)  # over a second's progress: it says Redis is down
         server = EmbeddedRedis(tmp_path / "redis", port=server.port, appendfsync="always").start()
         loader.join(60)
@@ -78,6 +79,7 @@ def test_a_long_outage_ends_the_load_with_what_it_wrote(tmp_path: Path) -> None:
         loader, out = _load(cfg, client, 60.0, outage_s=2.0)
         time.sleep(1.5)
         _kill(server)
+        server.stop()  # lets go of it (its use lock): the one started next is the last user
         loader.join(30)  # long before the duration: the outage ends it
         assert not loader.is_alive()
         assert out["error"] is not None and "Redis did not answer for 2s" in out["error"], out
