@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,21 +28,24 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:  # type: ignore[n
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
+def _run_config(redis_url: str, tmp_path: Path, **extra: object) -> Path:
+    """A one-metric sluice.yaml for `sluice run` on `redis_url`, with `extra` sections."""
+    cfg = tmp_path / "sluice.yaml"
+    data = {
+        "redis": redis_url,
+        "state_dir": str(tmp_path / "state"),
+        "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
+        "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
+        **extra,
+    }
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
 def test_run_processes_events_and_stops_cleanly_on_sigterm(
     r: redis.Redis, redis_url: str, tmp_path: Path
 ) -> None:
-    cfg = tmp_path / "sluice.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "redis": redis_url,
-                "state_dir": str(tmp_path / "state"),
-                "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
-                "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
-                "spark": {"trigger": "200ms"},
-            }
-        )
-    )
+    cfg = _run_config(redis_url, tmp_path, spark={"trigger": "200ms"})
     log = (tmp_path / "run.log").open("w")
     proc = subprocess.Popen([*SLUICE, "run", "-c", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -76,6 +80,20 @@ STOP_RACE = {
 }
 
 
+def _signal_group(
+    proc: subprocess.Popen[str], signum: int, ready: Callable[[], None]
+) -> tuple[str, str]:
+    """Once `ready()` returns, `signum` to `proc`'s whole process group (its JVM included);
+    its stdout and stderr once it ended. Killed if it has not ended by the end."""
+    try:
+        ready()
+        os.killpg(proc.pid, signum)
+        return proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _traceback_free(text: str) -> None:
     assert "Traceback" not in text and "Error" not in text.replace("level=ERROR", ""), text
     assert "Aborted!" not in text, text
@@ -86,31 +104,18 @@ def test_run_stops_with_one_line_when_the_whole_process_group_gets_sigterm(
 ) -> None:
     """What systemd, Kubernetes and `timeout` do: SIGTERM to every process of the group, the
     JVM included. No traceback; the last line says it stopped."""
-    cfg = tmp_path / "sluice.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "redis": redis_url,
-                "state_dir": str(tmp_path / "state"),
-                "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
-                "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
-                "spark": {"trigger": "200ms"},
-            }
-        )
-    )
+    cfg = _run_config(redis_url, tmp_path, spark={"trigger": "200ms"})
     proc = subprocess.Popen(
         [*SLUICE, "run", "-c", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True, env=STOP_RACE,
     )  # fmt: skip
-    try:
+
+    def first_batch() -> None:
         now = time.time_ns() // 1_000_000
         r.xadd("events", {"d": b'{"ts": %d, "card": "c1"}' % now})
         _wait_for(lambda: r.hget("sluice:{stats}", "events_in") == b"1", 120, "the first batch")
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    out, err = _signal_group(proc, signal.SIGTERM, first_batch)
     assert proc.returncode == 0, err
     _traceback_free(out + err)
     assert err.strip().splitlines()[-1].endswith("msg=stopped"), err
@@ -135,17 +140,7 @@ def test_ctrl_c_while_spark_starts_stops_quietly(
 ) -> None:
     """SIGINT to the group while Spark's context is being made, or just after (PySpark puts a
     handler of its own in place then): a quiet stop, status 0, no ERROR line."""
-    cfg = tmp_path / "sluice.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "redis": redis_url,
-                "state_dir": str(tmp_path / "state"),
-                "source": {"format": "jsonl", "schema": {"ts": "long", "card": "string"}},
-                "metrics": [{"name": "txn_count", "key": ["card"], "agg": "count"}],
-            }
-        )
-    )
+    cfg = _run_config(redis_url, tmp_path)
     args = (
         ["run", "-c", str(cfg)]
         if command == "run"
@@ -155,14 +150,12 @@ def test_ctrl_c_while_spark_starts_stops_quietly(
         [*SLUICE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
     )  # fmt: skip
-    try:
+
+    def spark_starting() -> None:
         _wait_for(lambda: _java_in_group(proc.pid), 60, "Spark's JVM")
         time.sleep(after_s)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    out, err = _signal_group(proc, signal.SIGINT, spark_starting)
     assert proc.returncode == 0, err
     _traceback_free(out + err)
     assert "level=ERROR" not in err, err
@@ -181,16 +174,15 @@ def test_demo_stops_with_one_line_on_ctrl_c_to_the_process_group(tmp_path: Path)
         env={**STOP_RACE, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     assert proc.stdout is not None
-    try:
+    stdout = proc.stdout
+
+    def first_status_line() -> None:
         deadline = time.monotonic() + 150
-        for line in proc.stdout:
+        for line in stdout:
             if "total" in line or time.monotonic() > deadline:
                 break
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+
+    out, err = _signal_group(proc, signal.SIGINT, first_status_line)
     assert proc.returncode == 0, err
     _traceback_free(out + err)
     lines = out.strip().splitlines()
