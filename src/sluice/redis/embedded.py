@@ -33,9 +33,9 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -114,6 +114,20 @@ def _ping(url: str, loading_ok: bool = False) -> bool:
 
 PORT_TAKEN = "Address already in use"  # in redis-server's log when it cannot bind its port
 PORT_TRIES = 5  # fresh ports tried when another program takes each before the server binds it
+
+T = TypeVar("T")
+
+
+def on_a_free_port(pick: Callable[[], int], start: Callable[[int], T]) -> T:
+    """`start(port)` on a port `pick` found free, and on another when a program took it before
+    the server bound it (RedisUnavailable saying PORT_TAKEN), at most PORT_TRIES times."""
+    for tries_left in reversed(range(PORT_TRIES)):
+        try:
+            return start(pick())
+        except RedisUnavailable as e:
+            if PORT_TAKEN not in str(e) or not tries_left:
+                raise
+    raise AssertionError("unreachable")
 
 
 def answers_as(port: int, conf: Path) -> bool:
@@ -324,14 +338,7 @@ class EmbeddedRedis:
                 self.port = None
         if self.port is not None:
             return self._launch(timeout_s)
-        for tries_left in reversed(range(PORT_TRIES)):
-            self.port = _free_port()
-            try:
-                return self._launch(timeout_s)
-            except RedisUnavailable as e:
-                if PORT_TAKEN not in str(e) or not tries_left:
-                    raise
-        raise AssertionError("unreachable")
+        return on_a_free_port(_free_port, lambda port: self._launch(timeout_s, port))
 
     def _await_server(self, timeout_s: float) -> bool:
         """Wait for the server the port file names to answer (it may be loading its AOF, or
@@ -352,8 +359,11 @@ class EmbeddedRedis:
             time.sleep(0.1)
         return True
 
-    def _launch(self, timeout_s: float) -> EmbeddedRedis:
-        """Write redis.conf for `self.port` and start the server on it; wait until it answers."""
+    def _launch(self, timeout_s: float, port: int | None = None) -> EmbeddedRedis:
+        """Write redis.conf for `port` (default `self.port`, which it becomes) and start the
+        server on it; wait until it answers."""
+        if port is not None:
+            self.port = port
         assert self.port is not None
         port_file = self._port_file()
         alive = self._server_pid()

@@ -23,7 +23,7 @@ from pathlib import Path
 import redis
 
 from sluice.errors import RedisUnavailable
-from sluice.redis.embedded import PORT_TAKEN, PORT_TRIES, answers_as, find_server_binary, shutdown
+from sluice.redis.embedded import answers_as, find_server_binary, on_a_free_port, shutdown
 
 SLOTS = 16384
 
@@ -151,18 +151,12 @@ class LocalCluster:
 
     def _spawn_new(self, timeout_s: float) -> int:
         """Start a node on a free port (another, when a program takes it first); its port."""
-        for tries_left in reversed(range(PORT_TRIES)):
-            port = _free_cluster_port()
-            try:
-                proc = self._spawn(port, timeout_s)
-            except RedisUnavailable as e:
-                if PORT_TAKEN not in str(e) or not tries_left:
-                    raise
-                continue
-            self.ports.append(port)
-            self.procs.append(proc)
-            return port
-        raise AssertionError("unreachable")
+        port, proc = on_a_free_port(
+            _free_cluster_port, lambda port: (port, self._spawn(port, timeout_s))
+        )
+        self.ports.append(port)
+        self.procs.append(proc)
+        return port
 
     def _client(self, i: int) -> redis.Redis:
         return redis.Redis(port=self.ports[i], socket_timeout=10)
