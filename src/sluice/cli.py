@@ -119,18 +119,17 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
             return
         try:
             if signals.stopping:  # while Spark started: no pipeline, and Spark stopped
-                raise Stopped
-            pipeline = Pipeline(cfg, handle, spark, only=stages)
-            pipeline.prepare()
-            signals.then(pipeline.request_stop)
-            log.info(
-                "pipeline starting",
-                extra={"redis": redact(handle.url), "state_dir": str(cfg.state_dir),
-                       "queries": len(pipeline.queries)},
-            )  # fmt: skip
-            pipeline.run_forever()
-        except Stopped:
-            log.info("stopped before the pipeline started")
+                log.info("stopped before the pipeline started")
+            else:
+                pipeline = Pipeline(cfg, handle, spark, only=stages)
+                pipeline.prepare()
+                signals.then(pipeline.request_stop)
+                log.info(
+                    "pipeline starting",
+                    extra={"redis": redact(handle.url), "state_dir": str(cfg.state_dir),
+                           "queries": len(pipeline.queries)},
+                )  # fmt: skip
+                pipeline.run_forever()
         except Exception:
             if not signals.stopping:
                 raise
@@ -138,10 +137,6 @@ def run(config_path: str, stages: tuple[str, ...]) -> None:
         finally:
             stop_spark(spark)
     log.info("stopped")
-
-
-class Stopped(Exception):
-    """A stop signal came while Spark started (`run`)."""
 
 
 @main.command()

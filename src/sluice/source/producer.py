@@ -295,10 +295,8 @@ class Producer:
         repeating the shards that were written). Raises the first master's error, if any, once
         every master was tried."""
         by_node: dict[str, list[int]] = {}
-        for i, key in enumerate(self.keys):
-            if self._buf[i] or self._fields[i]:
-                node = self.client.get_node_from_key(key)
-                by_node.setdefault(node.name, []).append(i)
+        for i in sorted(self.pending_shards()):
+            by_node.setdefault(self.client.get_node_from_key(self.keys[i]).name, []).append(i)
         written = 0
         failed: Exception | None = None
         for shards in by_node.values():
