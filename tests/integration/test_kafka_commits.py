@@ -18,7 +18,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from sluice.graph import KafkaSpec
 from sluice.source.kafka import KafkaLog, reader_hash
-from sluice.source.kafka_commits import CLOSE_WAIT_S
+from sluice.source.kafka_commits import CLOSE_WAIT_S, Committer
 from sluice.source.options import SourceOptions
 from sluice.testing.kafka import KafkaBroker
 from tests.conftest import free_port, wait_until
@@ -158,6 +158,62 @@ def test_a_partition_read_again_from_its_start_moves_its_offsets_back(
         log.close()
 
 
+def test_a_floor_read_across_a_reset_does_not_put_the_old_offset_back(
+    kafka_broker: KafkaBroker, kafka_topic: str
+) -> None:
+    """The thread reads the floor (40, 50) after its commit; partition 0 is reset to 3 before
+    that read returns. The read's 40 is not kept for partition 0: the group ends at (3, 60)."""
+    spec = KafkaSpec(kafka_broker.bootstrap, kafka_topic, f"sluice-{kafka_topic}")
+    floor, hold, held, go = {0: 40, 1: 50}, [True], threading.Event(), threading.Event()
+
+    def floors() -> dict[int, int]:
+        got = dict(floor)
+        if hold[0]:
+            hold[0] = False
+            held.set()
+            assert go.wait(30)
+        return got
+
+    commits = Committer(spec, floors)
+    try:
+        commits.offer({0: 40, 1: 50})
+        assert held.wait(30)  # committed, and its floor read holds (40, 50)
+        floor.update({0: 3, 1: 60})
+        commits.offer({0: 3, 1: 60}, reset=[0])
+        go.set()
+        wait_until(lambda: _group_offsets(spec) == [3, 60], 30, "the group at 3, 60", 0.2)
+        assert commits._wanted == {0: 3, 1: 60}
+    finally:
+        go.set()
+        commits.close()
+
+
+def test_a_commit_in_flight_across_a_reset_is_followed_by_the_reset_offset(
+    kafka_broker: KafkaBroker, kafka_topic: str
+) -> None:
+    """The thread took (40, 50) to commit; partition 0 is reset to 3 before that commit goes.
+    The commit of 40 is not taken as partition 0's committed offset, so 3 is committed after."""
+    spec = KafkaSpec(kafka_broker.bootstrap, kafka_topic, f"sluice-{kafka_topic}")
+    floor = {0: 40, 1: 50}
+    commits = Committer(spec, lambda: dict(floor))
+    step, raced = commits._step, list[dict[int, int]]()
+
+    def reset_first(client: Any, due: dict[int, int], since: dict[int, int]) -> None:
+        if due.get(0) == 40 and not raced:
+            raced.append(due)
+            floor.update({0: 3, 1: 60})
+            commits.offer({0: 3, 1: 60}, reset=[0])
+        step(client, due, since)
+
+    commits._step = reset_first  # type: ignore[method-assign]
+    try:
+        commits.offer({0: 40, 1: 50})
+        wait_until(lambda: _group_offsets(spec) == [3, 60], 30, "the group at 3, 60", 0.2)
+        assert raced == [{0: 40, 1: 50}]
+    finally:
+        commits.close()
+
+
 def test_a_stale_commit_landing_last_is_made_good(
     r: redis.Redis, redis_url: str, kafka_broker: KafkaBroker, kafka_topic: str
 ) -> None:
@@ -174,15 +230,15 @@ def test_a_stale_commit_landing_last_is_made_good(
         assert commits is not None
         step, raced, landed = commits._step, list[dict[int, int]](), threading.Event()
 
-        def lands_late(client: Any, due: dict[int, int]) -> None:
+        def lands_late(client: Any, due: dict[int, int], since: dict[int, int]) -> None:
             if due and not raced:  # b releases the rest, and commits it, before a's commit
                 raced.append(due)
                 b.release(end)
                 wait_until(lambda: _group_offsets(spec) == [6, 5], 30, "b's commit", 0.2)
-                step(client, due)
+                step(client, due, since)
                 landed.set()
                 return
-            step(client, due)
+            step(client, due, since)
 
         commits._step = lands_late  # type: ignore[method-assign]
         b.release(first)

@@ -100,7 +100,7 @@ class KafkaLog(Log):
         self._commits: Committer | None = None
         self._redis: Any = client
         self._parts: tuple[float, list[int]] | None = None
-        self._ends: dict[str, Position] = {}  # what this reader released, for the commit thread
+        self._released: set[str] = set()  # the partitions this reader released, for the commits
         self._record_bytes: tuple[float, float] | None = None  # (mean bytes, when measured)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -384,13 +384,23 @@ class KafkaLog(Log):
         decide what it reads. Raises what the Redis client raises."""
         if not end:
             return
-        self._ends = {**self._ends, **end}
+        self._released |= set(end)
         low = self._floors(end, reset)
         if self._commits is None:
-            self._commits = Committer(
-                self.spec, lambda: self._floors(self._ends), self.commit_timeout_s
-            )
+            self._commits = Committer(self.spec, self._floor_now, self.commit_timeout_s)
         self._commits.offer(low, {int(s) for s in reset})
+
+    def _floor_now(self) -> dict[int, int]:
+        """The smallest offset over the readers of each partition this reader released, where
+        every reader has one; reads only (the commit thread's: writing this reader's offsets
+        from there could undo a reset that `release` made meanwhile)."""
+        shards = sorted(self._released, key=int)
+        pipe = self._client().pipeline(transaction=False)
+        for s in shards:
+            pipe.hmget(reader_hash(self.spec.topic, s), self.opts.readers_of(s))
+        got = pipe.execute()
+        return {int(s): min(int(v) for v in vals) for s, vals in zip(shards, got, strict=True)
+                if vals and all(v is not None for v in vals)}  # fmt: skip
 
     def _floors(self, end: Mapping[str, Position], reset: Sequence[str] = ()) -> dict[int, int]:
         """Record this reader's offsets `end` (they only move forward, but in `reset`), and

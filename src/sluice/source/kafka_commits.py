@@ -6,7 +6,9 @@ is the batch's. So `KafkaLog.release` keeps the offsets in Redis itself (fast, a
 the truth) and hands the readers' floor to a `Committer`: one thread per log object, the only
 user of its client (a confluent-kafka consumer is not safe to share between threads).
 
-- A newer offer supersedes an older one, and offsets only move forward.
+- A newer offer supersedes an older one, and offsets only move forward, but in a partition
+  read again from its start (a reset). A commit or a floor read that was in flight across a
+  reset of its partition is not kept for it: it would put the old, higher offset back.
 - After each commit the floor is taken from Redis again, and committed again where it moved:
   readers commit from their own clients and the broker keeps whichever commit lands last, so
   the last commit to land is never behind Redis.
@@ -59,6 +61,7 @@ class Committer:
         self._cond = threading.Condition()
         self._wanted: dict[int, int] = {}
         self._committed: dict[int, int] = {}
+        self._resets: dict[int, int] = {}  # partition -> resets so far
         self._check = False  # a commit landed, and the floor was not taken again since
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="sluice-kafka-commits", daemon=True)
@@ -71,6 +74,7 @@ class Committer:
             for p in reset:
                 self._wanted.pop(p, None)
                 self._committed.pop(p, None)
+                self._resets[p] = self._resets.get(p, 0) + 1
             self._merge(offsets)
             self._cond.notify_all()
 
@@ -83,8 +87,12 @@ class Committer:
         self._thread.join(wait_s)
         return not self._thread.is_alive()
 
-    def _merge(self, offsets: Mapping[int, int]) -> None:
+    def _merge(self, offsets: Mapping[int, int], since: Mapping[int, int] | None = None) -> None:
+        """Raise the wanted offsets to `offsets`; with `since` (the resets when they were read),
+        not in a partition reset after that."""
         for p, o in offsets.items():
+            if since is not None and self._resets.get(p, 0) != since.get(p, 0):
+                continue
             if o > self._wanted.get(p, -1):
                 self._wanted[p] = o
 
@@ -98,13 +106,13 @@ class Committer:
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._closing or self._check or bool(self._due()))
-                    due = self._due()
+                    due, since = self._due(), dict(self._resets)
                     if (self._closing and self.failures) or not (due or self._check):
                         return
                 try:
                     if client is None:
                         client = self._client()
-                    self._step(client, due)
+                    self._step(client, due, since)
                 except Exception as e:  # noqa: BLE001 - librdkafka and Redis errors alike: retried
                     self._failed(e, delay_s)
                     with self._cond:
@@ -134,21 +142,25 @@ class Committer:
             )
         )
 
-    def _step(self, client: Any, due: dict[int, int]) -> None:
-        """Commit `due` (blocks up to `timeout_s`), then take the floor again."""
+    def _step(self, client: Any, due: dict[int, int], since: dict[int, int]) -> None:
+        """Commit `due`, taken when the resets were `since` (blocks up to `timeout_s`), then
+        take the floor again."""
         if due:
             tps = [TopicPartition(self.spec.topic, p, o) for p, o in sorted(due.items())]
             got = client.commit(offsets=tps, asynchronous=False) or []
             bad = {tp.partition: tp.error for tp in got if tp.error is not None}
             with self._cond:
-                self._committed.update({p: o for p, o in due.items() if p not in bad})
+                self._committed.update({p: o for p, o in due.items() if p not in bad
+                                        and self._resets.get(p, 0) == since.get(p, 0)})  # fmt: skip
                 self._check = True
             if bad:
                 raise KafkaException(next(iter(bad.values())))
+        with self._cond:
+            since = dict(self._resets)
         low = self._floors()
         with self._cond:
             self._check = False
-            self._merge(low)
+            self._merge(low, since)
 
     def _failed(self, e: Exception, delay_s: float) -> None:
         self.failures += 1
