@@ -7,6 +7,7 @@ of three masters, one stopped and started again; the ingest route's retry of a r
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from sluice.errors import PartlyWritten, RedisUnavailable
 from sluice.redis.connection import check_reachable, client_for
 from sluice.redis.local_cluster import LocalCluster
-from sluice.server.routes import flush_rest
+from sluice.server.routes import PARTIAL_RETRIES, WAITING_AT_ONCE, flush_rest
 from sluice.source.producer import Producer
 from tests.conftest import make_config
 
@@ -82,6 +83,17 @@ def test_the_ingest_route_writes_a_request_s_rest_once_the_master_is_back(
         flush_rest(producer, shards, wait_s=0.5)
     assert e.value.unwritten == [i for i, shard in enumerate(shards) if shard == 2]
     assert e.value.details() == {"unwritten": e.value.unwritten}
+    # Other requests wait out the master already: this one answers at once, not after 60 s
+    held = [PARTIAL_RETRIES.acquire(blocking=False) for _ in range(WAITING_AT_ONCE)]
+    try:
+        assert all(held)
+        t0 = time.monotonic()
+        with pytest.raises(PartlyWritten):
+            flush_rest(producer, shards, wait_s=60)
+        assert time.monotonic() - t0 < 5
+    finally:
+        for _ in held:
+            PARTIAL_RETRIES.release()
     back = threading.Timer(1.5, cluster.start_node, args=(2,))
     back.start()
     flush_rest(producer, shards, wait_s=60)  # what POST /v1/events does before it answers

@@ -148,14 +148,27 @@ async def ingest(request: Request) -> dict[str, Any]:
 
 
 PARTIAL_RETRY_S = 10.0
+WAITING_AT_ONCE = 4  # requests that wait out a master at once, each holding a thread
+PARTIAL_RETRIES = threading.BoundedSemaphore(WAITING_AT_ONCE)
 
 
 def flush_rest(producer: Producer, shards: list[int], wait_s: float = PARTIAL_RETRY_S) -> None:
     """Some of a request's events were written and the rest were not (a Redis Cluster master
     that is down holds back its own shards only; `shards`: each event's). The rest are retried
     here for up to `wait_s`: the client's retry of the whole request would write the others
-    twice. Raises PartlyWritten, naming the events not written, when they still cannot be."""
-    deadline = time.monotonic() + wait_s
+    twice. Raises PartlyWritten, naming the events not written, when they still cannot be.
+    At most `WAITING_AT_ONCE` requests wait at once (each holds a thread the lookups share);
+    the others try once more and answer at once."""
+    waits = PARTIAL_RETRIES.acquire(blocking=False)
+    deadline = time.monotonic() + (wait_s if waits else 0.0)
+    try:
+        _retry_until(producer, shards, deadline)
+    finally:
+        if waits:
+            PARTIAL_RETRIES.release()
+
+
+def _retry_until(producer: Producer, shards: list[int], deadline: float) -> None:
     while True:
         time.sleep(0.2)
         try:
