@@ -525,6 +525,48 @@ def test_load_config_invalid_yaml(tmp_path: Path) -> None:
     assert not isinstance(info.value.__cause__, yaml.YAMLError)
 
 
+def test_load_config_invalid_yaml_is_one_line_with_its_place(tmp_path: Path) -> None:
+    path = tmp_path / "sluice.yaml"
+    path.write_text("source:\n\t- b\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"{path}: not valid YAML: line 2, column 1: found character '\\t' that cannot start any"
+        " token (while scanning for the next token)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ("metrics: []\nsource: {}\nmetrics: []\n", "line 3, column 1: key 'metrics'"),
+        ("source: {format: jsonl, format: fields}\n", "line 1, column 25: key 'format'"),
+    ],
+)
+def test_load_config_refuses_a_key_given_twice(tmp_path: Path, text: str, where: str) -> None:
+    """The last would win, silently: a second `metrics:` would drop the first's metrics."""
+    path = tmp_path / "sluice.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=f"not valid YAML: {where} is given twice"):
+        load_config(path)
+
+
+def test_load_config_keeps_yaml_merge_keys_and_a_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "sluice.yaml"
+    text = DESIGN_YAML.replace("source:\n", "source:\n  <<: {format: fields}\n", 1)
+    assert text != DESIGN_YAML
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_config(path) == config_from_dict(design(), tmp_path.resolve())
+
+
+def test_load_config_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "sluice.yaml"
+    path.write_bytes(DESIGN_YAML.encode("utf-16"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"{path}: not UTF-8 text (byte 0 is b'\\xff'); save it as UTF-8"
+
+
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "", "42\n"])
 def test_load_config_yaml_not_a_mapping(tmp_path: Path, text: str) -> None:
     path = tmp_path / "sluice.yaml"

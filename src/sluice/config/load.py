@@ -228,16 +228,53 @@ def load_config(path: str | Path) -> Config:
     """Read and validate `sluice.yaml`. Raises ConfigError (never a bare YAML or pydantic error)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a byte-order mark is let go
     except FileNotFoundError:
         raise ConfigError(f"config file {str(p)!r} not found") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{p}: not UTF-8 text (byte {e.start} is {e.object[e.start : e.start + 1]!r});"
+            " save it as UTF-8"
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # a safe loader (see below)
+    except yaml.MarkedYAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {_yaml_problem(e)}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     return config_from_dict(data, base_dir=p.resolve().parent)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (the last would win,
+    silently: a second `metrics:` would drop every metric of the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        if any(k.tag == "tag:yaml.org,2002:merge" for k, _ in node.value):
+            return super().construct_mapping(node, deep=deep)  # `<<:` keys may be overridden
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, list | dict):
+                continue  # unhashable: the base constructor says so
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(e: yaml.MarkedYAMLError) -> str:
+    """One line: where (line and column, from 1) and what, without PyYAML's excerpt."""
+    mark = e.problem_mark or e.context_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    what = e.problem or "cannot be parsed"
+    if e.context:
+        what += f" ({e.context})"
+    return where + " ".join(what.split())
 
 
 _warned: set[tuple[str, str]] = set()
