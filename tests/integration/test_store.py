@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from sluice.clock import ManualClock
+from sluice.errors import BadQuery
 from sluice.graph import StreamsSpec
 from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.plan import explode_updates
@@ -237,8 +238,19 @@ def test_a_window_as_long_as_the_retention_keeps_its_first_slice(
     rec = _apply(p, spark, [_ev(edge + 500), _ev(edge + 5_000)], 1, ref_ms=T0 + 1_000)
     assert rec["dead"] == 0
     assert r.hexists("sluice:s:{recent|c1}", str(edge))
-    answer = QueryEngine(p.cfg, r, clock=ManualClock(T0 + 5_000)).query("recent", "c1", "1d")
+    q = QueryEngine(p.cfg, r, clock=ManualClock(T0 + 5_000))
+    answer = q.query("recent", "c1", "1d")
     assert answer["value"] == 3 and answer["covered_start"] == edge
+    # An `end` given a moment before now (a client that fixed it before its lookups): the
+    # window starts in the same kept slice, so it is answered, not refused as past retention.
+    for end in (T0 + 5_000, T0 + 4_950, T0):
+        got = q.query("recent", "c1", "1d", end)
+        assert (got["value"], got["covered_start"], got["end"]) == (3, edge, end)
+    # Ending just before T0's slice, it still starts at the edge; a millisecond earlier, in the
+    # slice before the edge, older than the retention kept
+    assert q.query("recent", "c1", "1d", T0 - 1)["covered_start"] == edge
+    with pytest.raises(BadQuery, match="before the retention of 'recent'"):
+        q.query("recent", "c1", "1d", T0 - 2)
 
 
 def test_an_event_stamped_in_the_future_leaves_the_keys_window_whole(

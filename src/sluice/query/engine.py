@@ -217,7 +217,10 @@ class QueryEngine:
                     "window",
                     status=422,
                 )
-            if end_ms - window_ms < now_ms - m.retention:  # its older slices are removed
+            # A key keeps the retention before now's slice (README, "Retention"): a window
+            # whose first slice is older than that is refused, not answered short.
+            first = slice_start(end_ms - window_ms + 1, m.slice)
+            if first < slice_start(now_ms, m.slice) - m.retention:
                 raise BadQuery(
                     f"the {format_duration_ms(window_ms)} window ending at `end` {end_ms} starts"
                     f" {format_duration_ms(now_ms - m.retention - end_ms + window_ms)} before"
