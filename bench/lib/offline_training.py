@@ -18,7 +18,7 @@ import pandas as pd
 
 from lib.load import SCHEMA
 from sluice.config import Config, config_from_dict
-from sluice.query.engine import parse_window
+from sluice.query.params import parse_window
 from sluice.slices.window import slice_start
 from sluice.source.loadgen import zipf_ids
 

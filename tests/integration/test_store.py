@@ -3,7 +3,9 @@ late events, retention, dead letters. Real Redis, real Spark."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import redis
+import redis.asyncio
 
 from sluice.clock import ManualClock
 from sluice.errors import BadQuery
@@ -20,11 +23,11 @@ from sluice.pipeline.plan import explode_updates
 from sluice.pipeline.writer import write_partition
 from sluice.query.engine import QueryEngine
 from sluice.redis.connection import RedisHandle
-from sluice.redis.keys import STATS_KEY
+from sluice.redis.keys import STATS_KEY, WRITES_KEY, WRITING_KEY
 from sluice.source.decode import Decoder
 from sluice.source.options import SourceOptions
 from sluice.status.dead_letters import read_dead_letters
-from sluice.testing.faults import DropEvery
+from sluice.testing.faults import DropEvery, PauseBetweenMetrics
 from tests.conftest import make_config
 from tests.integration.helpers import EXPRESSION_METRICS, decoded_table, slice_snapshot
 
@@ -371,3 +374,51 @@ def test_keys_with_separator_and_brace_characters(
         assert q.query("txn_count", c, "1m", T0 + 59_999)["value"] == 1, c
     assert q.query("pair_count", ["a|b", "m1"], "1h", T0 + 59_999)["value"] == 1
     assert q.query("pair_count", ["a", "b|m1"], "1h", T0 + 59_999)["value"] == 0
+
+
+def test_a_derived_metric_is_read_from_one_state_while_a_batch_is_written(
+    spark: Any, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """A batch's write takes a pause between its metrics (`PauseBetweenMetrics`): the count of
+    each key holds the batch's event while its sum does not yet. A derived ticket = sum / count
+    read meanwhile, through the sync and the asyncio paths, answers 10 (before the batch) or 20
+    (after it), never the 0, 5 or 40 of a state no stream of events gave."""
+    metrics = [
+        {"name": "cnt", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1d"},
+        {"name": "amt", "key": ["card"], "agg": "sum", "value": "amount", "slice": "10s",
+         "retention": "1d"},
+    ]  # fmt: skip
+    p = _pipeline(spark, redis_url, tmp_path, metrics=metrics,
+                  derived=[{"name": "ticket", "expr": "amt / cnt"}])  # fmt: skip
+    cards = [f"c{i}" for i in range(20)]
+    _apply(p, spark, [_ev(T0 + 1_000, c, amount=10.0) for c in cards], 0)
+    q = QueryEngine(p.cfg, r, clock=ManualClock(T0 + 5_000))
+    lookups = [q.lookup("ticket", c, "1m") for c in cards]
+    assert {a["value"] for a in q.run(lookups)} == {10.0}
+
+    p.writer = PauseBetweenMetrics(1.5)
+    writer = threading.Thread(
+        target=_apply, args=(p, spark, [_ev(T0 + 2_000, c, amount=30.0) for c in cards], 1)
+    )
+    writer.start()
+    seen: list[tuple[str, Any]] = []
+
+    async def aread() -> list[dict[str, Any]]:
+        aclient = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            return await q.arun(lookups, aclient)
+        finally:
+            await aclient.aclose()
+
+    waited = 0.0
+    while writer.is_alive():
+        t0 = time.monotonic()
+        seen += [("sync", a["value"]) for a in q.run(lookups)]
+        seen += [("async", a["value"]) for a in asyncio.run(aread())]
+        waited = max(waited, time.monotonic() - t0)
+    writer.join()
+    assert {v for _, v in seen} <= {10.0, 20.0}, sorted(set(seen))
+    assert ("sync", 20.0) in seen and ("async", 20.0) in seen
+    assert waited > 0.5  # a read met the pause and waited for the write to end
+    assert {a["value"] for a in q.run(lookups)} == {20.0}
+    assert r.get(WRITING_KEY) is None and int(r.get(WRITES_KEY) or 0) == 4  # two writes

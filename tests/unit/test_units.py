@@ -170,7 +170,7 @@ def test_a_size_is_exact_and_in_ascii_digits() -> None:
                                   " 12", "1e12", "12.0"])  # fmt: skip
 def test_an_end_is_an_integer_or_its_ascii_digits(text: str) -> None:
     from sluice.errors import BadQuery
-    from sluice.query.engine import parse_end
+    from sluice.query.params import parse_end
 
     with pytest.raises(BadQuery, match="epoch milliseconds"):
         parse_end(text, 0)

@@ -18,7 +18,8 @@ from sluice import formula
 from sluice.config import Config, FieldType
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.offline.events import TimeBounds, not_text
-from sluice.query.engine import integral_value, parse_window
+from sluice.query.engine import integral_value
+from sluice.query.params import parse_window
 from sluice.slices.aggs import AGGS, Agg, N
 from sluice.slices.window import slice_start
 from sluice.source.values import SPARK_TYPES

@@ -67,6 +67,7 @@ from sluice.pipeline.query import Role, StreamQuery, query_name, record_folding
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, summarize, write_partition
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
+from sluice.redis.marks import writing
 from sluice.source.log import Log
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
@@ -270,7 +271,7 @@ class FoldQuery(StreamQuery):
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
         for attempt in range(1, attempts + 1):
-            rows = write()
+            rows = writing(self.redis.client, token, write)  # redis.marks
             t1 = time.perf_counter()
             audit = self._audit(batch_id, attempt, audit_source, rows)
             self.timings.add(batch_id, audit=(time.perf_counter() - t1) * 1000)

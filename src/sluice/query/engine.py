@@ -5,12 +5,15 @@ with HMGET and merged here (`Agg.merge` in `sluice.slices.aggs`), which keeps th
 single-threaded Redis to cheap field lookups. Longer ranges are one EVALSHA of
 `read_slices.lua`, which merges in Redis and scans a sparse hash instead of asking for every
 slice, so neither the wire nor Python ever carries more than RAW_MAX_SLICES values per lookup.
-A batch of lookups is one pipelined round trip.
+A batch of lookups is one pipelined round trip. A derived metric's inputs are read from one
+state: a read that may have met a batch's write half done is read again once it ended
+(`sluice.redis.marks`).
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import time
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any, NamedTuple
@@ -22,12 +25,14 @@ from sluice.clock import SYSTEM_CLOCK, Clock
 from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.answers import AnswerLog
+from sluice.query.params import parse_end, parse_window, parse_window_text, seconds_hint
+from sluice.query.settle import READ_MARKS, SETTLE_POLL_S, SETTLE_S, unsettled
 from sluice.query.wire import Commands, aexecute, commands_for, slice_fields
 from sluice.redis.keys import encode_key, slice_hash_affixes, slice_hash_key, slice_hll_key
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import Cover, Piece, cover, slice_start
-from sluice.units import format_duration_ms, parse_duration_ms
+from sluice.units import format_duration_ms
 
 MAX_BATCH = 1000
 RAW_MAX_SLICES = 2000  # read raw and merged here up to this many slices; longer: in Redis
@@ -48,54 +53,6 @@ class Lookup(NamedTuple):
     key: tuple[str, ...]
     window_ms: int
     end_ms: int
-
-
-def parse_window(value: Any, param: str = "window") -> int:
-    if isinstance(value, str) and len(value) <= 32:
-        return _parse_window_text(value, param)  # requests repeat a few windows: made once
-    return _parse_window(value, param)
-
-
-def _parse_window(value: Any, param: str) -> int:
-    if value is None or value == "":
-        raise BadQuery(f"`{param}` is required, e.g. {param}=15m", param)
-    try:
-        ms = parse_duration_ms(value)
-    except (ValueError, TypeError) as e:
-        raise BadQuery(f"`{param}` {value!r} is not a duration: {e}", param) from None
-    if ms <= 0:
-        raise BadQuery(f"`{param}` must be positive, got {value!r}", param)
-    if ms > 10 * 365 * 86_400_000:
-        raise BadQuery(f"`{param}` {value!r} is longer than ten years", param, 422)
-    return ms
-
-
-_parse_window_text = functools.lru_cache(maxsize=1024)(_parse_window)
-
-
-def parse_end(value: Any, now_ms: int) -> int:
-    if value is None or value == "":
-        return now_ms
-    if isinstance(value, bool):
-        raise BadQuery(f"`end` must be epoch milliseconds, got {value!r}", "end")
-    try:  # an int, or its ASCII digits: not int()'s "1_000", "+1" or other scripts' digits
-        if isinstance(value, str) and not (value.isascii() and value.isdigit()):
-            raise ValueError(value)
-        end = int(value)
-    except (ValueError, TypeError):
-        raise BadQuery(
-            f"`end` must be epoch milliseconds (an integer), got {value!r}", "end"
-        ) from None
-    if not 0 <= end < 2**53:
-        raise BadQuery(f"`end` {end} is out of range", "end")
-    return end
-
-
-def _seconds_hint(end_ms: int, now_ms: int) -> str:
-    """A hint for an `end` that reads as now in epoch seconds, not milliseconds."""
-    if abs(end_ms * 1000 - now_ms) <= 366 * 86_400_000:
-        return f" (`end` is in epoch milliseconds: {end_ms} looks like seconds)"
-    return ""
 
 
 def integral_value(cfg: Config, m: MetricConfig) -> bool:
@@ -176,7 +133,7 @@ class QueryEngine:
             keys = (key,) if type(key) is str else tuple(key) if type(key) is list else ()
             short = self._key_chars
             if len(keys) == plain[0] and all(type(k) is str and len(k) <= short for k in keys):
-                window_ms = _parse_window_text(window, "window")
+                window_ms = parse_window_text(window, "window")
                 now_ms = self.clock.now_ms()
                 end_ms = parse_end(end, now_ms)
                 if window_ms <= plain[1] and end_ms - window_ms >= now_ms - plain[1]:
@@ -225,7 +182,7 @@ class QueryEngine:
                     f"the {format_duration_ms(window_ms)} window ending at `end` {end_ms} starts"
                     f" {format_duration_ms(now_ms - m.retention - end_ms + window_ms)} before"
                     f" the retention of {m.name!r} ({format_duration_ms(m.retention)} back from"
-                    " now): the slices there are removed" + _seconds_hint(end_ms, now_ms),
+                    " now): the slices there are removed" + seconds_hint(end_ms, now_ms),
                     "end",
                     status=422,
                 )
@@ -253,25 +210,47 @@ class QueryEngine:
             self.answer_log.send(self.client, logged)
         return answers
 
-    def _read(self, lookups: Sequence[Lookup]) -> list[dict[str, Any]]:
+    def _read(
+        self, lookups: Sequence[Lookup], deadline: float | None = None
+    ) -> list[dict[str, Any]]:
         self._check_batch(lookups)
+        marked = self._has_derived(lookups)
+        deadline = time.monotonic() + SETTLE_S if deadline is None else deadline
         plan: Plan = []
 
         def execute() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            plan[:] = self._queue_all(pipe, lookups)
+            plan[:] = self._queue_marked(pipe, lookups, marked)
             return pipe.execute() if plan else []
 
         replies = execute_loading(self.client, execute, (READ_SLICES,))
-        return self._answers(lookups, plan, replies)
+        answers, again = self._answers_marked(lookups, plan, replies, marked)
+        if not again or time.monotonic() > deadline:
+            return answers
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)
+            if self.client.execute_command(*READ_MARKS) != replies[0]:
+                break
+        for i, a in zip(again, self._read([lookups[i] for i in again], deadline), strict=True):
+            answers[i] = a
+        return answers
 
     async def arun(self, lookups: Sequence[Lookup], aclient: Any) -> list[dict[str, Any]]:
         """`run` on an asyncio client (a `MuxClient`, or one of redis-py's): waits for Redis
         without holding a thread."""
         self._check_batch(lookups)
+        answers = await self._aread(lookups, aclient, time.monotonic() + SETTLE_S)
+        if self.answer_log is not None and (logged := self.answer_log.pick(lookups, answers)):
+            self.answer_log.asend(aclient, logged)  # not awaited: no round trip of its own
+        return answers
+
+    async def _aread(
+        self, lookups: Sequence[Lookup], aclient: Any, deadline: float
+    ) -> list[dict[str, Any]]:
+        marked = self._has_derived(lookups)
         for attempt in (0, 1):
             commands = commands_for(aclient)
-            plan = self._queue_all(commands, lookups)
+            plan = self._queue_marked(commands, lookups, marked)
             try:
                 replies = await aexecute(aclient, commands) if plan else []
             except redis.exceptions.NoScriptError:
@@ -279,11 +258,42 @@ class QueryEngine:
                     raise
                 await aclient.script_load(script_source(READ_SLICES))
                 continue
-            answers = self._answers(lookups, plan, replies)
-            if self.answer_log is not None and (logged := self.answer_log.pick(lookups, answers)):
-                self.answer_log.asend(aclient, logged)  # not awaited: no round trip of its own
+            answers, again = self._answers_marked(lookups, plan, replies, marked)
+            if not again or time.monotonic() > deadline:
+                return answers
+            while time.monotonic() < deadline:
+                await asyncio.sleep(SETTLE_POLL_S)
+                if await aexecute(aclient, [READ_MARKS]) != [replies[0]]:
+                    break
+            more = await self._aread([lookups[i] for i in again], aclient, deadline)
+            for i, a in zip(again, more, strict=True):
+                answers[i] = a
             return answers
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _has_derived(self, lookups: Sequence[Lookup]) -> bool:
+        derived = self._derived
+        return bool(derived) and any(lk.metric in derived for lk in lookups)
+
+    def _queue_marked(self, pipe: Any, lookups: Sequence[Lookup], marked: bool) -> Plan:
+        """`_queue_all`, between two reads of the write marks when `marked`."""
+        if not marked:
+            return self._queue_all(pipe, lookups)
+        pipe.execute_command(*READ_MARKS)
+        plan = self._queue_all(pipe, lookups)
+        pipe.execute_command(*READ_MARKS)
+        return plan
+
+    def _answers_marked(
+        self, lookups: Sequence[Lookup], plan: Plan, replies: list[Any], marked: bool
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """The answers, and the derived lookups among them to read again (`query.settle`)."""
+        if not marked:
+            return self._answers(lookups, plan, replies), []
+        before, after, replies = replies[0], replies[-1], replies[1:-1]
+        metrics = [lk.metric for lk in lookups]
+        again = unsettled(metrics, plan, replies, before, after, self._derived)
+        return self._answers(lookups, plan, replies), again
 
     def _check_batch(self, lookups: Sequence[Lookup]) -> None:
         if len(lookups) > MAX_BATCH:

@@ -21,6 +21,9 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
     sluice:{stats[:<stage>]}:decode   sorted set: per batch (its reference ms), the longest read
                                    and decode of one partition, in ms (written by the executors)
     sluice:{stats}:folding         hash: metric -> when the live fold first folded it (ms)
+    sluice:{stats}:writes          counter: batch writes begun and ended (redis.marks)
+    sluice:{stats}:writing         string: the token of the batch being written, if one is
+                                   (expires: a writer that died mid-write leaves none for long)
     sluice:{backfill}:seams        hash: metric -> the newest backfill seam (ms; docs/offline.md)
     sluice:{backfill}:runs         list: the newest backfill summaries (JSON, newest first)
     sluice:{backfill}:<run>        hash: a backfill's progress (events, slices, partitions)
@@ -67,6 +70,8 @@ HEALTH_KEY = f"{PREFIX}:{{stats}}:health"
 FRESHNESS_KEY = f"{PREFIX}:{{stats}}:freshness"
 HISTORY_KEY = f"{PREFIX}:{{stats}}:history"
 HISTORY_SECOND_KEY = f"{PREFIX}:{{stats}}:history:t"
+WRITES_KEY = f"{PREFIX}:{{stats}}:writes"
+WRITING_KEY = f"{PREFIX}:{{stats}}:writing"
 EPOCH_KEY = f"{PREFIX}:epoch"
 FLOW_STATE_KEY = f"{PREFIX}:{{flow}}:state"
 FLOW_SIGNALS_KEY = f"{PREFIX}:{{flow}}:signals"

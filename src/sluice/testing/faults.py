@@ -7,6 +7,7 @@ and put `write_partition` back to heal the store. Each is a plain, picklable cal
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from sluice.pipeline.writer import WriterContext, write_partition
+from sluice.pipeline.writer import RESULT_SCHEMA, WriterContext, write_partition
 
 
 def _drop_rows(batches: Iterator[pa.RecordBatch], keep: object) -> Iterator[pa.RecordBatch]:
@@ -111,3 +112,31 @@ class SlowStore:
                     time.sleep(extra_ms / 1000)
                     row["write_ms"] = (row["write_ms"] or 0.0) + extra_ms
             yield pa.RecordBatch.from_pylist(rows, schema=out.schema)
+
+
+@dataclass(frozen=True)
+class PauseBetweenMetrics:
+    """A store that takes `pause_s` between one metric's writes and the next's, so that a
+    reader meets a batch's write half done: each metric of the partition is written by its own
+    `write_partition`, and the first one's record is kept, with every one's updates summed."""
+
+    pause_s: float
+
+    def __call__(
+        self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
+    ) -> Iterator[pa.RecordBatch]:
+        rows = [b for b in batches if b.num_rows]
+        records: list[list[dict[str, Any]]] = []
+        for i, sp in enumerate(ctx.specs):
+            if i:
+                time.sleep(self.pause_s)
+            out = write_partition(dataclasses.replace(ctx, specs=(sp,)), iter(rows))
+            records.append([r for b in out for r in b.to_pylist()])
+        first = records[0]
+        for later in records[1:]:
+            stats = next(r for r in later if r["kind"] == "stats")
+            for r in first:
+                if r["kind"] == "stats":
+                    for name in ("updates_applied", "updates_duplicate", "updates_expired"):
+                        r[name] += stats[name]
+        yield pa.RecordBatch.from_pylist(first, schema=RESULT_SCHEMA)
