@@ -275,17 +275,17 @@ class Lease:
 
     def conflict(self, claim: Claim, holder: Holder) -> None:
         """Raise LeaderConflict when live `holder` leads `claim`'s query from another
-        checkpoint: the same streams and store, with a different `state_dir`."""
+        checkpoint: a different `state_dir` on the same Redis."""
         mine = self.ckpt_id(claim)
         if holder.ckpt in (0, mine):
             return
         raise LeaderConflict(
             f"another `sluice run` (host {holder.host}, pid {holder.pid}) leads query"
-            f" `{claim.query}` over the same streams and store, from checkpoint"
-            f" {holder.checkpoint}; this process's checkpoint is {claim.checkpoint.resolve()}."
-            " Two checkpoints over one input would count its events twice. For a standby, give"
-            " this process the same `state_dir` (on storage both hosts share); otherwise stop"
-            " the other process first"
+            f" `{claim.query}` on this Redis, from checkpoint {holder.checkpoint}; this"
+            f" process's checkpoint is {claim.checkpoint.resolve()}. One Redis holds one"
+            " pipeline's store and books: two checkpoints would count its events twice. For a"
+            " standby, give this process the same `state_dir` (on storage both hosts share);"
+            " otherwise stop the other process first, or give this pipeline a Redis of its own"
         )
 
     def renew(self) -> bool:

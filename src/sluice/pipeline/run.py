@@ -84,7 +84,7 @@ def check_only(cfg: Config, only: tuple[str, ...]) -> None:
 
 def refuse_other_checkpoint(cfg: Config, client: Any, only: tuple[str, ...] = ()) -> None:
     """Raise LeaderConflict when another process leads these queries from another checkpoint
-    (another `state_dir` over the same streams and store). Needs no Spark: `sluice run` checks
+    (another `state_dir` on the same Redis). Needs no Spark: `sluice run` checks
     it first, so a refused process says so in a second."""
     claims = [Claim(n, checkpoint_dir(cfg, n)) for n in query_names(cfg) if not only or n in only]
     if claims:
