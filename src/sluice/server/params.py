@@ -135,8 +135,9 @@ def parse_reason(value: str | None) -> str | None:
 
 
 def parse_events(raw: bytes) -> list[dict[str, Any]]:
-    """A JSON array of objects, or NDJSON (one object per line). Raises QueryError (400)."""
-    text = raw.strip()
+    """A JSON array of objects, or NDJSON (one object per line), with or without a UTF-8
+    byte-order mark (some Windows tools write one). Raises QueryError (400)."""
+    text = raw.removeprefix(b"\xef\xbb\xbf").strip()
     if not text:
         raise QueryError("body is empty; send a JSON array of events or NDJSON", "body")
     events: Any
