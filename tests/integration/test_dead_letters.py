@@ -287,6 +287,9 @@ def test_api_limit_and_reason(api: TestClient, dead: list[dict[str, Any]]) -> No
     assert [i["entry_id"] for i in one["items"]] == [f"{T0 + 5}-1"]
     none = api.get("/v1/dead-letters", params={"reason": "expired"}).json()
     assert none["items"] == [] and none["total"] == len(ALL)
+    for twice in ("limit=1&limit=2", "reason=bad_json&reason=expired"):  # not one of them
+        resp = api.get(f"/v1/dead-letters?{twice}")
+        assert resp.status_code == 400 and "is given more than once" in resp.text, resp.text
 
 
 def test_reason_filter_pages_back_through_the_stream(

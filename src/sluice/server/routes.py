@@ -198,6 +198,7 @@ def status(
 ) -> dict[str, Any]:
     """Backlog, rates, freshness, flow state, supervisor health, the log and the audit's
     books; with `history=N`, also the samples of the last N seconds, oldest first."""
+    check_query(request.scope["query_string"], ("history",))
     api = _api(request)
     seconds = parse_history(history)
     out = read_status(api.client, api.cfg, api.clock.now_ms())
@@ -215,6 +216,7 @@ def dead_letters(
     """The newest dead letters, newest first: `total` in the stream, `by_reason` counted since
     the start, and `items` (entry id, idx, reason, field, raw, ts, written_ms; a Kafka record's
     topic, partition and offset)."""
+    check_query(request.scope["query_string"], ("limit", "reason"))
     api = _api(request)
     return read_dead_letters(api.client, api.cfg, parse_limit(limit), parse_reason(reason))
 
