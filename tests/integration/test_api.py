@@ -418,6 +418,13 @@ def test_series_points_cover_their_steps(api: TestClient, seeded: tuple[int, int
         422,
         "points",
     )
+    # Without a step, a window of over 1,000 slices gets a round step that fits: 2m for a day
+    # of 10 s slices (720 points), and the same counts
+    day = api.get(
+        "/v1/metrics/txn_count/series", params={"key": "c1", "window": "1d", "end": now}
+    ).json()
+    assert day["step_ms"] == 120_000 and len(day["points"]) in (720, 721), day["step_ms"]
+    assert sum(p["value"] for p in day["points"]) == 5
 
 
 def test_openapi_spec_lists_the_contract(api: TestClient) -> None:

@@ -77,6 +77,25 @@ def _answer(lk: Lookup, value: Any, covered_start: int, covered_end: int) -> dic
     }
 
 
+# Default steps of a series whose slices would give too many points: round durations.
+_S, _M, _H, _D = 1_000, 60_000, 3_600_000, 86_400_000
+STEPS = (_S, 2 * _S, 5 * _S, 10 * _S, 15 * _S, 30 * _S, _M, 2 * _M, 5 * _M, 10 * _M, 15 * _M,
+         30 * _M, _H, 2 * _H, 3 * _H, 6 * _H, 12 * _H, _D, 2 * _D, 7 * _D)  # fmt: skip
+
+
+def default_step(slice_ms: int, window_ms: int) -> int:
+    """The slice, or the first round duration (`STEPS`), a multiple of it, whose points over
+    `window_ms` are at most MAX_POINTS (a window's points are its steps plus up to 2 partly
+    covered at its ends); past `STEPS`, a multiple of the slice."""
+    need = -(-window_ms // (MAX_POINTS - 2))
+    if slice_ms >= need:
+        return slice_ms
+    for step in STEPS:
+        if step >= need and step % slice_ms == 0:
+            return step
+    return -(-need // slice_ms) * slice_ms
+
+
 class QueryEngine:
     """Stateless apart from the Redis client; safe to share across request handlers.
 
@@ -398,12 +417,16 @@ class QueryEngine:
     ) -> dict[str, Any]:
         """Values per step over the window, for charts. Each point covers exactly its step.
 
-        `step` defaults to the finest slice, and must be a multiple of every slice length the
-        metric reads, so that each point is answered from whole slices.
+        `step` must be a multiple of every slice length the metric reads, so that each point
+        is answered from whole slices. It defaults to the slice, or where that gives more than
+        MAX_POINTS points, to the first of `STEPS` (or multiple of the slice) that gives fewer.
         """
         first = self.lookup(metric, key, window, end)
         finest = max(m.slice for m in self._base_metrics(metric))
-        step_ms = finest if step in (None, "") else parse_window(step, "step")
+        if step in (None, ""):
+            step_ms = default_step(finest, first.window_ms)
+        else:
+            step_ms = parse_window(step, "step")
         for m in self._base_metrics(metric):
             if step_ms % m.slice:
                 raise BadQuery(
