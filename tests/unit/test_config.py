@@ -525,6 +525,13 @@ def test_load_config_invalid_yaml(tmp_path: Path) -> None:
     assert not isinstance(info.value.__cause__, yaml.YAMLError)
 
 
+def test_a_formula_of_a_derived_metric_says_so() -> None:
+    data = design()
+    data["derived"].append({"name": "double_ticket", "expr": "avg_ticket * 2"})
+    with pytest.raises(ConfigError, match=r"`derived\[1\]\.expr`: 'avg_ticket' is a derived"):
+        config_from_dict(data)
+
+
 def test_load_config_invalid_yaml_is_one_line_with_its_place(tmp_path: Path) -> None:
     path = tmp_path / "sluice.yaml"
     path.write_text("source:\n\t- b\n", encoding="utf-8")

@@ -153,7 +153,7 @@ class Config(_Model):
             try:
                 check_derived(d.expr, {m.name: m for m in self.metrics})
             except ValueError as e:
-                raise _at(f"derived[{i}].expr", str(e)) from None
+                raise _at(f"derived[{i}].expr", _derived_problem(d.expr, e, self.derived)) from None
             _warn_mixed_slices(d, [m for m in self.metrics if m.name in names(parse(d.expr))])
         return self
 
@@ -222,6 +222,19 @@ def _rebase(st: StageConfig, base_dir: Path) -> StageConfig:
     """Table paths relative to the config file's directory, like `state_dir`."""
     tables = {n: str((base_dir / p).resolve()) for n, p in st.tables.items()}
     return st.model_copy(update={"tables": tables})
+
+
+def _derived_problem(expr: str, e: ValueError, derived: list[DerivedConfig]) -> str:
+    """What is wrong with a derived formula: `e`'s message, or, where it reads another
+    derived metric, that (its name is no stored metric, but not unknown)."""
+    try:
+        others = sorted(set(names(parse(expr))) & {x.name for x in derived})
+    except ValueError:
+        return str(e)
+    if others:
+        return (f"{others[0]!r} is a derived metric: a formula reads stored metrics only;"
+                " write its formula out in this one")  # fmt: skip
+    return str(e)
 
 
 def load_config(path: str | Path) -> Config:
