@@ -31,6 +31,11 @@ from sluice.redis.loading import is_transient
         exceptions.MasterDownError("Link with MASTER is down"),
         exceptions.MovedError("3999 127.0.0.1:6381"),
         exceptions.ClusterError("TTL exhausted."),
+        # A script's command refused so: Redis wraps the reply in the script's error
+        exceptions.ResponseError(
+            "Error running script (call to f_66924cae): @user_script:19: @user_script: 19:"
+            " -OOM command not allowed when used memory > 'maxmemory'."
+        ),
     ],
 )
 def test_not_now(error: BaseException) -> None:
@@ -51,6 +56,10 @@ def test_not_now(error: BaseException) -> None:
         exceptions.ResponseError("BUSYKEY Target key name already exists."),
         exceptions.ClusterCrossSlotError("Keys in request don't hash to the same slot"),
         exceptions.RedisClusterException("Keys in request don't hash to the same slot"),
+        exceptions.ResponseError(
+            "Error running script (call to f_66924cae): @user_script:19: @user_script: 19:"
+            " -WRONGTYPE Operation against a key holding the wrong kind of value"
+        ),
     ],
 )
 def test_never(error: BaseException) -> None:

@@ -104,5 +104,11 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, _TRANSIENT_CLASSES):
         return True
     if isinstance(e, ResponseError):
-        return str(e).split(" ", 1)[0] in _TRANSIENT_CODES
+        text = str(e)
+        if text.split(" ", 1)[0] in _TRANSIENT_CODES:
+            return True
+        # A script's command refused the same way: Redis wraps that reply in its own error
+        # ("Error running script (...): @user_script:19: -OOM command not allowed ...")
+        inner = text.partition("@user_script")[2]
+        return any(f"-{code} " in inner for code in _TRANSIENT_CODES)
     return False

@@ -20,6 +20,7 @@ RELEASE = "release"
 RELEASE_OFFSET = "release_offset"
 LEASE = "lease"
 SWAP_FIELD = "swap_field"
+PRODUCE = "produce"
 
 # Scripts that merge slice states start with the shared definitions in _merge.lua.
 _WITH_MERGE = (WRITE_SLICES, READ_SLICES)

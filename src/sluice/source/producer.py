@@ -21,8 +21,12 @@ Flow control: with a `valve` (`from_config` attaches one), `flush` first asks it
 events, which blocks while the input is backpressured (seed 000's throttled upstream) and raises
 `BackpressureError` after `block_timeout_s`. A refused flush keeps everything buffered, so the
 caller can retry; nothing is dropped. The same holds when the write fails: the buffer is kept,
-and since neither a pipeline nor a set of Kafka deliveries is atomic, a retry may repeat what was
-written before the error (at least once, never lost).
+and a retry writes each event once. A write whose reply never came (a timeout, a cut connection,
+a Redis paused or killed after it wrote) may still have landed, so a flush cuts each shard's
+buffer into numbered frames and appends them with `produce.lua`, which skips a frame this
+producer already appended there (its mark per shard, `sluice:produced:...`, expires an hour
+after its last write); a failed flush's frames are sent again as they were. Kafka's producer is
+idempotent (`enable.idempotence`), so its retries repeat nothing either.
 
 Each flush also adds its event count to the `events_produced` counter in Redis; the dashboard's
 input rate is taken from it.
@@ -33,22 +37,24 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import chain
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis
-from confluent_kafka import Producer as KafkaProducer
 
 from sluice.config import Config
 from sluice.errors import BadEvent, SluiceError
 from sluice.graph import KafkaSpec, log_spec
 from sluice.redis.connection import is_cluster
-from sluice.redis.keys import STATS_KEY, shard_keys
+from sluice.redis.keys import STATS_KEY, shard_keys, shard_side_key
+from sluice.redis.scripts import PRODUCE, evalsha_on, execute_loading, script_sha
 from sluice.source.admission import ingest_valve
-from sluice.source.kafka_records import topic_partitions
+from sluice.source.kafka_sink import KafkaSink
 
 if TYPE_CHECKING:
     from sluice.flow.valves import IngestValve
@@ -57,8 +63,8 @@ log = logging.getLogger(__name__)
 
 STREAM_FORMATS = ("jsonl", "fields")
 KAFKA_FORMATS = ("jsonl", "json")
-DELIVERY_TIMEOUT_S = 30.0
 ENTRY_OVERHEAD = 64  # an entry's bytes besides its events' lines: `d`, `n` and the count
+MARK_TTL_S = 3600  # how long a producer's mark (`produce.lua`) outlives its last write
 
 
 def shard_of(value: Any, shards: int) -> int:
@@ -127,6 +133,13 @@ class Producer:
         self.max_payload = None if max_entry_bytes is None else max_entry_bytes - ENTRY_OVERHEAD
         self._buf: list[list[bytes]] = [[] for _ in self.keys]
         self._fields: list[list[dict[str, bytes | str]]] = [[] for _ in self.keys]
+        # Per shard, the frames a flush cut its buffer into (number, end in `_buf`, end in
+        # `_fields`): sent again as they were after a failed flush, so that `produce.lua`
+        # skips the ones that landed unacknowledged.
+        self._frames: list[list[tuple[int, int, int]]] = [[] for _ in self.keys]
+        self._frame_no = 0
+        writer = os.urandom(8).hex()
+        self._marks = [shard_side_key("produced", k, writer) for k in self.keys]
         self._rr = 0
         self.sent_events = 0
         self.sent_entries = 0
@@ -270,22 +283,52 @@ class Producer:
         for i in shards:
             self._buf[i] = []
             self._fields[i] = []
+            self._frames[i] = []
         self.sent_events += events
         self.sent_entries += entries
 
-    def _add_shard(self, pipe: Any, i: int) -> tuple[int, int]:
-        """Queue shard i's XADDs on `pipe`; (events, entries)."""
+    def _add_shard(self, pipe: Any, i: int, node: Any = None) -> tuple[int, int]:
+        """Queue shard i's frames on `pipe`, in one `produce.lua` call; (events, entries). On a
+        cluster, `node` is the shard's master: the call goes there, without the cluster client
+        asking a node (maybe one that is down) for the script's keys."""
+        if not (self._buf[i] or self._fields[i]):
+            return 0, 0
+        args: list[Any] = [MARK_TTL_S]
         events = entries = 0
-        key = self.keys[i]
-        for part in self._entries(self._buf[i]):
-            pipe.xadd(key, {"d": b"\n".join(part), "n": len(part)})
-            entries += 1
-            events += len(part)
-        for entry in self._fields[i]:
-            pipe.xadd(key, entry)
-            entries += 1
-            events += 1
+        for no, lines, fields in self._framed(i):
+            frame: list[Any] = []
+            for part in self._entries(lines):
+                frame += [2, "d", b"\n".join(part), "n", len(part)]
+                events += len(part)
+            frame_entries = len(frame) // 5
+            for entry in fields:
+                frame += [len(entry), *chain.from_iterable(entry.items())]
+            frame_entries += len(fields)
+            events += len(fields)
+            entries += frame_entries
+            args += [no, frame_entries, *frame]
+        keys = [self.keys[i], self._marks[i]]
+        if node is None:
+            evalsha_on(pipe, PRODUCE, keys, args)
+        else:
+            pipe.execute_command("EVALSHA", script_sha(PRODUCE), 2, *keys, *args,
+                                 target_nodes=node)  # fmt: skip
         return events, entries
+
+    def _framed(self, i: int) -> list[tuple[int, list[bytes], list[dict[str, bytes | str]]]]:
+        """Shard i's buffer as frames: those an earlier flush cut, as they were, then what was
+        buffered since as a new one."""
+        frames = self._frames[i]
+        lines_end, fields_end = frames[-1][1:] if frames else (0, 0)
+        if len(self._buf[i]) > lines_end or len(self._fields[i]) > fields_end:
+            self._frame_no += 1
+            frames.append((self._frame_no, len(self._buf[i]), len(self._fields[i])))
+        out = []
+        a = b = 0
+        for no, lines_end, fields_end in frames:
+            out.append((no, self._buf[i][a:lines_end], self._fields[i][b:fields_end]))
+            a, b = lines_end, fields_end
+        return out
 
     def _flush_shards(self) -> int:
         """On a Redis Cluster, one pipeline per master, for the shards it serves, each shard's
@@ -295,15 +338,27 @@ class Producer:
         repeating the shards that were written). Raises the first master's error, if any, once
         every master was tried."""
         by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
         for i in sorted(self.pending_shards()):
-            by_node.setdefault(self.client.get_node_from_key(self.keys[i]).name, []).append(i)
+            node = self.client.get_node_from_key(self.keys[i])
+            by_node.setdefault(node.name, []).append(i)
+            nodes[node.name] = node
         written = 0
         failed: Exception | None = None
-        for shards in by_node.values():
-            pipe = self.client.pipeline(transaction=False)
-            counts = [self._add_shard(pipe, i) for i in shards]
+        for name, shards in by_node.items():
+            # `produce.lua` loaded on this master only: the cluster's own SCRIPT LOAD goes to
+            # every master, and fails while one is down.
+            loader = nodes[name].redis_connection or self.client
+            counts: list[tuple[int, int]] = []
+
+            def run(name: str = name, shards: list[int] = shards,
+                    counts: list[tuple[int, int]] = counts) -> Any:  # fmt: skip
+                pipe = self.client.pipeline(transaction=False)
+                counts[:] = [self._add_shard(pipe, i, nodes[name]) for i in shards]
+                return pipe.execute()
+
             try:
-                pipe.execute()
+                execute_loading(loader, run, (PRODUCE,))
             except Exception as e:  # noqa: BLE001 - raised below, once the others are written
                 failed = failed or e
                 continue
@@ -321,17 +376,23 @@ class Producer:
         return {i for i in range(len(self.keys)) if self._buf[i] or self._fields[i]}
 
     def _flush_streams(self) -> tuple[int, int]:
-        pipe = self.client.pipeline(transaction=False)
-        events = entries = 0
-        for i in range(len(self.keys)):
-            n, e = self._add_shard(pipe, i)
-            events, entries = events + n, entries + e
-        if entries:
+        counts = [0, 0]
+
+        def run() -> Any:
+            pipe = self.client.pipeline(transaction=False)
+            counts[:] = [0, 0]
+            for i in range(len(self.keys)):
+                n, e = self._add_shard(pipe, i)
+                counts[0], counts[1] = counts[0] + n, counts[1] + e
+            if not counts[1]:
+                return []
             # For the input rate on the dashboard and in /v1/status history (a rate, not an
             # audit: a retried flush may count its events twice).
-            pipe.hincrby(STATS_KEY, "events_produced", events)
-            pipe.execute()
-        return events, entries
+            pipe.hincrby(STATS_KEY, "events_produced", counts[0])
+            return pipe.execute()
+
+        execute_loading(self.client, run, (PRODUCE,))
+        return counts[0], counts[1]
 
     def _flush_kafka(self, sink: KafkaSink) -> tuple[int, int]:
         records: list[tuple[int, bytes, bytes | None]] = []  # (partition, value, key)
@@ -381,6 +442,7 @@ class Producer:
         n = self.pending()
         self._buf = [[] for _ in self.keys]
         self._fields = [[] for _ in self.keys]
+        self._frames = [[] for _ in self.keys]
         return n
 
     def close(self) -> None:
@@ -398,54 +460,6 @@ class Producer:
     ) -> None:
         if t is None:
             self.close()
-
-
-class KafkaSink:
-    """Writes records to a Kafka topic and waits for every delivery (librdkafka retries on
-    its own; with idempotence on by default, a retry neither repeats nor reorders)."""
-
-    def __init__(self, spec: KafkaSpec) -> None:
-        self.spec = spec
-        self._producer: Any = None
-
-    def _client(self) -> Any:
-        if self._producer is None:
-            defaults = {"enable.idempotence": True, "linger.ms": 5}
-            config = self.spec.client_config(**dict(self.spec.producer_options))
-            self._producer = KafkaProducer({**defaults, **config})
-        return self._producer
-
-    def partitions(self) -> int:
-        """The topic's partition count. Raises LogUnavailable when the topic cannot be found."""
-        return len(topic_partitions(self._client(), self.spec, 10.0))
-
-    def write(self, records: list[tuple[int, bytes, bytes | None]]) -> None:
-        """Produce every record and wait until each is delivered. Raises SluiceError naming
-        the first failure when any was not (the caller keeps the events)."""
-        producer = self._client()
-        errors: list[str] = []
-
-        def delivered(err: Any, _msg: Any) -> None:
-            if err is not None:
-                errors.append(str(err))
-
-        for partition, value, key in records:
-            while True:
-                try:
-                    producer.produce(
-                        self.spec.topic, value, key, partition=partition, on_delivery=delivered
-                    )
-                    break
-                except BufferError:  # the local queue is full: let deliveries drain it
-                    producer.poll(0.1)
-        left = producer.flush(DELIVERY_TIMEOUT_S)
-        if left:
-            errors.append(f"{left} records still undelivered after {DELIVERY_TIMEOUT_S:.0f}s")
-        if errors:
-            raise SluiceError(
-                f"{len(errors)} of {len(records)} records to Kafka topic {self.spec.topic!r}"
-                f" were not delivered: {errors[0]}"
-            )
 
 
 def _entry_fields(event: Mapping[str, Any]) -> dict[str, bytes | str]:
