@@ -548,6 +548,10 @@ def test_load_config_invalid_yaml_is_one_line_with_its_place(tmp_path: Path) -> 
     [
         ("metrics: []\nsource: {}\nmetrics: []\n", "line 3, column 1: key 'metrics'"),
         ("source: {format: jsonl, format: fields}\n", "line 1, column 25: key 'format'"),
+        (
+            "source:\n  shards: 1\n  <<: {shards: 2}\n  shards: 3\n",
+            "line 4, column 3: key 'shards'",
+        ),
     ],
 )
 def test_load_config_refuses_a_key_given_twice(tmp_path: Path, text: str, where: str) -> None:

@@ -266,9 +266,9 @@ class _StrictLoader(yaml.SafeLoader):
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
-        if any(k.tag == "tag:yaml.org,2002:merge" for k, _ in node.value):
-            return super().construct_mapping(node, deep=deep)  # `<<:` keys may be overridden
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:`: the keys it merges in may be given here again (overridden)
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, list | dict):
                 continue  # unhashable: the base constructor says so
