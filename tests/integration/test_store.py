@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pytest
@@ -22,8 +23,10 @@ from sluice.pipeline.fold import FoldQuery
 from sluice.pipeline.plan import explode_updates
 from sluice.pipeline.writer import write_partition
 from sluice.query.engine import QueryEngine
+from sluice.redis import marks
 from sluice.redis.connection import RedisHandle
 from sluice.redis.keys import STATS_KEY, WRITES_KEY, WRITING_KEY
+from sluice.redis.mux import MuxClient
 from sluice.source.decode import Decoder
 from sluice.source.options import SourceOptions
 from sluice.status.dead_letters import read_dead_letters
@@ -382,7 +385,8 @@ def test_a_derived_metric_is_read_from_one_state_while_a_batch_is_written(
     """A batch's write takes a pause between its metrics (`PauseBetweenMetrics`): the count of
     each key holds the batch's event while its sum does not yet. A derived ticket = sum / count
     read meanwhile, through the sync and the asyncio paths, answers 10 (before the batch) or 20
-    (after it), never the 0, 5 or 40 of a state no stream of events gave."""
+    (after it), never the 0, 5 or 40 of a state no stream of events gave; and through the
+    server's multiplexed client too."""
     metrics = [
         {"name": "cnt", "key": ["card"], "agg": "count", "slice": "10s", "retention": "1d"},
         {"name": "amt", "key": ["card"], "agg": "sum", "value": "amount", "slice": "10s",
@@ -400,25 +404,58 @@ def test_a_derived_metric_is_read_from_one_state_while_a_batch_is_written(
     writer = threading.Thread(
         target=_apply, args=(p, spark, [_ev(T0 + 2_000, c, amount=30.0) for c in cards], 1)
     )
-    writer.start()
-    seen: list[tuple[str, Any]] = []
+    seen: dict[str, list[Any]] = {"sync": [], "async": [], "mux": []}
+    waited = dict.fromkeys(seen, 0.0)
+    where = urlsplit(redis_url)
 
-    async def aread() -> list[dict[str, Any]]:
-        aclient = redis.asyncio.Redis.from_url(redis_url)
+    async def aread(mux: bool = False) -> list[dict[str, Any]]:
+        aclient: Any = (MuxClient(where.hostname or "", where.port or 6379) if mux
+                        else redis.asyncio.Redis.from_url(redis_url))  # fmt: skip
         try:
             return await q.arun(lookups, aclient)
         finally:
             await aclient.aclose()
 
-    waited = 0.0
-    while writer.is_alive():
-        t0 = time.monotonic()
-        seen += [("sync", a["value"]) for a in q.run(lookups)]
-        seen += [("async", a["value"]) for a in asyncio.run(aread())]
-        waited = max(waited, time.monotonic() - t0)
-    writer.join()
-    assert {v for _, v in seen} <= {10.0, 20.0}, sorted(set(seen))
-    assert ("sync", 20.0) in seen and ("async", 20.0) in seen
-    assert waited > 0.5  # a read met the pause and waited for the write to end
+    def reader(how: str) -> None:  # each path reads on its own thread while the batch is written
+        while writer.is_alive():
+            t0 = time.monotonic()
+            got = q.run(lookups) if how == "sync" else asyncio.run(aread(how == "mux"))
+            waited[how] = max(waited[how], time.monotonic() - t0)
+            seen[how] += [a["value"] for a in got]
+
+    readers = [threading.Thread(target=reader, args=(how,)) for how in seen]
+    writer.start()
+    for t in readers:
+        t.start()
+    for t in [writer, *readers]:
+        t.join(60)
+    for how, values in seen.items():
+        assert set(values) <= {10.0, 20.0}, (how, sorted(set(values)))
+    assert max(waited.values()) > 0.5  # a read met the pause and waited for the write's end
     assert {a["value"] for a in q.run(lookups)} == {20.0}
-    assert r.get(WRITING_KEY) is None and int(r.get(WRITES_KEY) or 0) == 4  # two writes
+    assert {a["value"] for a in asyncio.run(aread())} == {20.0}
+    assert {a["value"] for a in asyncio.run(aread(mux=True))} == {20.0}
+    assert not r.hgetall(WRITING_KEY) and int(r.get(WRITES_KEY)) % 2 == 0  # every write ended
+
+
+def test_write_marks_of_several_writers_and_a_failed_one(r: redis.Redis) -> None:
+    """Writes in flight are counted per (token, partition): one that ends leaves the others'
+    marks; one that fails leaves its own until the batch is written again (`clear`)."""
+
+    def now() -> Any:
+        pipe = r.pipeline(transaction=False)
+        for command in marks.READ:
+            pipe.execute_command(*command)
+        return marks.parse(pipe.execute(), time.time_ns() // 1_000_000)
+
+    r.delete(WRITING_KEY, WRITES_KEY)
+    with marks.writing(r, 7, "0"):
+        assert now()[1] == {b"7"}
+        with marks.writing(r, 8, "3"):  # another fold's batch, or a deposed leader's
+            assert now()[1] == {b"7", b"8"}
+        assert now() == (b"3", frozenset({b"7"}))
+    with pytest.raises(RuntimeError), marks.writing(r, 9, "1"):
+        raise RuntimeError("the task failed mid-write")
+    assert now() == (b"5", frozenset({b"9"}))  # the batch is half written until written again
+    marks.clear(r, 9)
+    assert now() == (b"6", frozenset())

@@ -65,9 +65,9 @@ from sluice.pipeline.plan import (
 from sluice.pipeline.plan import metric_specs as make_specs
 from sluice.pipeline.query import Role, StreamQuery, query_name, record_folding
 from sluice.pipeline.writer import RESULT_DDL, WriterContext, summarize, write_partition
+from sluice.redis import marks
 from sluice.redis.cluster import is_cluster_url
 from sluice.redis.connection import RedisHandle
-from sluice.redis.marks import writing
 from sluice.source.log import Log
 from sluice.source.logs import open_log
 from sluice.source.options import SourceOptions
@@ -271,7 +271,7 @@ class FoldQuery(StreamQuery):
         attempts = 1 + self.cfg.audit.retries
         audit: AuditResult | None = None
         for attempt in range(1, attempts + 1):
-            rows = writing(self.redis.client, token, write)  # redis.marks
+            rows = write()
             t1 = time.perf_counter()
             audit = self._audit(batch_id, attempt, audit_source, rows)
             self.timings.add(batch_id, audit=(time.perf_counter() - t1) * 1000)
@@ -288,6 +288,7 @@ class FoldQuery(StreamQuery):
         else:
             assert audit is not None
             raise AuditError(batch_id, audit.residual, attempts)
+        marks.clear(self.redis.client, token)  # what failed attempts' tasks left (redis.marks)
         t_done = time.perf_counter()
         rec = summarize(rows, batch_id, token, started, self.clock.now_ms())
         self.partial.observe(rec["fold_rows"], rec["fold_cells"])

@@ -21,6 +21,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark import TaskContext
 
 from sluice import collector
 from sluice.graph import ALL_SHARDS
@@ -39,6 +41,7 @@ from sluice.pipeline.slice_writes import (
     run_write_script,
     send_calls,
 )
+from sluice.redis import marks
 from sluice.redis.connection import client_for
 from sluice.redis.dump import ZIPLIST_LIMITS
 from sluice.redis.keys import (
@@ -193,7 +196,8 @@ def write_partition(
         # Redis loading its dataset (a restart) refuses every write: wait and write the whole
         # partition again. Exact: a slice or dead letter already written holds this token.
         what = f"the writer of token {ctx.token}"
-        totals, reasons = wait_while_loading(lambda: _write_rows(client, ctx, rows), what)
+        with _marked(client, ctx):  # for reads that need one state (redis.marks)
+            totals, reasons = wait_while_loading(lambda: _write_rows(client, ctx, rows), what)
     finally:
         client.close()
     write_ms = (time.perf_counter() - t0) * 1000
@@ -210,6 +214,15 @@ def write_partition(
     ]
     out += [{"kind": "dead", "reason": r, "events": n} for r, n in reasons.items()]
     yield pa.RecordBatch.from_pylist(out, schema=RESULT_SCHEMA)
+
+
+def _marked(client: Any, ctx: WriterContext) -> AbstractContextManager[None]:
+    """A live batch's write marked by its token and this task's partition (the driver's, under
+    write-behind); a backfill's is not marked (docs/metrics.md, "Derived metrics")."""
+    if ctx.script_token is not None:
+        return nullcontext()
+    task = TaskContext.get()
+    return marks.writing(client, ctx.token, "d" if task is None else str(task.partitionId()))
 
 
 def _write_rows(

@@ -13,6 +13,7 @@ state: a read that may have met a batch's write half done is read again once it 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 from itertools import chain
@@ -26,9 +27,11 @@ from sluice.config import Config, FieldType, MetricConfig
 from sluice.errors import BadQuery, UnknownMetric
 from sluice.query.answers import AnswerLog
 from sluice.query.params import parse_end, parse_window, parse_window_text, seconds_hint
-from sluice.query.settle import READ_MARKS, SETTLE_POLL_S, SETTLE_S, unsettled
+from sluice.query.settle import SETTLE_POLL_S, SETTLE_S, unsettled
 from sluice.query.wire import Commands, aexecute, commands_for, slice_fields
+from sluice.redis import marks
 from sluice.redis.keys import encode_key, slice_hash_affixes, slice_hash_key, slice_hll_key
+from sluice.redis.marks import Marks
 from sluice.redis.scripts import READ_SLICES, evalsha_on, execute_loading, script_source
 from sluice.slices.aggs import AGGS, BLOB, HLL
 from sluice.slices.window import Cover, Piece, cover, slice_start
@@ -83,17 +86,20 @@ STEPS = (_S, 2 * _S, 5 * _S, 10 * _S, 15 * _S, 30 * _S, _M, 2 * _M, 5 * _M, 10 *
          30 * _M, _H, 2 * _H, 3 * _H, 6 * _H, 12 * _H, _D, 2 * _D, 7 * _D)  # fmt: skip
 
 
-def default_step(slice_ms: int, window_ms: int) -> int:
-    """The slice, or the first round duration (`STEPS`), a multiple of it, whose points over
-    `window_ms` are at most MAX_POINTS (a window's points are its steps plus up to 2 partly
-    covered at its ends); past `STEPS`, a multiple of the slice."""
+def default_step(slices: Sequence[int], window_ms: int) -> int:
+    """A series' step when none is asked: the slice (the least common multiple of the inputs'
+    slices), or where that gives more than MAX_POINTS points over `window_ms` (its steps plus
+    up to 2 partly covered at its ends), the least multiple of it that gives fewer, rounded up
+    to a round duration (`STEPS`) where one is at most twice that."""
+    base = math.lcm(*slices)
     need = -(-window_ms // (MAX_POINTS - 2))
-    if slice_ms >= need:
-        return slice_ms
+    if base >= need:
+        return base
+    plain = -(-need // base) * base
     for step in STEPS:
-        if step >= need and step % slice_ms == 0:
-            return step
-    return -(-need // slice_ms) * slice_ms
+        if step >= plain and step % base == 0:
+            return step if step <= 2 * plain else plain
+    return plain
 
 
 class QueryEngine:
@@ -235,24 +241,34 @@ class QueryEngine:
         self._check_batch(lookups)
         marked = self._has_derived(lookups)
         deadline = time.monotonic() + SETTLE_S if deadline is None else deadline
+        before = self._marks() if marked else None
         plan: Plan = []
 
         def execute() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
-            plan[:] = self._queue_marked(pipe, lookups, marked)
+            plan[:] = self._queue_all(pipe, lookups)
             return pipe.execute() if plan else []
 
         replies = execute_loading(self.client, execute, (READ_SLICES,))
-        answers, again = self._answers_marked(lookups, plan, replies, marked)
+        answers = self._answers(lookups, plan, replies)
+        if before is None:
+            return answers
+        after = self._marks()
+        again = unsettled([lk.metric for lk in lookups], plan, replies, before, after,
+                          self._derived)  # fmt: skip
         if not again or time.monotonic() > deadline:
             return answers
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self._marks() == after:
             time.sleep(SETTLE_POLL_S)
-            if self.client.execute_command(*READ_MARKS) != replies[0]:
-                break
         for i, a in zip(again, self._read([lookups[i] for i in again], deadline), strict=True):
             answers[i] = a
         return answers
+
+    def _marks(self) -> Marks:
+        pipe = self.client.pipeline(transaction=False)
+        for command in marks.READ:
+            pipe.execute_command(*command)
+        return marks.parse(pipe.execute(), self.clock.now_ms())
 
     async def arun(self, lookups: Sequence[Lookup], aclient: Any) -> list[dict[str, Any]]:
         """`run` on an asyncio client (a `MuxClient`, or one of redis-py's): waits for Redis
@@ -267,9 +283,10 @@ class QueryEngine:
         self, lookups: Sequence[Lookup], aclient: Any, deadline: float
     ) -> list[dict[str, Any]]:
         marked = self._has_derived(lookups)
+        before = await self._amarks(aclient) if marked else None
         for attempt in (0, 1):
             commands = commands_for(aclient)
-            plan = self._queue_marked(commands, lookups, marked)
+            plan = self._queue_all(commands, lookups)
             try:
                 replies = await aexecute(aclient, commands) if plan else []
             except redis.exceptions.NoScriptError:
@@ -277,42 +294,28 @@ class QueryEngine:
                     raise
                 await aclient.script_load(script_source(READ_SLICES))
                 continue
-            answers, again = self._answers_marked(lookups, plan, replies, marked)
+            answers = self._answers(lookups, plan, replies)
+            if before is None:
+                return answers
+            after = await self._amarks(aclient)
+            again = unsettled([lk.metric for lk in lookups], plan, replies, before, after,
+                              self._derived)  # fmt: skip
             if not again or time.monotonic() > deadline:
                 return answers
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and await self._amarks(aclient) == after:
                 await asyncio.sleep(SETTLE_POLL_S)
-                if await aexecute(aclient, [READ_MARKS]) != [replies[0]]:
-                    break
             more = await self._aread([lookups[i] for i in again], aclient, deadline)
             for i, a in zip(again, more, strict=True):
                 answers[i] = a
             return answers
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _amarks(self, aclient: Any) -> Marks:
+        return marks.parse(await aexecute(aclient, marks.READ), self.clock.now_ms())
+
     def _has_derived(self, lookups: Sequence[Lookup]) -> bool:
         derived = self._derived
         return bool(derived) and any(lk.metric in derived for lk in lookups)
-
-    def _queue_marked(self, pipe: Any, lookups: Sequence[Lookup], marked: bool) -> Plan:
-        """`_queue_all`, between two reads of the write marks when `marked`."""
-        if not marked:
-            return self._queue_all(pipe, lookups)
-        pipe.execute_command(*READ_MARKS)
-        plan = self._queue_all(pipe, lookups)
-        pipe.execute_command(*READ_MARKS)
-        return plan
-
-    def _answers_marked(
-        self, lookups: Sequence[Lookup], plan: Plan, replies: list[Any], marked: bool
-    ) -> tuple[list[dict[str, Any]], list[int]]:
-        """The answers, and the derived lookups among them to read again (`query.settle`)."""
-        if not marked:
-            return self._answers(lookups, plan, replies), []
-        before, after, replies = replies[0], replies[-1], replies[1:-1]
-        metrics = [lk.metric for lk in lookups]
-        again = unsettled(metrics, plan, replies, before, after, self._derived)
-        return self._answers(lookups, plan, replies), again
 
     def _check_batch(self, lookups: Sequence[Lookup]) -> None:
         if len(lookups) > MAX_BATCH:
@@ -418,13 +421,11 @@ class QueryEngine:
         """Values per step over the window, for charts. Each point covers exactly its step.
 
         `step` must be a multiple of every slice length the metric reads, so that each point
-        is answered from whole slices. It defaults to the slice, or where that gives more than
-        MAX_POINTS points, to the first of `STEPS` (or multiple of the slice) that gives fewer.
+        is answered from whole slices. It defaults to `default_step`.
         """
         first = self.lookup(metric, key, window, end)
-        finest = max(m.slice for m in self._base_metrics(metric))
         if step in (None, ""):
-            step_ms = default_step(finest, first.window_ms)
+            step_ms = default_step([m.slice for m in self._base_metrics(metric)], first.window_ms)
         else:
             step_ms = parse_window(step, "step")
         for m in self._base_metrics(metric):

@@ -22,8 +22,8 @@ value containing `|`, `{`, `}` or `%` can neither break the tag nor collide with
                                    and decode of one partition, in ms (written by the executors)
     sluice:{stats}:folding         hash: metric -> when the live fold first folded it (ms)
     sluice:{stats}:writes          counter: batch writes begun and ended (redis.marks)
-    sluice:{stats}:writing         string: the token of the batch being written, if one is
-                                   (expires: a writer that died mid-write leaves none for long)
+    sluice:{stats}:writing         hash: <writer token>:<partition> -> until when it counts
+                                   (ms), per write task in flight (redis.marks)
     sluice:{backfill}:seams        hash: metric -> the newest backfill seam (ms; docs/offline.md)
     sluice:{backfill}:runs         list: the newest backfill summaries (JSON, newest first)
     sluice:{backfill}:<run>        hash: a backfill's progress (events, slices, partitions)

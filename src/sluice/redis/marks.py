@@ -1,54 +1,83 @@
-"""The mark of the batch whose slices are being written, for reads that need one state.
+"""The marks of the batch writes in flight, for reads that need one state.
 
 A batch's write is many script calls, one metric after another, so while it runs one metric's
 hash of a key may hold the batch's events and another's not yet. A lookup of one metric never
 sees that: each (metric, key) hash is written by one atomic call. A derived metric reads
 several, and a formula over two states of different batches can give a value no stream of
-events ever gave (a sum of 0 over a count of 1). So the fold marks each write:
+events ever gave (a sum of 0 over a count of 1). So every write task marks its write:
 
-- before it: `WRITING_KEY` holds the batch's token (with an expiry, `MARK_TTL_MS`, so that a
-  writer that died mid-write holds nothing up for long), and `WRITES_KEY` counts one;
-- after it: the token is removed, and `WRITES_KEY` counts one more.
+- before it: a field `<token>:<part>` of `WRITING_KEY` (the batch's writer token and the task's
+  partition; several folds, their tasks and a deposed leader may write at once), its value the
+  time it stops counting (`MARK_TTL_MS` on: a writer that died mid-write holds nothing up for
+  long), and `WRITES_KEY` counts one;
+- after it, once it succeeded: the field is removed, and `WRITES_KEY` counts one more. A task
+  that failed leaves its field: the batch is half written until it is written again (Spark's
+  retry of the task has the same partition, the fold's replay the same token), and the fold
+  removes any field of the token left once the batch is written and audited (`clear`).
 
-Each pair goes in one pipeline, in that order: any interleaving with a reader's two reads of
-the marks changes what it reads, so a begin and an end between them are never missed.
-
-A reader (`query.engine`) reads both marks before and after its reads, in the same round trip.
-Its reads are of one state when the marks did not change between the two and either no batch
-was being written, or none of the slices it read holds that batch's token (raw reads carry
-each slice's token; a HyperLogLog or a slice range merged in Redis carries none, and then only
-the first case will do). Otherwise it reads again once the marks change (docs/metrics.md,
-"Derived metrics").
+Each pair goes in one pipeline, in that order. A reader (`query.engine`) reads the marks
+(`read`) in a round trip before its slice reads and in one after them. Its reads are of one
+state when the marks did not change between the two and either no write was in flight, or none
+of the slices it read holds an in-flight token (raw reads carry each slice's token; a
+HyperLogLog or a slice range merged in Redis carries none, and then only the first case will
+do). Otherwise it reads again once the marks change (docs/metrics.md, "Derived metrics").
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from sluice.redis.keys import WRITES_KEY, WRITING_KEY
 
 log = logging.getLogger(__name__)
 
-MARK_TTL_MS = 120_000
-MARKS = (WRITES_KEY, WRITING_KEY)  # what a reader reads, with MGET (one slot: `{stats}`)
-T = TypeVar("T")
+MARK_TTL_MS = 600_000
+READ = (("GET", WRITES_KEY), ("HGETALL", WRITING_KEY))  # a reader's two commands
+Marks = tuple[Any, frozenset[bytes]]  # writes counted, tokens in flight
 
 
-def writing(client: Any, token: int, write: Callable[[], T]) -> T:
-    """Run `write` (a batch's write of token `token`) between the marks of the module."""
+@contextmanager
+def writing(client: Any, token: int, part: str) -> Iterator[None]:
+    """Mark a write task's write (token `token`, partition `part`) while the block runs; the
+    mark stays when the block raises (the module docstring)."""
+    field = f"{token}:{part}"
     pipe = client.pipeline(transaction=False)
-    pipe.set(WRITING_KEY, str(token), px=MARK_TTL_MS)
+    pipe.hset(WRITING_KEY, field, time.time_ns() // 1_000_000 + MARK_TTL_MS)
     pipe.incr(WRITES_KEY)
     pipe.execute()
+    yield
+    pipe = client.pipeline(transaction=False)
+    pipe.hdel(WRITING_KEY, field)
+    pipe.incr(WRITES_KEY)
+    pipe.execute()
+
+
+def clear(client: Any, token: int) -> None:
+    """Remove the marks of token `token` that failed tasks left (its batch is now written),
+    and any that stopped counting. Best effort: they also stop counting by themselves."""
     try:
-        return write()
-    finally:
-        try:
+        now = time.time_ns() // 1_000_000
+        left = [f for f, until in client.hgetall(WRITING_KEY).items()
+                if f.split(b":", 1)[0] == str(token).encode() or int(until) < now]  # fmt: skip
+        if left:
             pipe = client.pipeline(transaction=False)
-            pipe.delete(WRITING_KEY)
+            pipe.hdel(WRITING_KEY, *left)
             pipe.incr(WRITES_KEY)
             pipe.execute()
-        except Exception:  # Redis went away: the mark expires by itself
-            log.debug("write mark not removed", exc_info=True)
+    except Exception:  # Redis went away: they stop counting by themselves
+        log.debug("write marks not cleared", exc_info=True)
+
+
+def parse(replies: list[Any], now_ms: int) -> Marks:
+    """`READ`'s replies as (writes counted, tokens in flight). HGETALL's reply is a dict from
+    redis-py and a flat list from the multiplexed client."""
+    count, fields = replies
+    if isinstance(fields, list):
+        fields = dict(zip(fields[::2], fields[1::2], strict=True))
+    tokens = frozenset(bytes(f).split(b":", 1)[0] for f, until in fields.items()
+                       if int(until) >= now_ms)  # fmt: skip
+    return count, tokens

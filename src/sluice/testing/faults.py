@@ -125,13 +125,25 @@ class PauseBetweenMetrics:
     def __call__(
         self, ctx: WriterContext, batches: Iterator[pa.RecordBatch]
     ) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        from sluice.redis import marks
+        from sluice.redis.connection import client_for
+
         rows = [b for b in batches if b.num_rows]
         records: list[list[dict[str, Any]]] = []
-        for i, sp in enumerate(ctx.specs):
-            if i:
-                time.sleep(self.pause_s)
-            out = write_partition(dataclasses.replace(ctx, specs=(sp,)), iter(rows))
-            records.append([r for b in out for r in b.to_pylist()])
+        client = client_for(ctx.url)
+        try:  # one write, as the task's is: marked from the first metric's to the last's
+            task = TaskContext.get()
+            part = f"paused-{task.partitionId() if task is not None else 'd'}"
+            with marks.writing(client, ctx.token, part):
+                for i, sp in enumerate(ctx.specs):
+                    if i:
+                        time.sleep(self.pause_s)
+                    out = write_partition(dataclasses.replace(ctx, specs=(sp,)), iter(rows))
+                    records.append([r for b in out for r in b.to_pylist()])
+        finally:
+            client.close()
         first = records[0]
         for later in records[1:]:
             stats = next(r for r in later if r["kind"] == "stats")
