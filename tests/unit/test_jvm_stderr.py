@@ -147,6 +147,13 @@ TASKS_CUT_OFF = [
     "ts=2026-11-30T15:48:54.975Z level=ERROR logger=org.apache.spark.executor.Executor"
     ' msg="Exception in task 1.0 in stage 2.0 (TID 3): Python worker exited unexpectedly'
     ' (crashed)."',
+    # Ctrl-C to the group as a streaming batch's task started its Python daemon (cut down)
+    "ts=2026-12-03T18:40:12.365Z level=ERROR logger=org.apache.spark.executor.Executor"
+    ' msg="Exception in task 0.0 in stage 0.0 (TID 0): \\nError from python worker:\\n'
+    "  Traceback (most recent call last):\\n  KeyboardInterrupt\\nPYTHONPATH was:\\n"
+    "  /v/pyspark.zip"
+    "\\norg.apache.spark.SparkException: EOFException occurred while reading the port number"
+    " from pyspark.daemon's stdout.\"",
 ]
 
 

@@ -84,6 +84,9 @@ STOP_REPORTS = (
     "Python worker exited unexpectedly",
     # a context still being made when the signal reached the JVM: its shutdown began first
     "Error initializing SparkContext",
+    # a task's Python worker (or the daemon that forks them, still importing PySpark) that
+    # the signal to the process group interrupted
+    "KeyboardInterrupt",
 )
 HOLD_S = 0.5
 # the error of a batch a deposed leader ended: another process holds the lease (any other
