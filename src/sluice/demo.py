@@ -52,6 +52,10 @@ def demo_config(state_dir: Path) -> Config:
     return config_from_dict({**DEMO_CONFIG, "state_dir": str(state_dir.resolve())})
 
 
+class _StoppedEarly(Exception):
+    """A stop asked for before Spark started (`run_demo`)."""
+
+
 def run_demo(
     state_dir: Path,
     duration_s: float | None,
@@ -87,9 +91,11 @@ def run_demo(
             time.sleep(0.05)
         bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
         print(f"Sluice demo: open the dashboard at http://127.0.0.1:{bound}/", flush=True)
-        print("starting Spark (takes a few seconds)...", flush=True)
         spark = None
         try:  # a Ctrl-C to the process group stops the JVM too, maybe as it starts
+            if stop.is_set():  # a Ctrl-C while Redis and the API started: Spark never starts
+                raise _StoppedEarly
+            print("starting Spark (takes a few seconds)...", flush=True)
             with handlers_kept():  # a Ctrl-C while Spark starts stops the demo as any other
                 spark = build_spark(cfg, app_name="sluice-demo")
             if on_spark is not None:
