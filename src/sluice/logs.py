@@ -109,19 +109,30 @@ _NUMBERS = re.compile(r"\d+")
 
 
 class Handled(logging.Filter):
-    """Drops py4j's ERROR, with its traceback, for an error that Sluice raised in a batch on
-    purpose and reports itself: a deposed leader's batch fails with LeaseLost (another process
-    holds the lease) so that Spark commits nothing, and the process logs `leadership lost`
-    once. A LeaseLost for any other reason (the lease could not be read) is kept."""
+    """Drops py4j's ERROR, with its traceback, for an error that Sluice reports itself: a
+    deposed leader's batch fails with LeaseLost (another process holds the lease) so that Spark
+    commits nothing, and the process logs `leadership lost` once (a LeaseLost for any other
+    reason, the lease could not be read, is kept); a batch that Redis going away ended (no
+    connection, a timeout, Redis loading its data) is the supervisor's to report."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from sluice.errors import LeaseLost
+        import redis
+
+        from sluice.errors import LeaseLost, RedisUnavailable
 
         e = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(e, LeaseLost) and DEPOSED in str(e))
+        if isinstance(e, LeaseLost) and DEPOSED in str(e):
+            return False
+        # Redis gone: the supervisor says so, in one line, and waits for it
+        if isinstance(e, RedisUnavailable | redis.ConnectionError | redis.TimeoutError):
+            return False
+        return e is None or not any(marker in str(e) for marker in REDIS_GONE)  # in a task
 
 
 DEPOSED = "another process holds it"  # a LeaseLost's reason when another process took over
+# What a task or query that Redis going away ended reports (its Python exception's class)
+REDIS_GONE = ("redis.exceptions.ConnectionError", "redis.exceptions.TimeoutError",
+              "redis.exceptions.BusyLoadingError", "sluice.errors.RedisUnavailable")  # fmt: skip
 
 
 _HANDLED = Handled()

@@ -296,3 +296,48 @@ def test_signals_to_a_process_in_a_row_stop_it_once() -> None:
     assert done.returncode == 0, done.stderr
     assert "stops 1" in done.stdout
     assert done.stderr.count("stopping after the batch in flight") == 1, done.stderr
+
+
+# A batch's task and its query ended by Redis going away (cut down), and one ended by an error
+# reply, which is no outage and stays.
+REDIS_WENT = [
+    "ts=2026-12-03T18:48:56.976Z level=ERROR logger=org.apache.spark.executor.Executor"
+    ' msg="Exception in task 0.0 in stage 10.0 (TID 12)" exc="org.apache.spark.api.python.'
+    "PythonException: [PYTHON_EXCEPTION] An exception was thrown from the Python worker:"
+    ' redis.exceptions.ConnectionError: Error 111 connecting to 127.0.0.1:19401."',
+    "ts=2026-12-03T18:48:57.185Z level=ERROR logger=org.apache.spark.sql.execution.streaming."
+    'runtime.MicroBatchExecution msg="Query sluice terminated with error" exc="... redis.'
+    'exceptions.BusyLoadingError: Redis is loading the dataset in memory"',
+]
+WRONG_TYPE = (
+    "ts=2026-12-03T18:48:56.976Z level=ERROR logger=org.apache.spark.executor.Executor"
+    ' msg="Exception in task 0.0 in stage 10.0 (TID 12)" exc="... redis.exceptions.'
+    'ResponseError: WRONGTYPE Operation against a key holding the wrong kind of value"'
+)
+
+
+def test_spark_s_reports_of_redis_going_away_are_dropped_and_other_redis_errors_kept() -> None:
+    text = "\n".join([*REDIS_WENT, WRONG_TYPE, LOG]) + "\n"
+    err = _run_child(f"import sys; sys.stderr.write({text!r})", stop_first=False)
+    assert not any(line in err for line in REDIS_WENT), err
+    assert WRONG_TYPE in err and LOG in err
+
+
+def test_py4j_s_report_of_a_batch_that_redis_going_away_ended_is_dropped() -> None:
+    import logging
+
+    import redis
+
+    from sluice.logs import Handled
+
+    def record(e: BaseException) -> logging.LogRecord:
+        return logging.LogRecord("py4j.clientserver", logging.ERROR, "f", 1,
+                                 "There was an exception while executing the Python Proxy", (),
+                                 (type(e), e, None))  # fmt: skip
+
+    handled = Handled()
+    assert not handled.filter(record(redis.ConnectionError("Error 111 connecting")))
+    in_task = RuntimeError("An error occurred while calling o93.collectToPython. ... redis."
+                           "exceptions.TimeoutError: Timeout reading from socket")  # fmt: skip
+    assert not handled.filter(record(in_task))
+    assert handled.filter(record(RuntimeError("the batch's own bug")))

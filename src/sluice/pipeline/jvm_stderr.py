@@ -31,6 +31,9 @@ to this process's stderr except:
   stream thread is still winding down, and the thread's last call finds the RPC gone;
 - Spark's ERROR line about a query whose batch failed with LeaseLost: a leader that lost its
   lease ends its batch so on purpose, and logs it itself, in one line (`fenced`);
+- Spark's ERROR lines about a task or a query that Redis going away ended (a connection
+  refused or timed out, a Redis loading its data): the supervisor says so itself, in one line,
+  and waits for Redis (`redis_gone`);
 - the JVM's start-up notice about incubator modules, and DataSketches' notice that on Java 17
   it works on the heap only;
 - in a process that reports its batch jobs' failures itself (`batch_jobs`: the offline
@@ -51,8 +54,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from sluice.logs import REDIS_GONE
+
 # Where a traceback must come from to be dropped: Spark's own Python processes.
-SPARK_PYTHON = ("pyspark/sql/streaming/python_streaming_source_runner", "pyspark/worker_util")
+SPARK_PYTHON = ("pyspark/sql/streaming/python_streaming_source_runner", "pyspark/worker_util",
+                "pyspark/daemon.py")  # fmt: skip
 # What it must end in: the other end went away.
 PEER_GONE = ("EOFError", "BrokenPipeError", "ConnectionResetError")
 DROPPED_LINES = (
@@ -89,6 +95,7 @@ STOP_REPORTS = (
     "KeyboardInterrupt",
 )
 HOLD_S = 0.5
+
 # the error of a batch a deposed leader ended: another process holds the lease (any other
 # LeaseLost, such as a lease that could not be read, passes with its traceback)
 LEASE_LOST = "sluice.errors.LeaseLost: "
@@ -134,6 +141,11 @@ def fenced(line: str) -> bool:
     lost`, in one line; Spark's has the batch's whole Python traceback in it (3-7 KB)."""
     ended = SPARK_ERROR in line and "terminated with error" in line
     return ended and LEASE_LOST in line and DEPOSED in line
+
+
+def redis_gone(line: str) -> bool:
+    """Whether a line is Spark's report of a task or query that Redis going away ended."""
+    return SPARK_ERROR in line and any(marker in line for marker in REDIS_GONE)
 
 
 def query_ended(line: str) -> bool:
@@ -194,7 +206,7 @@ class TracebackFilter:
                 self._java = [line]
                 return []
             dropped = (line.strip() in DROPPED_LINES or (bool(_batch) and task_failed(line))
-                       or fenced(line))  # fmt: skip
+                       or fenced(line) or redis_gone(line))  # fmt: skip
             return [] if dropped else [line]
         ends = self._after_error and line.strip() and line not in CHAINS and line != HEADER
         if ends:  # an error line followed by anything but a chained traceback
