@@ -77,3 +77,23 @@ def test_a_cluster_node_takes_another_port_when_its_first_is_taken(
     monkeypatch.setattr(local_cluster, "_free_cluster_port", chooser)
     with LocalCluster(tmp_path / "cluster", masters=2) as cluster:
         assert taken not in cluster.ports and len(cluster.ports) == 2
+
+
+def test_a_paused_server_is_named_as_such_not_as_a_foreign_program(tmp_path: Path) -> None:
+    """A second process joining the embedded server while it is paused (SIGSTOP): the error
+    says the server is paused or busy, not that another program holds the port (removing the
+    port file under a live server would start a second one on its data)."""
+    import os
+    import signal
+
+    from sluice.errors import RedisUnavailable
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RedisUnavailable, match=r"pid \d+, port \d+\) accepts .* paused"):
+            EmbeddedRedis(tmp_path / "redis").start(timeout_s=1.0)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.stop()

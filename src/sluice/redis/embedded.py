@@ -351,6 +351,14 @@ class EmbeddedRedis:
             if not _listening(self.port):
                 return False
             if time.monotonic() > deadline:
+                pid = self._server_pid()
+                if pid is not None:  # its own server: paused (SIGSTOP), or busy; never remove
+                    raise RedisUnavailable(  # the port file under it
+                        f"the redis-server on {self.data_dir} (pid {pid}, port {self.port})"
+                        f" accepts connections but does not answer within {timeout_s:.0f}s: it"
+                        " may be paused (SIGSTOP) or busy with a long command; try again, or"
+                        " restart it"
+                    )
                 raise RedisUnavailable(
                     f"port {self.port}, named in {self._port_file()}, accepts connections but"
                     f" does not answer as Redis within {timeout_s:.0f}s. If no redis-server runs"
