@@ -556,10 +556,8 @@ def test_load_config_invalid_yaml_is_one_line_with_its_place(tmp_path: Path) -> 
 )
 def test_load_config_refuses_a_key_given_twice(tmp_path: Path, text: str, where: str) -> None:
     """The last would win, silently: a second `metrics:` would drop the first's metrics."""
-    path = tmp_path / "sluice.yaml"
-    path.write_text(text, encoding="utf-8")
     with pytest.raises(ConfigError, match=f"not valid YAML: {where} is given twice"):
-        load_config(path)
+        load_config(_written(tmp_path, text))
 
 
 def test_load_config_keeps_yaml_merge_keys_and_a_byte_order_mark(tmp_path: Path) -> None:
@@ -580,10 +578,14 @@ def test_load_config_not_utf8_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "", "42\n"])
 def test_load_config_yaml_not_a_mapping(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match=r"the config must be a mapping"):
+        load_config(_written(tmp_path, text))
+
+
+def _written(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "sluice.yaml"
     path.write_text(text, encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"the config must be a mapping"):
-        load_config(path)
+    return path
 
 
 def test_load_config_validation_error_has_path(tmp_path: Path) -> None:
