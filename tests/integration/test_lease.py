@@ -19,7 +19,7 @@ from sluice.pipeline.health import Health
 from sluice.pipeline.lease import Claim, Keeper, Lease, last_planned
 from sluice.pipeline.query import writer_token
 from sluice.pipeline.standby import announce
-from sluice.redis.keys import EPOCH_KEY, PROCESSES_KEY
+from sluice.redis.keys import EPOCH_KEY, HEALTH_KEY, PROCESSES_KEY
 from sluice.redis.local_cluster import LocalCluster
 from sluice.server.app import create_app
 from sluice.status.roles import read_roles
@@ -337,3 +337,19 @@ def test_a_standby_says_when_the_leader_folds_another_plan(
     with caplog.at_level("WARNING", logger="sluice.pipeline.standby"):
         s._compare_plans(holder)
     assert not [rec for rec in caplog.records if "another plan" in rec.getMessage()]
+
+
+def test_query_restarts_count_on_over_a_process_s_terms_as_leader(r: redis.Redis) -> None:
+    """`restarts` is a counter (`sluice_pipeline_restarts_total`): a process that lost its
+    lease and leads again (a new Supervisor, given its count by the standby) goes on from its
+    count, where it started again from 0."""
+    import threading
+
+    from sluice.pipeline.supervisor import Supervisor
+
+    stopped = threading.Event()
+    stopped.set()  # a term that ends at once: only the count is looked at
+    term = Supervisor([], r, ManualClock(1_000), stopped, restarts=3)
+    term.run_forever()
+    assert term.restarts == 3
+    assert r.hget(HEALTH_KEY, "restarts") == b"3"

@@ -68,13 +68,13 @@ class Health:
     """The supervisor's state in Redis (`sluice:{stats}:health`). Writes never raise: a Redis
     outage is itself a state the supervisor lives through."""
 
-    def __init__(self, client: Any, clock: Clock, leased: bool = False) -> None:
+    def __init__(self, client: Any, clock: Clock, leased: bool = False, restarts: int = 0) -> None:
         self.client = client
         self.clock = clock
         self.leased = leased  # runs under a lease (`sluice run`), which status then reads too
         self.state = "starting"
         self.failures = 0
-        self.restarts = 0
+        self.restarts = restarts  # this process's, over its terms as leader: a counter
         self.last_error: str | None = None
 
     def set(self, state: str, error: str | None = None) -> None:

@@ -61,6 +61,7 @@ class Roles:
         poll_s: float,
     ) -> None:
         self.queries = list(queries)
+        self._restarts = 0
         self.lease = lease
         self.client = client
         self.clock = clock
@@ -182,10 +183,12 @@ class Roles:
         announcer = threading.Thread(target=self._announce_while_leading, daemon=True,
                                      name="sluice-announce")  # fmt: skip
         announcer.start()
-        self.supervisor = Supervisor(self.queries, self.client, self.clock, self.stop, self.lease)
+        self.supervisor = Supervisor(self.queries, self.client, self.clock, self.stop, self.lease,
+                                     self._restarts)  # fmt: skip
         try:
             self.supervisor.run_forever()
         finally:
+            self._restarts = self.supervisor.restarts  # a counter over this process's terms
             keeper.stop()
             probe.stop()
             for q in self.queries:

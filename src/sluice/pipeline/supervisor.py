@@ -49,8 +49,10 @@ class Supervisor:
         clock: Clock,
         stop: threading.Event | None = None,
         lease: Lease | None = None,
+        restarts: int = 0,
     ) -> None:
         self.parts = list(parts)
+        self.restarts = restarts  # the process's query restarts so far (its earlier terms')
         self.client = client
         self.clock = clock
         self.lease = lease
@@ -67,7 +69,13 @@ class Supervisor:
 
     def run_forever(self, max_backoff_s: float = 15.0) -> None:
         """Run every query until `request_stop()` (or the lease is lost); then stop them."""
-        health = Health(self.client, self.clock, leased=self.lease is not None)
+        health = Health(self.client, self.clock, self.lease is not None, self.restarts)
+        try:
+            self._supervise(health, max_backoff_s)
+        finally:
+            self.restarts = health.restarts
+
+    def _supervise(self, health: Health, max_backoff_s: float) -> None:
         health.set("starting")
         progress = Progress(self.client)
         while not self._stop.is_set() and self.leading():
