@@ -377,6 +377,7 @@ class Producer:
 
     def _flush_streams(self) -> tuple[int, int]:
         counts = [0, 0]
+        counted = [False]  # an attempt that Redis refused for want of the script counted them
 
         def run() -> Any:
             pipe = self.client.pipeline(transaction=False)
@@ -387,9 +388,15 @@ class Producer:
             if not counts[1]:
                 return []
             # For the input rate on the dashboard and in /v1/status history (a rate, not an
-            # audit: a retried flush may count its events twice).
-            pipe.hincrby(STATS_KEY, "events_produced", counts[0])
-            return pipe.execute()
+            # audit: a flush that failed and is called again may count its events twice).
+            if not counted[0]:
+                pipe.hincrby(STATS_KEY, "events_produced", counts[0])
+            replies = pipe.execute(raise_on_error=False)
+            counted[0] = counted[0] or not isinstance(replies[-1], Exception)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
 
         execute_loading(self.client, run, (PRODUCE,))
         return counts[0], counts[1]
