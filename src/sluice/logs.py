@@ -113,7 +113,8 @@ class Handled(logging.Filter):
     deposed leader's batch fails with LeaseLost (another process holds the lease) so that Spark
     commits nothing, and the process logs `leadership lost` once (a LeaseLost for any other
     reason, the lease could not be read, is kept); a batch that Redis going away ended (no
-    connection, a timeout, Redis loading its data) is the supervisor's to report."""
+    connection, a timeout, Redis loading its data) is the supervisor's to report, and so is one
+    whose job was interrupted because its query is being stopped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         import redis
@@ -126,10 +127,14 @@ class Handled(logging.Filter):
         # Redis gone: the supervisor says so, in one line, and waits for it
         if isinstance(e, RedisUnavailable | redis.ConnectionError | redis.TimeoutError):
             return False
-        return e is None or not any(marker in str(e) for marker in REDIS_GONE)  # in a task
+        # A batch's job cut short because its query is stopped (Spark interrupts the query's
+        # thread only then: a stop, or a leader that lost its lease), which the process says
+        text = "" if e is None else str(e)
+        return not any(marker in text for marker in (*REDIS_GONE, INTERRUPTED))
 
 
 DEPOSED = "another process holds it"  # a LeaseLost's reason when another process took over
+INTERRUPTED = "java.lang.InterruptedException"
 # What a task or query that Redis going away ended reports (its Python exception's class)
 REDIS_GONE = ("redis.exceptions.ConnectionError", "redis.exceptions.TimeoutError",
               "redis.exceptions.BusyLoadingError", "sluice.errors.RedisUnavailable")  # fmt: skip

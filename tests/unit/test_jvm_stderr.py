@@ -340,4 +340,8 @@ def test_py4j_s_report_of_a_batch_that_redis_going_away_ended_is_dropped() -> No
     in_task = RuntimeError("An error occurred while calling o93.collectToPython. ... redis."
                            "exceptions.TimeoutError: Timeout reading from socket")  # fmt: skip
     assert not handled.filter(record(in_task))
+    stopped = RuntimeError(
+        "An error occurred while calling o93.collectToPython.\n: java.lang.InterruptedException"
+    )  # its query was being stopped
+    assert not handled.filter(record(stopped))
     assert handled.filter(record(RuntimeError("the batch's own bug")))
