@@ -196,8 +196,7 @@ def write_partition(
         # Redis loading its dataset (a restart) refuses every write: wait and write the whole
         # partition again. Exact: a slice or dead letter already written holds this token.
         what = f"the writer of token {ctx.token}"
-        with _marked(client, ctx):  # for reads that need one state (redis.marks)
-            totals, reasons = wait_while_loading(lambda: _write_rows(client, ctx, rows), what)
+        totals, reasons = wait_while_loading(lambda: _write_marked(client, ctx, rows), what)
     finally:
         client.close()
     write_ms = (time.perf_counter() - t0) * 1000
@@ -214,6 +213,14 @@ def write_partition(
     ]
     out += [{"kind": "dead", "reason": r, "events": n} for r, n in reasons.items()]
     yield pa.RecordBatch.from_pylist(out, schema=RESULT_SCHEMA)
+
+
+def _write_marked(
+    client: Any, ctx: WriterContext, rows: PartitionRows
+) -> tuple[list[int], dict[str, int]]:
+    """`_write_rows`, marked for reads that need one state (`redis.marks`)."""
+    with _marked(client, ctx):
+        return _write_rows(client, ctx, rows)
 
 
 def _marked(client: Any, ctx: WriterContext) -> AbstractContextManager[None]:
