@@ -64,3 +64,20 @@ def test_not_now(error: BaseException) -> None:
 )
 def test_never(error: BaseException) -> None:
     assert not is_transient(error)
+
+
+def test_a_script_s_refused_command_is_raised_as_redis_py_raises_it_plainly() -> None:
+    from sluice.redis.loading import unwrapped_script_error
+
+    oom = exceptions.ResponseError(
+        "Error running script (call to f_66924cae): @user_script:19: @user_script: 19:"
+        " -OOM command not allowed when used memory > 'maxmemory'."
+    )
+    plain = unwrapped_script_error(oom, "XADD, in produce.lua")
+    assert isinstance(plain, exceptions.OutOfMemoryError)
+    assert str(plain).endswith("used memory > 'maxmemory'. (XADD, in produce.lua)")
+    wrong = exceptions.ResponseError(
+        "Error running script (call to f_66924cae): @user_script:19: @user_script: 19:"
+        " -WRONGTYPE Operation against a key holding the wrong kind of value"
+    )
+    assert unwrapped_script_error(wrong) is wrong  # no class of its own: as it is

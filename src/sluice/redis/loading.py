@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from redis._parsers.base import BaseParser
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -104,11 +105,24 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, _TRANSIENT_CLASSES):
         return True
     if isinstance(e, ResponseError):
-        text = str(e)
-        if text.split(" ", 1)[0] in _TRANSIENT_CODES:
+        if str(e).split(" ", 1)[0] in _TRANSIENT_CODES:
             return True
-        # A script's command refused the same way: Redis wraps that reply in its own error
-        # ("Error running script (...): @user_script:19: -OOM command not allowed ...")
-        inner = text.partition("@user_script")[2]
-        return any(f"-{code} " in inner for code in _TRANSIENT_CODES)
+        plain = unwrapped_script_error(e)  # a script's command refused the same way
+        return plain is not e and is_transient(plain)
     return False
+
+
+def unwrapped_script_error(e: Exception, what: str = "") -> Exception:
+    """A script's error for a command Redis refused in it (Redis wraps the reply: "Error
+    running script ...: -OOM command not allowed ...") as the error redis-py raises for that
+    command run plainly (OutOfMemoryError, ReadOnlyError, ...), so that callers catch them
+    alike; `what` (the command and the script) is added to its message. Any other error as
+    it is."""
+    text = str(e)
+    _, sep, reply = text.rpartition(": -")
+    if not sep or "@user_script" not in text:
+        return e
+    plain = BaseParser.parse_error(reply.strip())
+    if type(plain) is ResponseError:
+        return e
+    return type(plain)(f"{plain} ({what})" if what else str(plain))

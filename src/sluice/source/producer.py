@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -52,8 +51,10 @@ from sluice.errors import BadEvent, SluiceError
 from sluice.graph import KafkaSpec, log_spec
 from sluice.redis.connection import is_cluster
 from sluice.redis.keys import STATS_KEY, shard_keys, shard_side_key
+from sluice.redis.loading import unwrapped_script_error
 from sluice.redis.scripts import PRODUCE, evalsha_on, execute_loading, script_sha
 from sluice.source.admission import ingest_valve
+from sluice.source.entries import entry_bytes, entry_fields, event_line
 from sluice.source.kafka_sink import KafkaSink
 
 if TYPE_CHECKING:
@@ -71,29 +72,6 @@ def shard_of(value: Any, shards: int) -> int:
     if shards == 1:
         return 0
     return zlib.crc32(str(value).encode()) % shards
-
-
-def event_line(event: Mapping[str, Any]) -> bytes:
-    """One event as a JSON line. orjson writes a NaN or ±infinity as `null`, which would turn a
-    bad value into a missing one (or into no value at all, in an optional field); such an
-    event is written with Python's `NaN`, `Infinity` and `-Infinity` instead, which the
-    decoder reads as the `non_finite` dead letter, as it does a `fields` event's `nan`."""
-    try:
-        line = orjson.dumps(event)
-        if b"null" in line and any(
-            isinstance(v, float) and not math.isfinite(v) for v in event.values()
-        ):
-            line = json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode()
-    except (TypeError, ValueError) as e:
-        raise BadEvent(f"event is not JSON-serialisable: {e}") from None
-    return line
-
-
-def _entry_bytes(fields: Mapping[str, bytes | str]) -> int:
-    """A `fields` entry's size as the source counts it: its names' and values' UTF-8 bytes."""
-    return sum(len(k.encode("utf-8", "replace"))
-               + len(v if isinstance(v, bytes) else v.encode("utf-8", "replace"))
-               for k, v in fields.items())  # fmt: skip
 
 
 class Producer:
@@ -212,8 +190,8 @@ class Producer:
         """`event` as the log gets it: a `fields` entry's fields, or a JSON line."""
         if not isinstance(event, Mapping):
             raise BadEvent(f"an event must be a mapping, got {type(event).__name__}")
-        written = _entry_fields(event) if self.format == "fields" else event_line(event)
-        size = len(written) if isinstance(written, bytes) else _entry_bytes(written)
+        written = entry_fields(event) if self.format == "fields" else event_line(event)
+        size = len(written) if isinstance(written, bytes) else entry_bytes(written)
         if self.max_payload is not None and size > self.max_payload:
             raise BadEvent(f"the event is {size:,} bytes as written, over what one log entry may"
                            f" hold ({self.max_payload:,}: source.max_entry_bytes less"
@@ -255,7 +233,7 @@ class Producer:
     def pending_bytes(self) -> int:
         """The bytes of the events buffered, as they will be written (values only)."""
         lines = sum(len(line) for b in self._buf for line in b)
-        return lines + sum(_entry_bytes(e) for f in self._fields for e in f)
+        return lines + sum(entry_bytes(e) for f in self._fields for e in f)
 
     def flush(self) -> int:
         """Write everything buffered. Returns events written.
@@ -360,7 +338,7 @@ class Producer:
             try:
                 execute_loading(loader, run, (PRODUCE,))
             except Exception as e:  # noqa: BLE001 - raised below, once the others are written
-                failed = failed or e
+                failed = failed or unwrapped_script_error(e, "XADD, in produce.lua")
                 continue
             for i, (events, entries) in zip(shards, counts, strict=True):
                 self._emptied((i,), events, entries)
@@ -395,7 +373,7 @@ class Producer:
             counted[0] = counted[0] or not isinstance(replies[-1], Exception)
             for reply in replies:
                 if isinstance(reply, Exception):
-                    raise reply
+                    raise unwrapped_script_error(reply, "XADD, in produce.lua")
             return replies
 
         execute_loading(self.client, run, (PRODUCE,))
@@ -467,35 +445,3 @@ class Producer:
     ) -> None:
         if t is None:
             self.close()
-
-
-def _entry_fields(event: Mapping[str, Any]) -> dict[str, bytes | str]:
-    """A `fields` entry's fields: the event's fields that have a value, as text. Raises
-    BadEvent for a name that is not text, a value JSON cannot carry, or no field at all."""
-    out: dict[str, bytes | str] = {}
-    for k, v in event.items():
-        if not isinstance(k, str):
-            raise BadEvent(f"a field name must be text, got {k!r}")
-        if v is not None:
-            try:
-                out[k] = _field_value(v)
-            except TypeError as e:
-                raise BadEvent(f"field {k!r} cannot be written: {e}") from None
-    if not out:
-        raise BadEvent(
-            f"an event in the `fields` format needs a field with a value (a stream entry"
-            f" cannot be empty), got {dict(event)!r}"
-        )
-    return out
-
-
-def _field_value(v: Any) -> bytes | str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, bytes | str):
-        return v
-    if isinstance(v, float):
-        return repr(v)
-    if isinstance(v, int):
-        return str(v)
-    return orjson.dumps(v)
