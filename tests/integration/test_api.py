@@ -218,6 +218,7 @@ def test_ingest_json_array_and_ndjson(api: TestClient, r: redis.Redis) -> None:
     assert api.post("/v1/events", content=bom + ndjson).json() == {"accepted": 5}
     stored = sum(int(f[b"n"]) for s in ("events:0", "events:1") for _, f in r.xrange(s))
     assert stored == 17
+    assert not r.keys("sluice:produced:*")  # a request's producer leaves no marks behind
     _error(api.post("/v1/events", content=b""), 400, "empty")
     _error(api.post("/v1/events", content=b"[1, 2]"), 400, "not a JSON object")
     _error(api.post("/v1/events", content=b'{"a": 1}\n{oops'), 400, "line 2")

@@ -131,7 +131,9 @@ async def ingest(request: Request) -> dict[str, Any]:
         wait = api.valve().try_admit(len(events), len(raw))
         if wait > 0:
             raise BackpressureError(wait, "input is backpressured; retry later")
-        producer = Producer.from_config(api.cfg, api.client, flow=False)
+        # Its marks serve this request's own retries only (`flush_rest`): kept a minute at
+        # most, and removed once it is written
+        producer = Producer.from_config(api.cfg, api.client, flow=False, mark_ttl_s=60)
         try:  # an event it cannot write: 400, none written
             shards = producer.buffer_all(events)
         except BadEvent as e:
@@ -142,6 +144,7 @@ async def ingest(request: Request) -> dict[str, Any]:
             if producer.pending() == len(events):
                 raise  # none written: the request may be sent again whole
             flush_rest(producer, shards)
+        producer.forget_marks()
 
     await run_in_threadpool(send)
     return {"accepted": len(events)}

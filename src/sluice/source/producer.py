@@ -88,6 +88,7 @@ class Producer:
         hash_tags: bool = False,
         kafka: KafkaSpec | None = None,
         max_entry_bytes: int | None = None,
+        mark_ttl_s: int = MARK_TTL_S,
     ) -> None:
         allowed = KAFKA_FORMATS if kafka is not None else STREAM_FORMATS
         if format not in allowed:
@@ -118,6 +119,8 @@ class Producer:
         self._frame_no = 0
         writer = os.urandom(8).hex()
         self._marks = [shard_side_key("produced", k, writer) for k in self.keys]
+        self._marked: set[int] = set()  # the shards whose mark this producer set
+        self.mark_ttl_s = mark_ttl_s
         self._rr = 0
         self.sent_events = 0
         self.sent_entries = 0
@@ -271,7 +274,8 @@ class Producer:
         asking a node (maybe one that is down) for the script's keys."""
         if not (self._buf[i] or self._fields[i]):
             return 0, 0
-        args: list[Any] = [MARK_TTL_S]
+        args: list[Any] = [self.mark_ttl_s]
+        self._marked.add(i)
         events = entries = 0
         for no, lines, fields in self._framed(i):
             frame: list[Any] = []
@@ -429,6 +433,19 @@ class Producer:
         self._fields = [[] for _ in self.keys]
         self._frames = [[] for _ in self.keys]
         return n
+
+    def forget_marks(self) -> None:
+        """Remove this producer's marks (`produce.lua`), best effort, once nothing it holds
+        will be sent again: a producer made per request (`POST /v1/events`) leaves none
+        behind to expire."""
+        if self.kafka is not None or not self._marked or self.pending():
+            return
+        try:
+            for i in sorted(self._marked):
+                self.client.delete(self._marks[i])
+        except redis.RedisError:
+            log.debug("producer marks left to expire", exc_info=True)
+        self._marked.clear()
 
     def close(self) -> None:
         try:
