@@ -450,12 +450,12 @@ def test_write_marks_of_several_writers_and_a_failed_one(r: redis.Redis) -> None
 
     r.delete(WRITING_KEY, WRITES_KEY)
     with marks.writing(r, 7, "0"):
-        assert now()[1] == {b"7"}
+        assert now()[1] == {b"7:0"}
         with marks.writing(r, 8, "3"):  # another fold's batch, or a deposed leader's
-            assert now()[1] == {b"7", b"8"}
-        assert now() == (b"3", frozenset({b"7"}))
+            assert now()[1] == {b"7:0", b"8:3"}
+        assert now() == (3, frozenset({b"7:0"}))
     with pytest.raises(RuntimeError), marks.writing(r, 9, "1"):
         raise RuntimeError("the task failed mid-write")
-    assert now() == (b"5", frozenset({b"9"}))  # the batch is half written until written again
+    assert now() == (5, frozenset({b"9:1"}))  # the batch is half written until written again
     marks.clear(r, 9)
-    assert now() == (b"6", frozenset())
+    assert now() == (6, frozenset())

@@ -258,7 +258,8 @@ class QueryEngine:
                           self._derived)  # fmt: skip
         if not again or time.monotonic() > deadline:
             return answers
-        while time.monotonic() < deadline and self._marks() == after:
+        time.sleep(SETTLE_POLL_S)  # at least: at most SETTLE_S / SETTLE_POLL_S reads again
+        while after[1] and time.monotonic() < deadline and self._marks() == after:  # in flight
             time.sleep(SETTLE_POLL_S)
         for i, a in zip(again, self._read([lookups[i] for i in again], deadline), strict=True):
             answers[i] = a
@@ -302,7 +303,8 @@ class QueryEngine:
                               self._derived)  # fmt: skip
             if not again or time.monotonic() > deadline:
                 return answers
-            while time.monotonic() < deadline and await self._amarks(aclient) == after:
+            await asyncio.sleep(SETTLE_POLL_S)
+            while after[1] and time.monotonic() < deadline and await self._amarks(aclient) == after:
                 await asyncio.sleep(SETTLE_POLL_S)
             more = await self._aread([lookups[i] for i in again], aclient, deadline)
             for i, a in zip(again, more, strict=True):

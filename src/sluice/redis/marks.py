@@ -16,11 +16,14 @@ events ever gave (a sum of 0 over a count of 1). So every write task marks its w
   removes any field of the token left once the batch is written and audited (`clear`).
 
 Each pair goes in one pipeline, in that order. A reader (`query.engine`) reads the marks
-(`read`) in a round trip before its slice reads and in one after them. Its reads are of one
-state when the marks did not change between the two and either no write was in flight, or none
-of the slices it read holds an in-flight token (raw reads carry each slice's token; a
-HyperLogLog or a slice range merged in Redis carries none, and then only the first case will
-do). Otherwise it reads again once the marks change (docs/metrics.md, "Derived metrics").
+(`READ`) in a round trip before its slice reads and in one after them. Between the two, each
+write that began or ended changed the set of writes in flight and counted one; so when the
+count grew by exactly the writes that began and ended, no write began and ended unseen between
+them, and the writes its slice reads may have met are the ones in flight at either read. Its
+reads are of one state then when none of the slices it read holds one of their tokens (raw
+reads carry each slice's token; a HyperLogLog or a slice range merged in Redis carries none,
+and then only no write in flight will do). Otherwise it reads again once the marks change
+(`query.settle`; docs/metrics.md, "Derived metrics").
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 
 MARK_TTL_MS = 600_000
 READ = (("GET", WRITES_KEY), ("HGETALL", WRITING_KEY))  # a reader's two commands
-Marks = tuple[Any, frozenset[bytes]]  # writes counted, tokens in flight
+Marks = tuple[int, frozenset[bytes]]  # marks made and removed so far, writes in flight
 
 
 @contextmanager
@@ -73,11 +76,16 @@ def clear(client: Any, token: int) -> None:
 
 
 def parse(replies: list[Any], now_ms: int) -> Marks:
-    """`READ`'s replies as (writes counted, tokens in flight). HGETALL's reply is a dict from
-    redis-py and a flat list from the multiplexed client."""
+    """`READ`'s replies as (marks made and removed so far, the writes in flight: their fields
+    `<token>:<part>`). HGETALL's reply is a dict from redis-py and a flat list from the
+    multiplexed client."""
     count, fields = replies
     if isinstance(fields, list):
         fields = dict(zip(fields[::2], fields[1::2], strict=True))
-    tokens = frozenset(bytes(f).split(b":", 1)[0] for f, until in fields.items()
-                       if int(until) >= now_ms)  # fmt: skip
-    return count, tokens
+    live = frozenset(bytes(f) for f, until in fields.items() if int(until) >= now_ms)
+    return int(count or 0), live
+
+
+def token_of(field: bytes) -> bytes:
+    """The writer token of a write's field (`<token>:<part>`)."""
+    return field.split(b":", 1)[0]
