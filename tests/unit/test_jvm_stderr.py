@@ -175,6 +175,32 @@ def test_a_failed_task_s_trace_is_left_to_a_batch_command_s_own_error(batch: boo
     assert LOG in err
 
 
+# What `sluice backfill` printed in a CI run when its write task failed (Redis out of memory): the
+# job's other tasks, cancelled, found their blocks gone (cut down).
+TASKS_CANCELLED = [
+    "ts=2026-12-03T20:59:27.186Z level=ERROR logger=org.apache.spark.storage."
+    'ShuffleBlockFetcherIterator msg="Error occurred while fetching local blocks, null"',
+    "ts=2026-12-03T20:59:27.369Z level=ERROR logger=org.apache.spark.TaskContextImpl"
+    ' msg="Error in TaskCompletionListener" exc="org.apache.spark.SparkException:'
+    " [INTERNAL_ERROR_STORAGE] Block broadcast_3 does not exist. SQLSTATE: XX000\\n\\tat"
+    ' org.apache.spark.SparkException$.internalError(SparkException.scala:104)"',
+]
+
+
+@pytest.mark.parametrize("order", ["failure first", "failure after", "no failure", "streaming"])
+def test_a_batch_job_s_tasks_cancelled_by_its_failure_are_dropped_with_it(order: str) -> None:
+    """Only in a batch command (`batch_jobs`), only when a task failed, before the lines or up
+    to `HOLD_S` after them; the lines after them pass, in order."""
+    both = {"failure first": [*TASK_FAILED, *TASKS_CANCELLED],
+            "failure after": [*TASKS_CANCELLED, *TASK_FAILED]}  # fmt: skip
+    lines = both.get(order, TASKS_CANCELLED)
+    text = "\n".join([*lines, LOG]) + "\n"
+    err = _run_child(f"import sys; sys.stderr.write({text!r})", False, order != "streaming")
+    dropped = order.startswith("failure")
+    assert all((line in err) is not dropped for line in TASKS_CANCELLED), err
+    assert err.index(LOG) < err.index("ours, after"), err
+
+
 @pytest.mark.parametrize("stop_first", [True, False])
 def test_a_batch_job_s_tasks_cut_off_by_a_stop_are_dropped_only_when_stopping(
     stop_first: bool,

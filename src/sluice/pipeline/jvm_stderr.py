@@ -38,7 +38,11 @@ to this process's stderr except:
   it works on the heap only;
 - in a process that reports its batch jobs' failures itself (`batch_jobs`: the offline
   commands), Spark's ERROR lines about a failed task and the job it aborts, each a whole Java
-  trace on one line, printed before the command's own one-line error.
+  trace on one line, printed before the command's own one-line error; and, once a task failed,
+  any other of Spark's ERROR lines: the job's other tasks, cancelled by its abort, report the
+  blocks and broadcasts taken from under them (`Error occurred while fetching local blocks`,
+  `Block broadcast_3 does not exist`). Spark's ERROR lines in such a process are held for
+  `HOLD_S`, so that a failure reported just after them is seen first.
 
 Any other line, tracebacks included, passes unchanged. A worker that fails for a real reason
 reaches the query as an error, which Sluice reports itself; a batch cut short by a stop runs
@@ -109,6 +113,7 @@ TASK_FAILED = (
 
 _stop_requested: list[float] = []  # monotonic time of the stop request, once made
 _batch: list[bool] = []  # set once: this process reports its batch jobs' failures itself
+_failed: list[float] = []  # monotonic time of the first failed task's report, in such a process
 
 
 def batch_jobs() -> None:
@@ -122,6 +127,16 @@ def batch_jobs() -> None:
 def task_failed(line: str) -> bool:
     """Whether a line is Spark's report of a failed task or the job it aborts."""
     return SPARK_ERROR in line and any(a in line and b in line for a, b in TASK_FAILED)
+
+
+def _failed_by(arrived: float) -> bool:
+    return bool(_failed) and _failed[0] <= arrived + HOLD_S
+
+
+def failure_made(line: str) -> bool:
+    """Whether a line may be what a failed task's job abort makes Spark print, in a process that
+    reports its batch jobs' failures itself: dropped if a task failed by `HOLD_S` after it."""
+    return bool(_batch) and SPARK_ERROR in line
 
 
 def stopping() -> None:
@@ -205,8 +220,10 @@ class TracebackFilter:
             if line.startswith(JAVA_HEADER):
                 self._java = [line]
                 return []
-            dropped = (line.strip() in DROPPED_LINES or (bool(_batch) and task_failed(line))
-                       or fenced(line) or redis_gone(line))  # fmt: skip
+            failed = bool(_batch) and task_failed(line)
+            if failed and not _failed:
+                _failed.append(time.monotonic())
+            dropped = line.strip() in DROPPED_LINES or failed or fenced(line) or redis_gone(line)
             return [] if dropped else [line]
         ends = self._after_error and line.strip() and line not in CHAINS and line != HEADER
         if ends:  # an error line followed by anything but a chained traceback
@@ -230,26 +247,30 @@ class TracebackFilter:
 
 def pump(read_fd: int, write: Callable[[bytes], None]) -> None:
     """Pass lines from `read_fd` to `write` through a `TracebackFilter`, until end of file.
-    Spark's reports of a query that ended wait `HOLD_S` (see `stopping`), and the lines after
-    them wait with them, to keep their order."""
+    Spark's reports of a query that ended wait `HOLD_S` (see `stopping`), as do a batch
+    command's Spark ERROR lines (see `failure_made`), and the lines after them wait with them,
+    to keep their order."""
     lines = TracebackFilter()
-    held: list[tuple[float, str, bool]] = []  # (arrival, line, whether a stop drops it)
+    # (arrival, line, whether a stop drops it, whether a failed task drops it)
+    held: list[tuple[float, str, bool, bool]] = []
     pending = b""
     last = time.monotonic()  # when the last chunk came
 
     def release(until: float) -> None:
         out = []
         while held and held[0][0] + HOLD_S <= until:
-            arrived, line, droppable = held.pop(0)
-            if not (droppable and _stopped_by(arrived)):
+            arrived, line, by_stop, by_failure = held.pop(0)
+            stopped, failed = by_stop and _stopped_by(arrived), by_failure and _failed_by(arrived)
+            if not (stopped or failed):
                 out.append(line)
         _write_lines(write, out)
 
     def emit(passed: list[str], arrived: float) -> None:
         out = []
         for line in passed:
-            if query_ended(line) or held:
-                held.append((arrived, line, query_ended(line)))
+            by_stop, by_failure = query_ended(line), failure_made(line)
+            if by_stop or by_failure or held:
+                held.append((arrived, line, by_stop, by_failure))
             else:
                 out.append(line)
         _write_lines(write, out)
