@@ -13,7 +13,8 @@ events ever gave (a sum of 0 over a count of 1). So every write task marks its w
 - after it, once it succeeded: the field is removed, and `WRITES_KEY` counts one more. A task
   that failed leaves its field: the batch is half written until it is written again (Spark's
   retry of the task has the same partition, the fold's replay the same token), and the fold
-  removes any field of the token left once the batch is written and audited (`clear`).
+  removes any field of the token left once the batch is written and audited (`clear`), and
+  counts one for each.
 
 Each pair goes in one pipeline, in that order. A reader (`query.engine`) reads the marks
 (`READ`) in a round trip before its slice reads and in one after them. Between the two, each
@@ -65,11 +66,11 @@ def clear(client: Any, token: int) -> None:
     try:
         now = time.time_ns() // 1_000_000
         left = [f for f, until in client.hgetall(WRITING_KEY).items()
-                if f.split(b":", 1)[0] == str(token).encode() or int(until) < now]  # fmt: skip
+                if token_of(f) == str(token).encode() or int(until) < now]  # fmt: skip
         if left:
             pipe = client.pipeline(transaction=False)
             pipe.hdel(WRITING_KEY, *left)
-            pipe.incr(WRITES_KEY)
+            pipe.incrby(WRITES_KEY, len(left))  # one for each mark removed, as a write's end
             pipe.execute()
     except Exception:  # Redis went away: they stop counting by themselves
         log.debug("write marks not cleared", exc_info=True)
