@@ -236,6 +236,23 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(api: TestClient) ->
     assert _error(api.post("/v1/events", content=b""), 400, "empty")["code"] == "bad_request"
 
 
+def test_head_answers_as_get_without_a_body(api: TestClient, seeded: tuple[int, int]) -> None:
+    """Monitors probe with HEAD: the GET's status and headers, no body, on every GET path (the
+    fast lookups' too); a path that takes no GET still refuses it."""
+    now, _ = seeded
+    lookup = ("/v1/metrics/txn_count", {"key": "c1", "window": "15s", "end": now})
+    for path, params in [("/healthz", {}), lookup, ("/v1/metrics", {}), ("/v1/status", {})]:
+        got, head = api.get(path, params=params), api.head(path, params=params)
+        assert got.status_code == head.status_code == 200, (path, head.status_code)
+        assert head.content == b"" and got.content, path
+        assert head.headers["content-length"] == str(len(got.content)), path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+    assert api.head("/v1/metrics/nothing", params={"key": "c1"}).status_code == 404
+    refused = api.head("/v1/query")
+    assert refused.status_code == 405 and refused.content == b"", refused.headers
+    assert refused.headers["allow"] == "POST", refused.headers
+
+
 def test_oversize_body_is_refused(api: TestClient, r: redis.Redis) -> None:
     """Declared too long, or sent in chunks with no length and found too long as it is read
     (not read whole first): 413 either way, on any route that takes a body."""
@@ -493,6 +510,9 @@ def test_serve_with_two_workers(r: redis.Redis, redis_url: str, tmp_path: Path, 
         assert resp.json()["value"] == 5
         for _ in range(19):  # a new connection each: both workers answer some
             assert httpx.get(resp.url).status_code == 200
+        head = httpx.head(resp.url.copy_with(path="/healthz", query=None))  # as monitors probe
+        assert head.status_code == 200 and head.content == b"", head
+        assert int(head.headers["content-length"]) > 0, head.headers
         # Every worker's latencies are in every scrape (the client's multiprocess mode).
         from prometheus_client.parser import text_string_to_metric_families
 

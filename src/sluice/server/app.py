@@ -35,6 +35,7 @@ from sluice.server.clients import AsyncClients
 from sluice.server.fast import FastLookups
 from sluice.server.middleware import (
     Guard,
+    Head,
     ORJSONResponse,
     SluiceApp,
     Timer,
@@ -92,7 +93,7 @@ def create_app(
     for kind, handler in _HANDLERS.items():
         app.add_exception_handler(kind, handler)
     fast = FastLookups(app, engine, api.aclients)
-    return SluiceApp(app, Timer(Guard(fast, cfg.server.token), api.timer))
+    return SluiceApp(app, Head(Timer(Guard(fast, cfg.server.token), api.timer)))
 
 
 async def _query_error(_: Request, e: Exception) -> Response:

@@ -1,5 +1,6 @@
-"""The ASGI layers in front of the FastAPI app: request timing, the bearer-token guard, and the
-JSON error body every error uses ({"error": {"code", "message"}})."""
+"""The ASGI layers in front of the FastAPI app: HEAD answered as GET without a body, request
+timing, the bearer-token guard, and the JSON error body every error uses ({"error": {"code",
+"message"}})."""
 
 from __future__ import annotations
 
@@ -163,10 +164,31 @@ class Timer:
                 record()
 
 
+class Head:
+    """HEAD on any path that takes GET: the GET's status and headers (its Content-Length
+    included), with no body. Monitors and load balancers probe `/healthz` so; the routes take
+    GET only. Outermost: the layers inside it see a GET."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headless(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headless)
+
+
 class SluiceApp:
-    """The ASGI application `serve` runs: request timing, then the token guard, then the lookup
-    fast paths, in front of the FastAPI application (`api`). They wrap it from outside, so a
-    lookup answered by the fast path never enters FastAPI's own middleware stack."""
+    """The ASGI application `serve` runs: HEAD as GET, request timing, then the token guard, then
+    the lookup fast paths, in front of the FastAPI application (`api`). They wrap it from
+    outside, so a lookup answered by the fast path never enters FastAPI's own middleware
+    stack."""
 
     def __init__(self, api: FastAPI, outer: ASGIApp) -> None:
         self.api = api
