@@ -159,9 +159,10 @@ class Roles:
             log.warning("standby warm-up failed", extra={"error": str(e)})
         else:
             self.warm = True
-            level = logging.INFO if self._warm_at == 0.0 else logging.DEBUG
             took = round((time.perf_counter() - t0) * 1000)
-            log.log(level, "standby warm", extra={"warm_up_ms": took})
+            if self.role != "leader":  # a takeover during its last query's warm-up: leading
+                level = logging.INFO if self._warm_at == 0.0 else logging.DEBUG
+                log.log(level, "standby warm", extra={"warm_up_ms": took})
         self._warm_at = time.monotonic() + WARM_EVERY_S
 
     def _lead(self) -> None:
